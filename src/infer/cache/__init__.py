@@ -1,0 +1,4 @@
+from .base import AttnMeta, KVCachePool
+from .slotted import SlottedKVCache
+
+__all__ = ["AttnMeta", "KVCachePool", "SlottedKVCache"]

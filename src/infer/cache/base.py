@@ -1,0 +1,106 @@
+"""The KV cache pool seam: what the model needs from any KV storage.
+
+A pool owns the key/value tensors of every layer for many sequences. A sequence lives in a *slot*; a slot's
+length is the number of positions whose K/V are valid. The life of one forward pass:
+
+    meta = pool.prepare(slots, num_new)       # host-side: positions, write addresses, mask; lengths advance
+    hidden = model(input_ids, meta.positions, pool, meta)   # each layer calls pool.update(layer, k, v, meta)
+    pool.truncate_to(slot, n)                 # optional rollback (speculative rejection): just a length
+
+Invariants every implementation keeps:
+- positions of a slot are 0..len-1 and contiguous; a forward writes exactly positions len..len+n-1;
+- ``truncate_to`` never copies cache data: it resets a length (and frees whole trailing pages where paged);
+- entries beyond a slot's length are garbage and are never attended to (the mask or the slice excludes them);
+- padded query rows (a batch row with fewer new tokens than the widest) write to a scratch location, never
+  over a valid entry of any slot.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMeta:
+    """Everything one forward pass needs to address the cache; built once per forward, shared by all layers."""
+
+    slots: list[int]  # host copy, one per batch row
+    slot_index: torch.Tensor  # [B] long
+    start: list[int]  # host: first new position per row
+    num_new: list[int]  # host: valid new tokens per row (<= T)
+    positions: torch.Tensor  # [B, T] long, rotary positions (pad rows clamped to a valid value)
+    write_pos: torch.Tensor  # [B, T] long, cache column each query's K/V goes to (pads -> scratch column)
+    kv_len: int  # keys attended: max(start + num_new)
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend) or None when no masking is needed
+    is_causal: bool  # True when a plain causal mask over kv_len == T suffices (fresh single-row prefill)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def single(self) -> bool:
+        """One row writing a contiguous run: the cache can use slices instead of gathers."""
+        return len(self.slots) == 1
+
+
+class KVCachePool(ABC):
+    """Storage of K/V for many sequences, addressed by (slot, position)."""
+
+    num_layers: int
+    max_seq_len: int
+
+    @abstractmethod
+    def allocate(self, num_tokens: int = 0) -> int:
+        """Reserve a slot able to hold ``num_tokens`` positions now; returns the slot id. Raises if none is free."""
+
+    @abstractmethod
+    def free(self, slot: int) -> None:
+        """Release a slot and everything it holds."""
+
+    @abstractmethod
+    def seq_len(self, slot: int) -> int:
+        """Valid positions in ``slot``."""
+
+    @abstractmethod
+    def truncate_to(self, slot: int, new_len: int) -> None:
+        """Roll ``slot`` back to ``new_len`` valid positions (``new_len`` <= current length). Copies nothing."""
+
+    @abstractmethod
+    def free_token_capacity(self) -> int:
+        """Positions that can still be written across the pool."""
+
+    @abstractmethod
+    def prepare(self, slots: list[int], num_new: list[int], device: torch.device | None = None) -> AttnMeta:
+        """Plan a forward that appends ``num_new[i]`` tokens to ``slots[i]``; advances the lengths."""
+
+    @abstractmethod
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new K/V (``[B, Hkv, T, D]``) and return the K/V to attend to (``[B, Hkv, kv_len, D]``)."""
+
+
+def build_positions(start: list[int], num_new: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None, int, bool]:
+    """Rotary positions ``[B, T]``, the attention mask and kv_len for rows that append after ``start``.
+
+    Query i of row b sits at position start[b] + i and may attend key j iff j <= start[b] + i (causality; keys
+    beyond a row's own length are therefore excluded too). Pad queries (i >= num_new[b]) are clamped to the
+    row's last valid position: their outputs are discarded, they only need finite values.
+    """
+    B, T = len(start), max(num_new)
+    kv_len = max(s + n for s, n in zip(start, num_new))
+    if B == 1:
+        positions = torch.arange(start[0], start[0] + T, device=device).unsqueeze(0)
+        if T == 1:
+            return positions, None, kv_len, False  # decode: every cached key is visible
+        if start[0] == 0:
+            return positions, None, kv_len, True  # fresh prefill: plain causal
+    else:
+        st = torch.tensor(start, device=device)
+        last = torch.tensor([s + n - 1 for s, n in zip(start, num_new)], device=device)
+        positions = torch.minimum(st[:, None] + torch.arange(T, device=device)[None, :], last[:, None])
+    keys = torch.arange(kv_len, device=device)
+    mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len]
+    return positions, mask, kv_len, False

@@ -1,0 +1,119 @@
+"""Contiguous per-slot KV storage: one ``[max_seq_len]`` run of positions per slot.
+
+Layout ``k[layer, slot, kv_head, position, head_dim]`` keeps one slot's keys for one head contiguous, so a
+single-sequence decode reads a plain slice (no gather, no copy). Column ``max_seq_len`` is a scratch sink for
+the K/V of padded query rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttnMeta, KVCachePool, build_positions
+
+
+class SlottedKVCache(KVCachePool):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        max_slots: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if max_seq_len <= 0 or max_slots <= 0:
+            raise ValueError(f"max_seq_len and max_slots must be > 0, got {max_seq_len}, {max_slots}")
+        self.num_layers, self.max_seq_len, self.max_slots = num_layers, max_seq_len, max_slots
+        self.device = torch.device(device)
+        shape = (num_layers, max_slots, num_kv_heads, max_seq_len + 1, head_dim)
+        # torch.empty: stale values are never read (see the base-class invariants), so no zero fill is needed.
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self._lens = [0] * max_slots
+        self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._used: set[int] = set()
+
+    @classmethod
+    def for_model(cls, model, max_seq_len: int, max_slots: int = 1) -> SlottedKVCache:
+        cfg = model.config
+        p = next(model.parameters())
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_seq_len, max_slots,
+                   dtype=p.dtype, device=p.device)
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def allocate(self, num_tokens: int = 0) -> int:
+        if num_tokens > self.max_seq_len:
+            raise ValueError(f"{num_tokens} tokens exceed the cache's max_seq_len {self.max_seq_len}")
+        if not self._free:
+            raise RuntimeError(f"no free KV slot (all {self.max_slots} in use)")
+        slot = self._free.pop()
+        self._used.add(slot)
+        self._lens[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._used.remove(slot)
+        self._lens[slot] = 0
+        self._free.append(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self._lens[slot]
+
+    def truncate_to(self, slot: int, new_len: int) -> None:
+        if not 0 <= new_len <= self._lens[slot]:
+            raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self._lens[slot]} positions")
+        self._lens[slot] = new_len
+
+    def free_token_capacity(self) -> int:
+        return len(self._free) * self.max_seq_len + sum(self.max_seq_len - self._lens[s] for s in self._used)
+
+    def copy_slot(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole slots (beam search reorders beams; this is not a rollback path)."""
+        si = torch.tensor(src, device=self.device)
+        di = torch.tensor(dst, device=self.device)
+        self.k[:, di] = self.k[:, si]
+        self.v[:, di] = self.v[:, si]
+        lens = [self._lens[s] for s in src]
+        for d, n in zip(dst, lens):
+            self._lens[d] = n
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def prepare(self, slots: list[int], num_new: list[int], device=None) -> AttnMeta:
+        device = device or self.device
+        start = [self._lens[s] for s in slots]
+        for s, st, n in zip(slots, start, num_new):
+            if s not in self._used:
+                raise ValueError(f"slot {s} is not allocated")
+            if st + n > self.max_seq_len:
+                raise ValueError(f"slot {s}: {st} + {n} tokens exceed max_seq_len {self.max_seq_len}")
+        positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
+        T = positions.shape[1]
+        if len(slots) == 1:
+            write_pos = positions  # contiguous run; update() uses a slice
+        else:
+            offs = torch.arange(T, device=device)[None, :]
+            st = torch.tensor(start, device=device)[:, None]
+            n = torch.tensor(num_new, device=device)[:, None]
+            write_pos = torch.where(offs < n, st + offs, self.max_seq_len)  # pads -> scratch column
+        for s, st, n in zip(slots, start, num_new):
+            self._lens[s] = st + n
+        return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
+                        num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
+                        mask=mask, is_causal=is_causal)
+
+    def update(self, layer, k, v, meta):
+        kc, vc = self.k[layer], self.v[layer]  # [S, Hkv, L+1, D] views
+        if meta.single:
+            s, p0, T = meta.slots[0], meta.start[0], k.shape[2]
+            kc[s, :, p0:p0 + T] = k[0]
+            vc[s, :, p0:p0 + T] = v[0]
+            return kc[s:s + 1, :, :meta.kv_len], vc[s:s + 1, :, :meta.kv_len]
+        # Advanced indices around a slice put the indexed dims first: kc[slot, :, pos] is [B, T, Hkv, D].
+        rows = meta.slot_index[:, None]
+        kc[rows, :, meta.write_pos] = k.transpose(1, 2)
+        vc[rows, :, meta.write_pos] = v.transpose(1, 2)
+        return kc[meta.slot_index, :, :meta.kv_len], vc[meta.slot_index, :, :meta.kv_len]

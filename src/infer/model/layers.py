@@ -1,0 +1,91 @@
+"""Llama building blocks: RMSNorm, rotary embeddings (default and llama3 scaling), the gated MLP.
+
+Numerics follow Hugging Face's LlamaForCausalLM so logits agree to float32 rounding: norms and rotary tables
+are computed in float32 and cast to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same math
+        # Reduced precision: normalise in float32, cast back, then scale (Hugging Face's order of rounding).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with Llama 3.1's wavelength-dependent scaling if asked."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "default":
+        return inv_freq
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated smoothly.
+    old_ctx = rope.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / rope.low_freq_factor
+    high_freq_wavelen = old_ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by explicit positions; grown on demand (a 128k-context table is never built)."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig):
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self._cos: torch.Tensor | None = None  # [N, head_dim] in the activation dtype
+        self._sin: torch.Tensor | None = None
+
+    def _build(self, n: int, device, dtype) -> None:
+        n = max(256, 1 << (n - 1).bit_length())
+        inv_freq = rope_inv_freq(self.head_dim, self.rope).to(device)
+        freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, max_pos: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[B, T]`` -> cos, sin ``[B, T, 1, head_dim]`` (broadcast over heads)."""
+        c = self._cos
+        if c is None or c.shape[0] <= max_pos or c.device != positions.device or c.dtype != dtype:
+            self._build(max_pos + 1, positions.device, dtype)
+        return self._cos[positions].unsqueeze(2), self._sin[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, H, D]``: x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up are one fused matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

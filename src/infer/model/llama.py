@@ -1,0 +1,108 @@
+"""Our LlamaForCausalLM: a plain nn.Module driven by the checkpoint's config.
+
+    hidden = model(input_ids, positions, kv, attn_meta)   # [B, T, hidden], final norm applied
+    logits = model.compute_logits(hidden[:, idx])         # float32, only for the positions a caller needs
+
+The model knows nothing of scheduling or speculation: the KV pool (``kv``) and the per-forward plan
+(``attn_meta``, built by ``kv.prepare``) tell it where keys go and which ones each query may see. With
+``kv=None`` it runs plain causal attention over the given tokens (training, reference checks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.base import AttnMeta, KVCachePool
+from ..config import ModelConfig
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # q, k and v are one fused matmul; the loader concatenates the checkpoint's three weights.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, x, cos, sin, kv: KVCachePool | None, meta: AttnMeta | None):
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        # Rotate q and k together: they share cos/sin per position. [B, T, H + Hkv, D]
+        qk = apply_rope(qkv[..., : self.q_size + self.kv_size].view(B, T, self.n_heads + self.n_kv, self.head_dim),
+                        cos, sin)
+        q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[..., self.q_size + self.kv_size:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if kv is None:
+            mask, causal = None, T > 1
+        else:
+            k, v = kv.update(self.layer_idx, k, v, meta)  # [B, Hkv, kv_len, D]
+            mask, causal = meta.mask, meta.is_causal
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None  # compute_logits reuses embed_tokens.weight
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor | None = None,  # [B, T]; default 0..T-1 (only without a cache)
+        kv: KVCachePool | None = None,
+        attn_meta: AttnMeta | None = None,
+    ) -> torch.Tensor:
+        if kv is not None and attn_meta is None:
+            raise ValueError("a KV cache needs the attn_meta that kv.prepare() returns")
+        if positions is None:
+            if kv is not None:
+                raise ValueError("positions are required with a KV cache")
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        max_pos = attn_meta.kv_len - 1 if attn_meta is not None else input_ids.shape[1] - 1
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, max_pos, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, attn_meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()

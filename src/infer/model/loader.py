@@ -1,0 +1,152 @@
+"""Load a Hugging Face Llama checkpoint (config.json + safetensors) into our LlamaForCausalLM.
+
+Never downloads: a path must be a local directory, or a hub id already present in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig, parse_dtype
+from .llama import LlamaForCausalLM
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local directory, or a hub id resolved from the local HF cache only (no network, ever)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} is a file; expected a checkpoint directory")
+    name = str(model)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name, local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(
+                f"model {name!r} is neither a local directory nor in the local Hugging Face cache "
+                "(infer never downloads weights; fetch them yourself and pass the directory)"
+            ) from None
+    raise FileNotFoundError(f"model directory {name!r} does not exist")
+
+
+def load_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
+    cfg = ModelConfig.from_file(cfg_file)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # generation_config may list more EOS ids (Llama 3 instruct: <|eot_id|> too)
+        with open(gen_file) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        extra = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + [int(e) for e in extra]))
+    return cfg
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(path.glob("*.bin")) or any(path.glob("*.pth")):
+        raise FileNotFoundError(f"{path}: only safetensors checkpoints are supported (found .bin/.pth weights)")
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as Hugging Face stores a Llama of this config."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        shapes.update({
+            pre + "input_layernorm.weight": (H,), pre + "post_attention_layernorm.weight": (H,),
+            pre + "self_attn.q_proj.weight": (q, H), pre + "self_attn.k_proj.weight": (kv, H),
+            pre + "self_attn.v_proj.weight": (kv, H), pre + "self_attn.o_proj.weight": (H, q),
+            pre + "mlp.gate_proj.weight": (I, H), pre + "mlp.up_proj.weight": (I, H),
+            pre + "mlp.down_proj.weight": (H, I),
+        })
+        if cfg.attention_bias:
+            shapes.update({pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
+                           pre + "self_attn.v_proj.bias": (kv,), pre + "self_attn.o_proj.bias": (H,)})
+        if cfg.mlp_bias:
+            shapes.update({pre + "mlp.gate_proj.bias": (I,), pre + "mlp.up_proj.bias": (I,),
+                           pre + "mlp.down_proj.bias": (H,)})
+    return shapes
+
+
+def _to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename to our module tree and fuse q/k/v and gate/up (concatenated along the output dim)."""
+    out = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    kinds = ["weight"] + (["bias"] if cfg.attention_bias else [])
+    mlp_kinds = ["weight"] + (["bias"] if cfg.mlp_bias else [])
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[dst + n] = hf[src + n]
+        for k in kinds:
+            out[dst + f"self_attn.qkv_proj.{k}"] = torch.cat(
+                [hf[src + f"self_attn.{p}_proj.{k}"] for p in ("q", "k", "v")])
+            out[dst + f"self_attn.o_proj.{k}"] = hf[src + f"self_attn.o_proj.{k}"]
+        for k in mlp_kinds:
+            out[dst + f"mlp.gate_up_proj.{k}"] = torch.cat([hf[src + f"mlp.gate_proj.{k}"], hf[src + f"mlp.up_proj.{k}"]])
+            out[dst + f"mlp.down_proj.{k}"] = hf[src + f"mlp.down_proj.{k}"]
+    return out
+
+
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build our Llama from a checkpoint directory (or cached hub id) in ``dtype`` on ``device``."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = resolve_model_path(path)
+    cfg = load_config(root)
+    expected = expected_shapes(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(root):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # derived buffer some exporters save; we recompute it
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                if name not in expected:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a Llama of this config.json")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise ValueError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {expected[name]}"
+                    )
+                tensors[name] = t.to(dtype)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(f"{root}: checkpoint is missing tensors: {shown}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.load_state_dict(_to_ours(tensors, cfg), assign=True, strict=True)
+    model.to(device)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,199 @@
+"""Sampling parameters and the one logits -> probabilities pipeline used everywhere.
+
+Order (Hugging Face's): repetition penalty -> temperature -> top-k -> top-p -> min-p. Temperature 0 is greedy:
+the distribution is one-hot on the argmax of the penalised logits. Speculative decoding applies exactly this
+pipeline to the drafter (q) and the target (p), so truncated supports and penalties are accounted for in the
+acceptance test. Randomness comes only from each request's own ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            bad("top_k", "must be an integer (<= 0 means off)")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private RNG: seeded -> reproducible whatever else runs; unseeded -> fresh entropy."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
+    return g
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors, plus host flags so disabled stages cost nothing."""
+
+    temperature: torch.Tensor  # [N]
+    top_k: torch.Tensor  # [N] long, V where off
+    top_p: torch.Tensor  # [N]
+    min_p: torch.Tensor  # [N]
+    repetition_penalty: torch.Tensor  # [N]
+    greedy: torch.Tensor  # [N] bool
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    use_penalty: bool
+    rows: list[SamplingParams] = field(repr=False, default_factory=list)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device) -> SamplingBatch:
+        def t(vals, dtype=torch.float32):
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            top_k=t([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.long),
+            top_p=t([p.top_p for p in params]),
+            min_p=t([p.min_p for p in params]),
+            repetition_penalty=t([p.repetition_penalty for p in params]),
+            greedy=t([p.greedy for p in params], torch.bool),
+            all_greedy=all(p.greedy for p in params),
+            use_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in params),
+            use_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
+            use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
+            use_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            rows=list(params),
+        )
+
+    def expand(self, n: int) -> SamplingBatch:
+        """Repeat each row ``n`` times (row-major), e.g. for K+1 verification positions per request."""
+        rep = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
+        return SamplingBatch(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
+                             rep(self.repetition_penalty), rep(self.greedy), self.all_greedy, self.use_top_k,
+                             self.use_top_p, self.use_min_p, self.use_penalty,
+                             [p for p in self.rows for _ in range(n)])
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits [N, V]; seen [N, V] bool (token occurred in the context); penalty [N].
+
+    CTRL / Hugging Face rule: a seen token's logit is divided by the penalty if positive, multiplied if negative.
+    """
+    pen = penalty[:, None]
+    scaled = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, scaled, logits)
+
+
+def seen_mask(contexts: list[list[int]] | torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """[N, V] bool: which tokens occur in each row's context (prompt + generated so far)."""
+    if isinstance(contexts, torch.Tensor):
+        ctx = contexts.to(device)
+    else:
+        width = max(1, max(len(c) for c in contexts))
+        ctx = torch.full((len(contexts), width), -1, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ctx[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
+        ctx = ctx.to(device)
+    mask = torch.zeros(ctx.shape[0], vocab_size + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(ctx < 0, vocab_size, ctx), True)  # -1 padding lands in a spare column
+    return mask[:, :vocab_size]
+
+
+def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] (float32) -> probabilities [N, V] after penalty, temperature, top-k, top-p, min-p.
+
+    Greedy rows come back one-hot on the argmax of the penalised logits. Masked tokens get probability exactly 0.
+    """
+    logits = logits.float()
+    if batch.use_penalty:
+        if seen is None:
+            raise ValueError("repetition_penalty needs the seen-token mask of each row's context")
+        logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+    if batch.all_greedy:
+        return _one_hot_argmax(logits)
+    logits = logits / batch.temperature[:, None]
+    if batch.use_top_k or batch.use_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if batch.use_top_k:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+            remove |= ranks >= batch.top_k[:, None]
+        if batch.use_top_p:
+            # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass strictly before it
+            # already reaches top_p (the first token always stays).
+            probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+            mass_before = probs_sorted.cumsum(-1) - probs_sorted
+            remove |= mass_before >= batch.top_p[:, None]
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    probs = logits.softmax(-1)
+    if batch.use_min_p:
+        # Drop tokens below min_p x the top probability, then renormalise.
+        thresh = batch.min_p[:, None] * probs.max(-1, keepdim=True).values
+        probs = torch.where(probs < thresh, 0.0, probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if batch.greedy.any():
+        probs = torch.where(batch.greedy[:, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(logits)
+    return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None], greedy: list[bool] | None = None) -> torch.Tensor:
+    """Draw one token per row of ``probs`` [N, V] -> [N] long, each row from its own generator.
+
+    Exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. is distributed exactly as p (the Gumbel-max
+    trick in another guise); zero-probability tokens can never win. Greedy rows take the argmax, drawing nothing.
+    """
+    N = probs.shape[0]
+    greedy = greedy or [False] * N
+    if all(greedy):
+        return probs.argmax(-1)
+    noise = torch.empty_like(probs)
+    for i in range(N):
+        if greedy[i]:
+            noise[i] = 1.0
+        else:
+            noise[i].exponential_(1.0, generator=generators[i])
+    noise.clamp_(min=1e-30)  # Exp(1) can return exactly 0; 0/0 would poison the argmax
+    return (probs / noise).argmax(-1)
