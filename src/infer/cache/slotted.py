@@ -73,8 +73,10 @@ class SlottedKVCache(KVCachePool):
 
     def copy_slot(self, src: list[int], dst: list[int]) -> None:
         """Copy whole slots (beam search reorders beams; this is not a rollback path)."""
-        si = torch.tensor(src, device=self.device)
-        di = torch.tensor(dst, device=self.device)
+        if not src:
+            return
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
         self.k[:, di] = self.k[:, si]
         self.v[:, di] = self.v[:, si]
         lens = [self._lens[s] for s in src]

@@ -1,0 +1,71 @@
+"""Shared benchmark plumbing: machine facts, interleaved A/B timing, results files, docs table sections."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:
+    """Run every variant once per round, rounds repeated (A B C A B C ...); returns seconds per variant."""
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def update_doc_section(section: str, markdown: str) -> None:
+    """Replace (or append) the block between <!-- BEGIN section --> and <!-- END section --> in docs/benchmarks.md."""
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- BEGIN {section} -->", f"<!-- END {section} -->"
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)

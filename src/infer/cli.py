@@ -1,0 +1,96 @@
+"""The ``infer`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (or a hub id already in the local HF cache)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(a):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                          repetition_penalty=a.repetition_penalty, max_tokens=a.max_tokens, stop=a.stop,
+                          seed=a.seed, ignore_eos=a.ignore_eos)
+
+
+def cmd_generate(a) -> int:
+    from .llm import LLM
+
+    params = _sampling_params(a)  # validate before the (slower) model load
+    t0 = time.perf_counter()
+    llm = LLM(a.model, dtype=a.dtype, device=a.device)
+    load_s = time.perf_counter() - t0
+    if a.chat:
+        prompt_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    else:
+        prompt_ids = llm._prompt_ids(a.prompt)[1]
+    t0 = time.perf_counter()
+    out = llm.generate([prompt_ids], params)[0]
+    dt = time.perf_counter() - t0
+    if not a.chat:
+        print(a.prompt, end="")
+    print(out.text)
+    n = len(out.token_ids)
+    print(f"\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s; load {load_s:.2f}s; finish_reason={out.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_make_tiny(a) -> int:
+    from .testing import SHAPES, make_tiny_llama, param_count
+
+    if a.shape not in SHAPES:
+        raise ValueError(f"unknown shape {a.shape!r}; one of {', '.join(SHAPES)}")
+    path = make_tiny_llama(a.out_dir, a.shape, seed=a.seed)
+    print(f"wrote a random {a.shape} Llama ({param_count(path):,} parameters) to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description="LLM inference with lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete one prompt")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("make-tiny", help="write a tiny random HF-format Llama checkpoint (for tests and trials)")
+    t.add_argument("out_dir")
+    t.add_argument("--shape", default="llama3", help="mha | gqa | llama3 | tied")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:  # bad input: one clear line, no traceback
+        print(f"infer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+from infer.testing import SHAPES, make_tiny_llama
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+warnings.filterwarnings("ignore", message=".*generation flags.*")
+
+
+@pytest.fixture(scope="session")
+def ckpt_dirs(tmp_path_factory):
+    """One tiny random HF checkpoint per fixture shape (mha, gqa, llama3, tied)."""
+    return {shape: make_tiny_llama(tmp_path_factory.mktemp(shape), shape) for shape in SHAPES}
+
+
+@pytest.fixture(scope="session")
+def gqa_dir(ckpt_dirs):
+    return ckpt_dirs["gqa"]
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(ckpt_dirs):
+    return ckpt_dirs["llama3"]
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Cached transformers reference models by checkpoint path."""
+    from transformers import LlamaForCausalLM
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get

@@ -1,0 +1,25 @@
+"""The `infer` command line: a real subprocess, output and one-line errors."""
+
+import subprocess
+import sys
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "infer", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_greedy(gqa_dir):
+    from infer import LLM, SamplingParams
+
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "def fib", "--max-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    expected = LLM(gqa_dir).generate(["def fib"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert r.stdout == "def fib" + expected + "\n"
+    assert "tok/s" in r.stderr
+
+
+def test_errors_are_one_clear_line(gqa_dir):
+    r = run("generate", "--model", "/no/such/dir", "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.strip() == "infer: error: model directory '/no/such/dir' does not exist"
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--top-p", "0")
+    assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,178 @@
+"""Generation loops: greedy parity with transformers, seeded sampling, stop conditions, beam search, bad input."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from infer import LLM, SamplingParams
+from infer.generate import autoregressive_generate, beam_search_generate
+from infer.model import load_model
+
+PROMPTS = ["def fib", "The quick brown fox", "Hello world", "import os\nimport sys\n", "x", "Café 你好"]
+
+
+@pytest.mark.parametrize("shape", ["gqa", "llama3", "tied"])
+def test_greedy_matches_transformers(ckpt_dirs, hf_model, shape):
+    path = ckpt_dirs[shape]
+    llm, ref, tok = LLM(path), hf_model(path), AutoTokenizer.from_pretrained(path)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        expected = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        assert out.token_ids == expected[: len(out.token_ids)]
+        # HF pads after EOS; we stop at it: the lengths agree up to that
+        assert out.finish_reason == ("length" if len(out.token_ids) == 24 else "stop")
+
+
+def test_seeded_sampling_is_reproducible(gqa_dir):
+    llm = LLM(gqa_dir)
+    p = SamplingParams(temperature=1.0, max_tokens=20, seed=123)
+    a = llm.generate(PROMPTS[:3], p)
+    b = llm.generate(PROMPTS[:3][::-1], p)[::-1]  # other order, other neighbours: same tokens per request
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_tokens=20, seed=124))
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_first_token_distribution_matches_target(gqa_dir):
+    """Sampled first tokens follow softmax(logits / T) restricted by top-k (chi-square)."""
+    from scipy.stats import chisquare
+
+    m = load_model(gqa_dir)
+    prompt = [0, 5, 9, 12]
+    with torch.no_grad():
+        logits = m.compute_logits(m(torch.tensor([prompt])))[0, -1]
+    k = 5
+    top = logits.topk(k)
+    expected = (top.values / 0.8).softmax(-1)
+    n = 1500
+    counts = torch.zeros(k)
+    params = SamplingParams(temperature=0.8, top_k=k, max_tokens=1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        t = autoregressive_generate(m, prompt, params, [], generator=g).output_ids[0]
+        assert t in top.indices.tolist()
+        counts[top.indices.tolist().index(t)] += 1
+    assert chisquare(counts.numpy(), (expected * n).numpy()).pvalue > 0.001
+
+
+def _greedy(m, prompt, n=20, **kw):
+    return autoregressive_generate(m, prompt, SamplingParams(temperature=0, max_tokens=n, **kw), [])
+
+
+def test_eos_list_stops_exactly_there(gqa_dir):
+    m = load_model(gqa_dir)
+    prompt = [0, 40, 41, 42]
+    full = _greedy(m, prompt).output_ids
+    stop_at = next(i for i in range(2, len(full)) if full[i] not in full[:i])  # first occurrence of a new token
+    out = autoregressive_generate(m, prompt, SamplingParams(temperature=0, max_tokens=20), [999, full[stop_at]])
+    assert out.output_ids == full[: stop_at + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == full[stop_at]
+    ignored = autoregressive_generate(m, prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                      [full[stop_at]])
+    assert ignored.output_ids == full and ignored.finish_reason == "length"
+
+
+def test_stop_token_ids(gqa_dir):
+    m = load_model(gqa_dir)
+    prompt = [0, 40, 41, 42]
+    full = _greedy(m, prompt).output_ids
+    i = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    out = _greedy(m, prompt, stop_token_ids=[full[i]])
+    assert out.output_ids == full[: i + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_ends_output_before_it(gqa_dir):
+    llm = LLM(gqa_dir)
+    full = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=30))[0]
+    text = full.text
+    assert len(text) >= 10
+    stop = text[6:9]
+    out = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    # the last token completed the stop string: without it the string is not there yet
+    assert stop in llm.tokenizer.decode(out.token_ids)
+    assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_max_tokens_is_never_exceeded(gqa_dir):
+    llm = LLM(gqa_dir)
+    for n in (1, 2, 7):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=n, seed=1, ignore_eos=True))
+        assert all(len(o.token_ids) == n and o.finish_reason == "length" for o in outs)
+
+
+def test_token_id_prompts_and_per_prompt_params(gqa_dir):
+    llm = LLM(gqa_dir)
+    ids = llm.tokenizer.encode("def fib")
+    a, b = llm.generate([ids, "def fib"], [SamplingParams(temperature=0, max_tokens=5),
+                                           SamplingParams(temperature=0, max_tokens=3)])
+    assert a.token_ids[:3] == b.token_ids and len(a.token_ids) == 5
+    assert a.prompt is None and b.prompt == "def fib" and a.prompt_token_ids == ids
+
+
+def test_bad_input_is_refused_clearly(gqa_dir):
+    llm = LLM(gqa_dir)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([""])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(["hi"], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(["hi"], SamplingParams(top_p=0))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 99999]])
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["hi"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(FileNotFoundError):
+        LLM("/no/such/model")
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_beam_search_matches_transformers(ckpt_dirs, hf_model, num_beams):
+    path = ckpt_dirs["llama3"]
+    m, ref, tok = load_model(path), hf_model(path), AutoTokenizer.from_pretrained(path)
+    for prompt in PROMPTS[:5]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        expected = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                num_beams=num_beams, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        best = beam_search_generate(m, ids[0].tolist(), num_beams=num_beams, max_tokens=12)[0]
+        assert best.token_ids == expected[: len(best.token_ids)]
+
+
+def test_beam_search_with_one_beam_is_greedy(gqa_dir):
+    m = load_model(gqa_dir)
+    prompt = [0, 7, 8]
+    assert beam_search_generate(m, prompt, num_beams=1, max_tokens=15, eos_token_ids=[])[0].token_ids == \
+        _greedy(m, prompt, 15).output_ids
+
+
+def test_beam_search_bad_input(gqa_dir):
+    m = load_model(gqa_dir)
+    with pytest.raises(ValueError, match="num_beams"):
+        beam_search_generate(m, [1, 2], num_beams=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        beam_search_generate(m, [1, 2], max_tokens=10_000)
+
+
+def test_beam_search_matches_transformers_when_beams_finish_early(ckpt_dirs, hf_model):
+    """EOS chosen from tokens the beams actually produce, so hypotheses finish at different lengths."""
+    path = ckpt_dirs["gqa"]
+    m, ref, tok = load_model(path), hf_model(path), AutoTokenizer.from_pretrained(path)
+    checked = 0
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        greedy = _greedy(m, ids[0].tolist(), 12).output_ids
+        eos = greedy[3]
+        expected = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                num_beams=3, eos_token_id=[eos], pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        best = beam_search_generate(m, ids[0].tolist(), num_beams=3, max_tokens=12, eos_token_ids=[eos])[0]
+        assert best.token_ids == expected[: len(best.token_ids)]
+        checked += best.token_ids[-1] == eos
+    assert checked >= 1, "at least one best hypothesis should end in EOS"

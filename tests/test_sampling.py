@@ -1,0 +1,111 @@
+"""The logits -> probs pipeline against hand-computed distributions, sampling exactness and reproducibility."""
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, make_generator, sample, seen_mask
+
+P = torch.tensor([0.5, 0.25, 0.15, 0.1])
+LOGITS = P.log()[None]  # softmax(LOGITS) == P
+
+
+def probs(logits, seen=None, **kw):
+    params = SamplingParams(**kw)
+    batch = SamplingBatch.from_params([params], logits.shape[-1], "cpu")
+    return logits_to_probs(logits, batch, seen)[0]
+
+
+def close(a, b):
+    return torch.allclose(a, torch.tensor(b, dtype=torch.float32), atol=1e-6)
+
+
+def test_plain_softmax():
+    assert close(probs(LOGITS), P.tolist())
+
+
+def test_temperature():
+    expected = P.sqrt() / P.sqrt().sum()  # p^(1/T) normalised, T = 2
+    assert close(probs(LOGITS, temperature=2.0), expected.tolist())
+
+
+def test_top_k():
+    assert close(probs(LOGITS, top_k=2), [2 / 3, 1 / 3, 0, 0])
+    assert close(probs(LOGITS, top_k=0), P.tolist())  # <= 0 is off
+    assert close(probs(LOGITS, top_k=-1), P.tolist())
+    assert close(probs(LOGITS, top_k=100), P.tolist())  # larger than the vocabulary: off
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    assert close(probs(LOGITS, top_p=0.7), [2 / 3, 1 / 3, 0, 0])  # 0.5 < 0.7 <= 0.75
+    assert close(probs(LOGITS, top_p=0.8), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+    assert close(probs(LOGITS, top_p=0.3), [1, 0, 0, 0])  # the top token always stays
+
+
+def test_min_p():
+    assert close(probs(LOGITS, min_p=0.25), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])  # threshold 0.125
+    assert close(probs(LOGITS, min_p=0.4), [2 / 3, 1 / 3, 0, 0])  # threshold 0.2
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    seen = seen_mask([[0, 1, 1]], 4, "cpu")
+    penalised = torch.tensor([1.0, -2.0, 0.5, 0.0])  # positive / 2, negative * 2, unseen unchanged
+    assert close(probs(logits, seen, repetition_penalty=2.0), penalised.softmax(-1).tolist())
+    with pytest.raises(ValueError, match="seen-token mask"):
+        probs(logits, None, repetition_penalty=2.0)
+
+
+def test_stage_order_penalty_temperature_topk():
+    logits = torch.tensor([[2.0, 1.8, 0.5, 0.0]])
+    seen = seen_mask([[0]], 4, "cpu")
+    # penalty: [1.0, 1.8, 0.5, 0.0] -> /T=0.5: [2.0, 3.6, 1.0, 0.0] -> top-2: tokens 1 and 0
+    e = torch.tensor([3.6, 2.0]).softmax(-1)
+    assert close(probs(logits, seen, repetition_penalty=2.0, temperature=0.5, top_k=2), [e[1], e[0], 0, 0])
+
+
+def test_greedy_is_one_hot_on_penalised_argmax():
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    assert close(probs(logits, temperature=0.0), [1, 0, 0, 0])
+    seen = seen_mask([[0]], 4, "cpu")
+    assert close(probs(logits, seen, temperature=0.0, repetition_penalty=2.0), [0, 1, 0, 0])
+
+
+def test_mixed_rows_in_one_batch():
+    logits = LOGITS.repeat(3, 1)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=2), SamplingParams(top_p=0.8)]
+    out = logits_to_probs(logits, SamplingBatch.from_params(params, 4, "cpu"))
+    assert close(out[0], [1, 0, 0, 0]) and close(out[1], [2 / 3, 1 / 3, 0, 0])
+    assert close(out[2], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+
+
+def test_sample_follows_the_distribution():
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0]])
+    g = make_generator(0)
+    n = 4000
+    draws = torch.stack([sample(p, [g]) for _ in range(n)]).flatten()
+    counts = torch.bincount(draws, minlength=5)
+    assert counts[4] == 0  # zero probability is never drawn
+    assert chisquare(counts[:4].numpy(), (p[0, :4] * n).numpy()).pvalue > 0.001
+
+
+def test_seed_reproduces_and_differs():
+    p = torch.full((1, 50), 1 / 50)
+    a = [int(sample(p, [g])) for g in [make_generator(7)] for _ in range(20)]
+    g = make_generator(7)
+    b = [int(sample(p, [g])) for _ in range(20)]
+    g = make_generator(8)
+    c = [int(sample(p, [g])) for _ in range(20)]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.5),
+    ("top_k", 2.5), ("repetition_penalty", 0.0), ("max_tokens", 0), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("seed", "x"),
+])
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
