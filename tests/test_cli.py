@@ -23,3 +23,13 @@ def test_errors_are_one_clear_line(gqa_dir):
     assert r.returncode == 2 and r.stderr.strip() == "infer: error: model directory '/no/such/dir' does not exist"
     r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_speculative_generate_with_debug_view(gqa_dir):
+    r = run("generate", "--model", str(gqa_dir), "--draft-model", str(gqa_dir), "--prompt", "def fib",
+            "--max-tokens", "8", "--temperature", "0", "--spec-length", "3", "--debug")
+    assert r.returncode == 0, r.stderr
+    assert "round   1 K=3 accepted 3/3" in r.stdout and "-> bonus" in r.stdout  # self-drafting accepts all
+    assert "acceptance 1.00" in r.stderr
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--debug")
+    assert r.returncode == 2 and "needs --draft-model" in r.stderr

@@ -37,22 +37,40 @@ def cmd_generate(a) -> int:
     from .llm import LLM
 
     params = _sampling_params(a)  # validate before the (slower) model load
+    if a.debug and a.draft_model is None:
+        raise ValueError("--debug shows speculative rounds: it needs --draft-model")
     t0 = time.perf_counter()
-    llm = LLM(a.model, dtype=a.dtype, device=a.device)
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
+              use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max)
     load_s = time.perf_counter() - t0
     if a.chat:
         prompt_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
     else:
         prompt_ids = llm._prompt_ids(a.prompt)[1]
     t0 = time.perf_counter()
-    out = llm.generate([prompt_ids], params)[0]
+    if a.debug:
+        from .request import RequestOutput
+        from .spec.speculative import speculative_generate
+
+        req = llm.make_requests([prompt_ids], params)[0]
+        speculative_generate(llm.model, llm.draft_model, req.prompt_ids, req.params, gamma=a.spec_length,
+                             eos_token_ids=llm.eos_token_ids, tokenizer=llm.tokenizer, generator=req.generator,
+                             debug=True, request=req, use_egag=a.egag, gamma_min=a.gamma_min,
+                             gamma_max=a.gamma_max)
+        out = RequestOutput.from_request(req, speculative=True)
+    else:
+        out = llm.generate([prompt_ids], params)[0]
     dt = time.perf_counter() - t0
     if not a.chat:
         print(a.prompt, end="")
     print(out.text)
     n = len(out.token_ids)
-    print(f"\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s; load {load_s:.2f}s; finish_reason={out.finish_reason}]",
-          file=sys.stderr)
+    spec = ""
+    if out.acceptance_rate is not None:
+        spec = (f"; acceptance {out.acceptance_rate:.2f} ({out.num_accepted_tokens}/{out.num_draft_tokens}), "
+                f"{out.mean_accepted_length:.2f} tokens per target forward")
+    print(f"\n[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s; load {load_s:.2f}s; finish_reason={out.finish_reason}"
+          f"{spec}]", file=sys.stderr)
     return 0
 
 
@@ -74,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--draft-model", default=None, help="drafter checkpoint: turns speculative decoding on")
+    g.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
+    g.add_argument("--egag", action="store_true", help="entropy-adaptive K within [--gamma-min, --gamma-max]")
+    g.add_argument("--gamma-min", type=int, default=1)
+    g.add_argument("--gamma-max", type=int, default=None)
+    g.add_argument("--debug", action="store_true", help="show every speculative round (accepted/rejected/bonus)")
     g.set_defaults(func=cmd_generate)
     t = sub.add_parser("make-tiny", help="write a tiny random HF-format Llama checkpoint (for tests and trials)")
     t.add_argument("out_dir")

@@ -12,7 +12,17 @@ from .generate import autoregressive_generate, check_fits
 from .model.loader import load_model, resolve_model_path
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator
+from .spec.adaptive import EntropyAdaptiveGamma
+from .spec.speculative import check_compatible, speculative_generate
 from .tokenizer import Tokenizer
+
+
+def _spec_metrics(stats) -> dict:
+    return {"accepted_per_position": stats.accepted_per_position,
+            "drafted_per_position": stats.drafted_per_position,
+            "expected_acceptance": stats.expected_acceptance,
+            "realized_acceptance": stats.realized_acceptance,
+            "num_rounds": len(stats.rounds)}
 
 
 class LLM:
@@ -23,13 +33,31 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 tokenizer: str | os.PathLike | None = None, seed: int | None = None):
+                 tokenizer: str | os.PathLike | None = None, seed: int | None = None,
+                 draft_model: str | os.PathLike | None = None, spec_length: int = 5, use_egag: bool = False,
+                 gamma_min: int = 1, gamma_max: int | None = None, egag_ema_beta: float = 0.0):
+        if not isinstance(spec_length, int) or spec_length < 1:
+            raise ValueError(f"spec_length (K) must be an integer >= 1, got {spec_length!r}")
+        if use_egag:  # validate the bounds now, not at the first request
+            EntropyAdaptiveGamma(gamma_min, spec_length if gamma_max is None else gamma_max, egag_ema_beta)
+        self.spec_length, self.use_egag = spec_length, use_egag
+        self.egag_args = dict(gamma_min=gamma_min, gamma_max=gamma_max, egag_ema_beta=egag_ema_beta)
         self.model_path = resolve_model_path(model)
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.tokenizer = Tokenizer(tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.draft_model = None
+        if draft_model is not None:
+            self.draft_path = resolve_model_path(draft_model)
+            self.draft_model = load_model(self.draft_path, self.dtype, self.device)
+            check_compatible(self.model, self.draft_model, str(self.model_path), str(self.draft_path))
+            draft_tok = Tokenizer(self.draft_path)
+            if draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
+                raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
+                                 "(token -> id maps differ): speculative decoding needs the same vocabulary")
+        self.last_spec_stats = []  # SpecStats per request of the last speculative generate()
         self._seed_rng = make_generator(seed, "cpu")  # seeds requests that bring no seed of their own
         self._kv: SlottedKVCache | None = None
 
@@ -83,6 +111,16 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids."""
         outputs = []
+        if self.draft_model is not None:
+            self.last_spec_stats = []
+            for req in self.make_requests(prompts, sampling_params):
+                _, stats = speculative_generate(
+                    self.model, self.draft_model, req.prompt_ids, req.params, gamma=self.spec_length,
+                    eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, generator=req.generator,
+                    use_egag=self.use_egag, request=req, **self.egag_args)
+                self.last_spec_stats.append(stats)
+                outputs.append(RequestOutput.from_request(req, speculative=True, metrics=_spec_metrics(stats)))
+            return outputs
         for req in self.make_requests(prompts, sampling_params):
             kv = self._cache(req.num_tokens + req.params.max_tokens)
             autoregressive_generate(self.model, req.prompt_ids, req.params, self.eos_token_ids, self.tokenizer,

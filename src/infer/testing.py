@@ -123,3 +123,33 @@ def param_count(path: str | Path) -> int:
     D = c.get("head_dim") or H // c["num_attention_heads"]
     attn = H * D * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
     return L * (attn + 3 * H * I + 2 * H) + V * H * (1 if c.get("tie_word_embeddings") else 2) + H
+
+
+def random_llama(vocab_size: int = 8, seed: int = 0, noise_from: int | None = None, noise: float = 0.0,
+                 hidden_size: int = 32, num_layers: int = 2, logit_scale: float = 2.0):
+    """An in-memory random Llama of our own class (no files, any vocabulary size), for distribution tests.
+
+    With ``noise_from=s``, start from the weights of seed ``s`` and add Gaussian noise of relative size ``noise``:
+    a drafter that resembles its target (moderate acceptance), as a distilled drafter would.
+    """
+    from .config import ModelConfig, RopeConfig
+    from .model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=hidden_size // 4, max_position_embeddings=128, rms_norm_eps=1e-5, rope=RopeConfig(),
+                      tie_word_embeddings=False, eos_token_ids=[])
+    g = torch.Generator().manual_seed(seed if noise_from is None else noise_from)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        model.lm_head.weight.mul_(logit_scale)
+        if noise_from is not None:
+            gn = torch.Generator().manual_seed(seed)
+            for p in model.parameters():
+                p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gn))
+    return model.eval().requires_grad_(False)

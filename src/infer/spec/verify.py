@@ -1,0 +1,161 @@
+"""Verification of drafted tokens: pure, batched functions over tensors.
+
+Shapes: B requests, K drafted tokens each (a row may draft fewer: ``num_draft[b] <= K``), V vocabulary.
+Positions of the target's distributions: ``p[:, k]`` is the target's next-token distribution after the context
+plus the first k drafts, so ``p[:, k]`` judges draft ``k`` (0-based) and ``p[:, num_draft]`` gives the bonus.
+
+Results are named as vLLM does: *accepted* draft tokens, then one *recovered* token (drawn from the residual
+at the first rejection) or, when every draft was accepted, one *bonus* token (drawn from p after the last draft).
+``output_tokens [B, K+1]`` holds accepted + final token, padded with -1; ``num_accepted [B]``.
+
+Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): accept draft t with probability
+min(1, p(t)/q(t)); at the first rejection sample from norm(max(0, p - q)). Then every emitted token is
+distributed exactly as p. Greedy rows (temperature 0) accept while the target's argmax equals the draft and
+need no randomness. Randomness comes only from each row's own ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD = -1
+
+
+@dataclass
+class VerifyResult:
+    output_tokens: torch.Tensor  # [B, K+1] long: accepted drafts then the recovered/bonus token, -1 padded
+    num_accepted: torch.Tensor  # [B] long, 0..num_draft[b]
+    is_bonus: torch.Tensor  # [B] bool: the final token is a bonus (all drafts accepted), else recovered
+    expected_accept: torch.Tensor | None = None  # [B, K] sum_x min(p, q) per draft position (nan past num_draft)
+    p_draft: torch.Tensor | None = None  # [B, K] p(t_k) of each draft under the target
+    q_draft: torch.Tensor | None = None  # [B, K] q(t_k) of each draft under the drafter
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        return self.num_accepted + 1
+
+
+def _num_draft(num_draft, B, K, device) -> torch.Tensor:
+    if num_draft is None:
+        return torch.full((B,), K, dtype=torch.long, device=device)
+    return torch.as_tensor(num_draft, dtype=torch.long, device=device)
+
+
+def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
+    """accept [B, K] bool -> number of leading accepts [B]."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def _assemble(draft_tokens, n, final_token) -> torch.Tensor:
+    """[B, K] drafts, [B] accepted count, [B] final token -> [B, K+1] output, -1 padded."""
+    B, K = draft_tokens.shape
+    idx = torch.arange(K + 1, device=draft_tokens.device)[None, :]
+    out = torch.full((B, K + 1), PAD, dtype=torch.long, device=draft_tokens.device)
+    out[:, :K] = torch.where(idx[:, :K] < n[:, None], draft_tokens, PAD)
+    return out.scatter_(1, n[:, None], final_token[:, None])
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, num_draft=None) -> VerifyResult:
+    """draft_tokens [B, K], target_argmax [B, K+1] -> accept while argmax == draft; then the target's argmax."""
+    B, K = draft_tokens.shape
+    nd = _num_draft(num_draft, B, K, draft_tokens.device)
+    valid = torch.arange(K, device=draft_tokens.device)[None, :] < nd[:, None]
+    n = _first_rejection((target_argmax[:, :K] == draft_tokens) & valid)
+    final = target_argmax.gather(1, n[:, None]).squeeze(1)
+    return VerifyResult(_assemble(draft_tokens, n, final), n, n == nd)
+
+
+def _uniforms(generators, B, K, device) -> torch.Tensor:
+    if isinstance(generators, torch.Generator) or generators is None:
+        return torch.rand(B, K, generator=generators, device=device)
+    return torch.stack([torch.rand(K, generator=g, device=device) for g in generators])
+
+
+def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
+    """One draw per row of probs [B, V] (exponential race, see sampling.sample)."""
+    if isinstance(generators, torch.Generator) or generators is None:
+        noise = torch.empty_like(probs).exponential_(1.0, generator=generators)
+    else:
+        noise = torch.stack([torch.empty_like(probs[0]).exponential_(1.0, generator=g) for g in generators])
+    return (probs / noise.clamp_(min=1e-30)).argmax(-1)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # [B, K]
+    q: torch.Tensor,  # [B, K, V] drafter's probabilities (after the sampling pipeline)
+    p: torch.Tensor,  # [B, K+1, V] target's probabilities (same pipeline)
+    generators: list[torch.Generator] | torch.Generator | None,
+    num_draft=None,  # [B] drafts per row (default K)
+    skip_sample_adjustment: bool = False,
+) -> VerifyResult:
+    """Speculative sampling over a batch. Every emitted token is distributed exactly as p (unless the lossy
+    ``skip_sample_adjustment`` debug switch replaces the residual by p itself).
+
+    Edge cases are exact: p(t) = 0 always rejects; p == q never rejects (and if rounding makes it reject, the
+    residual is 0 everywhere and we sample p, which equals it in exact arithmetic); zero-probability tokens of
+    truncated supports (top-k / top-p / min-p) are never drawn from a residual, since max(0, 0 - q) = 0.
+    Random draws per row, in order: K uniforms, then V exponentials for the final token.
+    """
+    B, K = draft_tokens.shape
+    device = p.device
+    nd = _num_draft(num_draft, B, K, device)
+    valid = torch.arange(K, device=device)[None, :] < nd[:, None]  # [B, K]
+    p_t, q_t, expected = draft_diagnostics(draft_tokens, q, p, nd)  # [B, K] each
+    u = _uniforms(generators, B, K, device)
+    # u < p/q  <=>  u * q < p  (q(t) > 0 because t was drawn from q); p/q >= 1 always accepts since u < 1.
+    n = _first_rejection((u * q_t < p_t) & valid)
+    bonus = n == nd
+    p_n = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]
+    if skip_sample_adjustment:
+        final_dist = p_n  # LOSSY (debug only): ignores that q already proposed here
+    else:
+        q_n = q.gather(1, n.clamp(max=K - 1)[:, None, None].expand(B, 1, q.shape[-1])).squeeze(1)
+        residual = (p_n - q_n).clamp_(min=0.0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-38), p_n)
+        final_dist = torch.where(bonus[:, None], p_n, residual)
+    final = _sample_rows(final_dist, generators)
+    return VerifyResult(_assemble(draft_tokens, n, final), n, bonus, expected, p_t, q_t)
+
+
+def draft_diagnostics(draft_tokens, q, p, num_draft=None):
+    """Per draft position: p(t), q(t) and the expected acceptance sum_x min(p, q) (nan past num_draft). [B, K] each.
+
+    These do not influence sampling; they let a user compare realised acceptance with what theory predicts.
+    """
+    B, K = draft_tokens.shape
+    valid = torch.arange(K, device=p.device)[None, :] < _num_draft(num_draft, B, K, p.device)[:, None]
+    idx = draft_tokens.clamp(min=0)[..., None]
+    p_t = p[:, :K].gather(2, idx).squeeze(2)
+    q_t = q.gather(2, idx).squeeze(2)
+    expected = torch.minimum(p[:, :K], q).sum(-1).masked_fill(~valid, float("nan"))
+    return p_t, q_t, expected
+
+
+def verify(draft_tokens, q, p, generators, greedy: list[bool] | torch.Tensor, num_draft=None,
+           skip_sample_adjustment: bool = False) -> VerifyResult:
+    """Route each row: greedy rows by argmax match (no randomness), the rest by rejection sampling.
+
+    Returns the combined VerifyResult with the diagnostics (p_draft, q_draft, expected_accept) filled in.
+    """
+    B, K = draft_tokens.shape
+    greedy = torch.as_tensor(greedy, dtype=torch.bool, device=p.device)
+    nd = _num_draft(num_draft, B, K, p.device)
+    if bool(greedy.all()):
+        res = greedy_verify(draft_tokens, p.argmax(-1), nd)
+    elif not bool(greedy.any()):
+        res = rejection_sample(draft_tokens, q, p, generators, nd, skip_sample_adjustment)
+    else:
+        rows_g, rows_s = greedy.nonzero().squeeze(1), (~greedy).nonzero().squeeze(1)
+        gens = [generators[i] for i in rows_s.tolist()] if isinstance(generators, (list, tuple)) else generators
+        rg = greedy_verify(draft_tokens[rows_g], p[rows_g].argmax(-1), nd[rows_g])
+        rs = rejection_sample(draft_tokens[rows_s], q[rows_s], p[rows_s], gens, nd[rows_s], skip_sample_adjustment)
+        res = VerifyResult(torch.empty(B, K + 1, dtype=torch.long, device=p.device), torch.empty_like(nd),
+                           torch.empty_like(greedy))
+        for rows, r in ((rows_g, rg), (rows_s, rs)):
+            res.output_tokens[rows], res.num_accepted[rows], res.is_bonus[rows] = (
+                r.output_tokens, r.num_accepted, r.is_bonus)
+    res.p_draft, res.q_draft, res.expected_accept = draft_diagnostics(draft_tokens, q, p, nd)
+    return res

@@ -1,0 +1,233 @@
+"""speculative_generate: greedy parity, stop conditions inside accepted runs, EGAG, theory, API, bad input."""
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.generate import autoregressive_generate
+from infer.model import load_model
+from infer.spec import speculative_generate
+from infer.spec.adaptive import EntropyAdaptiveGamma
+from infer.spec.theory import expected_tokens_per_round, optimal_k, walltime_improvement
+from infer.testing import make_tiny_llama, random_llama
+
+PROMPTS = [[0, 5, 6, 7], [0, 9], [0, 100, 101, 102, 103], [0, 42, 17, 250, 3, 8, 99], [0, 200, 201]]
+
+
+@pytest.fixture(scope="module")
+def pair(gqa_dir, tmp_path_factory):
+    """A target and a weak (independent random, 1-layer) drafter sharing the tokenizer."""
+    d = make_tiny_llama(tmp_path_factory.mktemp("drafter"), "gqa", seed=1, num_hidden_layers=1)
+    return load_model(gqa_dir), load_model(d), d
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_parity_weak_drafter(pair, k):
+    target, drafter, _ = pair
+    for prompt in PROMPTS:
+        params = SamplingParams(temperature=0, max_tokens=25)
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        out, _ = speculative_generate(target, drafter, prompt, params, gamma=k, eos_token_ids=[])
+        assert out.output_ids == expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_parity_self_drafting_accepts_everything(pair, k):
+    target, _, _ = pair
+    for prompt in PROMPTS:
+        params = SamplingParams(temperature=0, max_tokens=25)
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        out, stats = speculative_generate(target, target, prompt, params, gamma=k, eos_token_ids=[])
+        assert out.output_ids == expected
+        assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
+        assert stats.realized_acceptance == 1.0
+
+
+@pytest.mark.parametrize("use_cache,first_target", [(False, True), (True, False), (False, False)])
+def test_greedy_parity_without_cache_or_first_target(pair, use_cache, first_target):
+    target, drafter, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=15)
+    for prompt in PROMPTS[:3]:
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        out, _ = speculative_generate(target, drafter, prompt, params, gamma=3, eos_token_ids=[],
+                                      use_cache=use_cache, first_target=first_target)
+        assert out.output_ids == expected
+
+
+def test_greedy_parity_with_repetition_penalty(pair):
+    """The penalty context grows with each accepted draft; verification must see exactly that context."""
+    target, drafter, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.5)
+    for prompt in PROMPTS:
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        for d in (drafter, target):
+            out, _ = speculative_generate(target, d, prompt, params, gamma=4, eos_token_ids=[])
+            assert out.output_ids == expected
+
+
+def _self_draft_until(target, prompt, **kw):
+    params = SamplingParams(temperature=0, max_tokens=25, **{k: v for k, v in kw.items() if k != "eos"})
+    return speculative_generate(target, target, prompt, params, gamma=8, eos_token_ids=kw.get("eos", []))[0]
+
+
+def test_eos_inside_an_accepted_run_ends_exactly_there(pair):
+    target, _, _ = pair
+    full = autoregressive_generate(target, PROMPTS[0], SamplingParams(temperature=0, max_tokens=25), []).output_ids
+    i = next(i for i in range(3, len(full)) if full[i] not in full[:i])  # mid-run with K=8, all accepted
+    out = _self_draft_until(target, PROMPTS[0], eos=[full[i]])
+    assert out.output_ids == full[: i + 1] and out.finish_reason == "stop"
+
+
+def test_stop_token_inside_an_accepted_run(pair):
+    target, _, _ = pair
+    full = autoregressive_generate(target, PROMPTS[1], SamplingParams(temperature=0, max_tokens=25), []).output_ids
+    i = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    out = _self_draft_until(target, PROMPTS[1], stop_token_ids=[full[i]])
+    assert out.output_ids == full[: i + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_inside_an_accepted_run(gqa_dir):
+    llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=8)
+    base = LLM(gqa_dir)
+    full = base.generate(["def fib"], SamplingParams(temperature=0, max_tokens=30))[0]
+    stop = full.text[6:9]
+    a = base.generate(["def fib"], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0]
+    b = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_max_tokens_never_exceeded(pair, k):
+    target, drafter, _ = pair
+    for n in (1, 2, 3, 9):
+        for d in (drafter, target):
+            out, _ = speculative_generate(target, d, PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=n, seed=0),
+                                          gamma=k, eos_token_ids=[])
+            assert len(out.output_ids) == n and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    target, drafter, _ = pair
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=5)
+    a = speculative_generate(target, drafter, PROMPTS[0], params, gamma=3, eos_token_ids=[])[0].output_ids
+    b = speculative_generate(target, drafter, PROMPTS[0], params, gamma=3, eos_token_ids=[])[0].output_ids
+    assert a == b
+
+
+def test_llm_speculative_outputs_and_metrics(gqa_dir, pair):
+    _, _, drafter_dir = pair
+    spec = LLM(gqa_dir, draft_model=drafter_dir, spec_length=4)
+    plain = LLM(gqa_dir)
+    prompts = ["def fib", "Hello world", "import os\n", "The cat", "x = 1"]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    for a, b in zip(spec.generate(prompts, params), plain.generate(prompts, params)):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.num_draft_tokens > 0 and 0 <= a.num_accepted_tokens <= a.num_draft_tokens
+        assert a.acceptance_rate == a.num_accepted_tokens / a.num_draft_tokens
+        assert 1.0 <= a.mean_accepted_length <= 5.0
+        assert sum(a.metrics["accepted_per_position"]) == a.num_accepted_tokens
+        assert b.acceptance_rate is None
+    self_spec = LLM(gqa_dir, draft_model=gqa_dir, spec_length=4).generate(prompts[:1], params)[0]
+    assert self_spec.acceptance_rate == 1.0 and self_spec.mean_accepted_length > 3.0
+
+
+def test_expected_acceptance_matches_realized():
+    """The built-in monitor: mean sum_x min(p, q) over rounds agrees with the realized acceptance rate."""
+    target, drafter = random_llama(8, 0), random_llama(8, 1, noise_from=0, noise=0.3)
+    acc = 0
+    expected = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(60):
+        _, st = speculative_generate(target, drafter, [1, 2, 3, i % 8], SamplingParams(temperature=1.0, max_tokens=12),
+                                     gamma=3, eos_token_ids=[], generator=g)
+        acc += sum(r.num_accepted for r in st.rounds)
+        expected += [v for r in st.rounds for v in r.expected_accept[: r.tested]]
+        assert st.realized_acceptance is not None and st.expected_acceptance is not None
+    # A judged draft is accepted with probability exactly its sum_x min(p, q), so the accepted count is a sum of
+    # Bernoullis with those means: it must lie within 4 standard deviations of their sum.
+    mean = sum(expected)
+    sd = sum(e * (1 - e) for e in expected) ** 0.5
+    assert abs(acc - mean) < 4 * sd, (acc, mean, sd)
+    assert 0.3 < mean / len(expected) < 0.8  # the pair really is a partial match, so the check has teeth
+
+
+def test_egag_adapts_k_within_bounds_and_records_it(pair):
+    target, drafter, _ = pair
+    out, stats = speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=40),
+                                      gamma=6, eos_token_ids=[], use_egag=True, gamma_min=2, gamma_max=6)
+    expected = autoregressive_generate(target, PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), []).output_ids
+    assert out.output_ids == expected  # any K schedule is lossless
+    ks = [r.k for r in stats.rounds]
+    assert all(1 <= k <= 6 for k in ks) and all(r.h_norm is not None for r in stats.rounds)
+    assert all(k >= 2 for k in ks[:-2])  # only the max_tokens cap may go below gamma_min at the end
+
+
+def test_egag_maps_entropy_to_gamma():
+    e = EntropyAdaptiveGamma(2, 8)
+    assert e.next_gamma() == 8  # nothing seen yet
+    e.observe(torch.zeros(3, 16))  # uniform drafter: H_norm = 1 -> shortest drafts
+    assert e.h_norm == pytest.approx(1.0) and e.next_gamma() == 2
+    e.observe(torch.tensor([[100.0] + [0.0] * 15]))  # certain drafter: H_norm = 0
+    assert e.next_gamma() == 8
+    smooth = EntropyAdaptiveGamma(2, 8, ema_beta=0.5)
+    smooth.observe(torch.zeros(1, 16))
+    smooth.observe(torch.tensor([[100.0] + [0.0] * 15]))
+    assert smooth.h_norm == pytest.approx(0.5, abs=1e-3) and smooth.next_gamma() == 5
+    assert [k for _, k in smooth.history] == [5]
+
+
+def test_theory_formulas():
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(1.0, 5) == 6.0
+    assert expected_tokens_per_round(0.8, 10) == pytest.approx((1 - 0.8 ** 11) / 0.2)
+    assert walltime_improvement(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
+    # brute force: optimal_k maximises the improvement
+    best = max(range(1, 65), key=lambda k: walltime_improvement(0.9, k, 0.05))
+    assert optimal_k(0.9, 0.05) == best
+    assert optimal_k(0.5, 0.5) == 1  # a weak, expensive drafter: draft little
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens_per_round(1.5, 3)
+
+
+def test_bad_input(gqa_dir, pair, tmp_path):
+    target, drafter, _ = pair
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(target, drafter, [1, 2], gamma=0)
+    with pytest.raises(ValueError, match="gamma_min"):
+        speculative_generate(target, drafter, [1, 2], gamma=4, use_egag=True, gamma_min=5, gamma_max=3)
+    with pytest.raises(ValueError, match="spec_length"):
+        LLM(gqa_dir, draft_model=gqa_dir, spec_length=0)
+    with pytest.raises(ValueError, match="gamma_min"):
+        LLM(gqa_dir, draft_model=gqa_dir, use_egag=True, gamma_min=4, gamma_max=2)
+    other = make_tiny_llama(tmp_path / "big_vocab", "gqa", vocab_size=400)
+    with pytest.raises(ValueError, match=r"vocab_size 400 .* 320"):
+        LLM(gqa_dir, draft_model=other)
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, load_model(other), [1, 2])
+
+
+def test_different_tokenizer_is_refused(gqa_dir, tmp_path):
+    """Same vocabulary size, different token -> id map: refused, naming both checkpoints."""
+    import json
+    import shutil
+
+    d = shutil.copytree(gqa_dir, tmp_path / "other_tok")
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match="different tokenizers") as e:
+        LLM(gqa_dir, draft_model=d)
+    assert str(d) in str(e.value) and str(gqa_dir) in str(e.value)
+
+
+def test_debug_view_plain_text(pair, capsys):
+    from infer.tokenizer import Tokenizer
+
+    target, drafter, d = pair
+    speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), gamma=3,
+                         eos_token_ids=[], tokenizer=Tokenizer(d), debug=True)
+    out = capsys.readouterr().out
+    assert "round   1 K=3" in out and "\033[" not in out  # not a TTY: no colour codes
+    assert ("-> recovered" in out) or ("-> bonus" in out)

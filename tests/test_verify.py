@@ -1,0 +1,117 @@
+"""spec/verify.py on constructed p and q: the output distribution is p, acceptance is sum_x min(p, q)."""
+
+import pytest
+import torch
+from scipy.stats import binomtest, chisquare
+
+from infer.spec.verify import PAD, greedy_verify, rejection_sample, verify
+
+N = 40000  # rows = independent trials, one batched call
+
+
+def run_k1(p_vec, q_vec, skip=False, seed=0):
+    """One-draft speculative sampling N times: draft t ~ q, verify against p. Returns (tokens, accepted)."""
+    g = torch.Generator().manual_seed(seed)
+    V = len(p_vec)
+    p = torch.tensor(p_vec, dtype=torch.float32)
+    q = torch.tensor(q_vec, dtype=torch.float32)
+    drafts = torch.multinomial(q.expand(N, V), 1, replacement=True, generator=g)  # [N, 1]
+    P = torch.stack([p, p])[None].expand(N, 2, V)  # bonus distribution = p as well
+    res = rejection_sample(drafts, q[None, None].expand(N, 1, V), P, g, skip_sample_adjustment=skip)
+    return res.output_tokens[:, 0], res.num_accepted
+
+
+CASES = {
+    "disjoint supports": ([0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.3, 0.7]),
+    "p equals q": ([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]),
+    "one-hot q": ([0.25, 0.25, 0.25, 0.25], [0.0, 1.0, 0.0, 0.0]),
+    "truncated supports": ([0.6, 0.4, 0.0, 0.0, 0.0], [0.0, 0.2, 0.5, 0.3, 0.0]),  # top-k'd p, top-p'd q
+    "overlapping": ([0.05, 0.15, 0.5, 0.3], [0.4, 0.3, 0.2, 0.1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_distribution_is_p(case):
+    p, q = CASES[case]
+    tokens, _ = run_k1(p, q)
+    counts = torch.bincount(tokens, minlength=len(p)).float()
+    support = torch.tensor(p) > 0
+    assert counts[~support].sum() == 0, "a token outside p's support was emitted"
+    expected = torch.tensor(p)[support] * N
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 0.001
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_acceptance_frequency_is_sum_min_p_q(case):
+    p, q = CASES[case]
+    _, accepted = run_k1(p, q)
+    alpha = torch.minimum(torch.tensor(p), torch.tensor(q)).sum().item()
+    k = int(accepted.sum())
+    if alpha in (0.0, 1.0):
+        assert k == round(alpha * N)
+    else:
+        assert binomtest(k, N, alpha).pvalue > 0.001
+
+
+def test_the_lossy_switch_is_detectably_lossy():
+    """skip_sample_adjustment resamples from p at a rejection: the output is then NOT p (the check above catches it)."""
+    p, q = CASES["overlapping"]
+    tokens, _ = run_k1(p, q, skip=True)
+    counts = torch.bincount(tokens, minlength=4).float()
+    assert chisquare(counts.numpy(), (torch.tensor(p) * N).numpy()).pvalue < 1e-6
+
+
+def test_multi_position_chain_and_bonus():
+    """K=2: the first emitted token follows p0; when both drafts are accepted the bonus follows p2."""
+    g = torch.Generator().manual_seed(1)
+    V = 3
+    p = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.2, 0.2], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.3, 0.4, 0.3], [0.5, 0.3, 0.2]])
+    drafts = torch.stack([torch.multinomial(q[k].expand(N, V), 1, True, generator=g)[:, 0] for k in range(2)], 1)
+    res = rejection_sample(drafts, q[None].expand(N, 2, V), p[None].expand(N, 3, V), g)
+    first = torch.bincount(res.output_tokens[:, 0], minlength=V).float()
+    assert chisquare(first.numpy(), (p[0] * N).numpy()).pvalue > 0.001
+    all_in = res.num_accepted == 2
+    assert torch.equal(all_in, res.is_bonus)
+    bonus = torch.bincount(res.output_tokens[all_in, 2], minlength=V).float()
+    assert chisquare(bonus.numpy(), (p[2] * all_in.sum()).numpy()).pvalue > 0.001
+
+
+def test_output_layout_and_padding():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    argmax = torch.tensor([[5, 6, 7, 9], [5, 1, 7, 9], [0, 6, 7, 9]])
+    r = greedy_verify(drafts, argmax)
+    assert r.num_accepted.tolist() == [3, 1, 0]
+    assert r.output_tokens.tolist() == [[5, 6, 7, 9], [5, 1, PAD, PAD], [0, PAD, PAD, PAD]]
+    assert r.is_bonus.tolist() == [True, False, False]
+
+
+def test_rows_with_fewer_drafts():
+    """num_draft < K (near max_tokens): accepting all of a row's drafts takes the bonus at its own position."""
+    drafts = torch.tensor([[5, 6, -1], [5, 6, 7]])
+    argmax = torch.tensor([[5, 6, 8, 9], [5, 6, 8, 9]])
+    r = greedy_verify(drafts, argmax, num_draft=[2, 3])
+    assert r.output_tokens.tolist() == [[5, 6, 8, PAD], [5, 6, 8, PAD]]
+    assert r.is_bonus.tolist() == [True, False]
+
+
+def test_mixed_greedy_and_sampled_rows():
+    V = 4
+    p = torch.tensor([[0.1, 0.6, 0.2, 0.1]] * 2)[None].expand(2, 2, V).clone()
+    p[0] = torch.tensor([0.0, 1.0, 0.0, 0.0])  # a greedy row's pipeline output is one-hot
+    q = torch.tensor([[0.25] * 4])[None].expand(2, 1, V)
+    drafts = torch.tensor([[1], [3]])
+    gens = [None, torch.Generator().manual_seed(0)]
+    r = verify(drafts, q, p, gens, greedy=[True, False])
+    assert r.num_accepted[0] == 1 and r.output_tokens[0].tolist() == [1, 1]  # greedy: match, bonus argmax
+    assert r.expected_accept.shape == (2, 1) and r.p_draft[1, 0] == pytest.approx(0.1)
+
+
+def test_randomness_only_from_the_generator():
+    p = torch.tensor([[[0.3, 0.7], [0.5, 0.5]]])
+    q = torch.tensor([[[0.9, 0.1]]])
+    d = torch.tensor([[0]])
+    outs = [rejection_sample(d, q, p, [torch.Generator().manual_seed(3)]).output_tokens for _ in range(2)]
+    torch.manual_seed(123)  # the global RNG must not matter
+    outs.append(rejection_sample(d, q, p, [torch.Generator().manual_seed(3)]).output_tokens)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
