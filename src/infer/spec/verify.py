@@ -82,6 +82,20 @@ def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     return (probs / noise.clamp_(min=1e-30)).argmax(-1)
 
 
+def draft_diagnostics(draft_tokens, q, p, num_draft=None):
+    """Per draft position: p(t), q(t) and the expected acceptance sum_x min(p, q) (nan past num_draft). [B, K] each.
+
+    These do not influence sampling; they let a user compare realised acceptance with what theory predicts.
+    """
+    B, K = draft_tokens.shape
+    valid = torch.arange(K, device=p.device)[None, :] < _num_draft(num_draft, B, K, p.device)[:, None]
+    idx = draft_tokens.clamp(min=0)[..., None]
+    p_t = p[:, :K].gather(2, idx).squeeze(2)
+    q_t = q.gather(2, idx).squeeze(2)
+    expected = torch.minimum(p[:, :K], q).sum(-1).masked_fill(~valid, float("nan"))
+    return p_t, q_t, expected
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,  # [B, K]
     q: torch.Tensor,  # [B, K, V] drafter's probabilities (after the sampling pipeline)
@@ -118,20 +132,6 @@ def rejection_sample(
         final_dist = torch.where(bonus[:, None], p_n, residual)
     final = _sample_rows(final_dist, generators)
     return VerifyResult(_assemble(draft_tokens, n, final), n, bonus, expected, p_t, q_t)
-
-
-def draft_diagnostics(draft_tokens, q, p, num_draft=None):
-    """Per draft position: p(t), q(t) and the expected acceptance sum_x min(p, q) (nan past num_draft). [B, K] each.
-
-    These do not influence sampling; they let a user compare realised acceptance with what theory predicts.
-    """
-    B, K = draft_tokens.shape
-    valid = torch.arange(K, device=p.device)[None, :] < _num_draft(num_draft, B, K, p.device)[:, None]
-    idx = draft_tokens.clamp(min=0)[..., None]
-    p_t = p[:, :K].gather(2, idx).squeeze(2)
-    q_t = q.gather(2, idx).squeeze(2)
-    expected = torch.minimum(p[:, :K], q).sum(-1).masked_fill(~valid, float("nan"))
-    return p_t, q_t, expected
 
 
 def verify(draft_tokens, q, p, generators, greedy: list[bool] | torch.Tensor, num_draft=None,
