@@ -112,3 +112,20 @@ def test_eos_list_and_llama3_rope_are_read(llama3_dir):
     assert len(m.config.eos_token_ids) == 2
     assert m.config.rope.type == "llama3" and m.config.rope.factor == 8.0
     assert m.config.tie_word_embeddings and m.lm_head is None
+
+
+@pytest.mark.parametrize("shape", ["gqa", "llama3"])
+def test_save_model_round_trips_and_transformers_reads_it(ckpt_dirs, tmp_path, shape):
+    from transformers import LlamaForCausalLM
+
+    from infer.model import save_model
+
+    m = load_model(ckpt_dirs[shape])
+    save_model(m, tmp_path / "out", dtype="float32")
+    again = load_model(tmp_path / "out")
+    ref = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        a = m.compute_logits(m(ids))
+        assert torch.equal(a, again.compute_logits(again(ids)))
+        assert (ref(ids).logits - a).abs().max() <= 1e-4

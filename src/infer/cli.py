@@ -84,6 +84,13 @@ def cmd_make_tiny(a) -> int:
     return 0
 
 
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    run_demo(spec_length=a.spec_length, max_tokens=a.max_tokens, num_prompts=a.prompts, dtype=a.dtype)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma-max", type=int, default=None)
     g.add_argument("--debug", action="store_true", help="show every speculative round (accepted/rejected/bonus)")
     g.set_defaults(func=cmd_generate)
+    d = sub.add_parser("demo", help="speculative decoding on the shipped demo pair, vs autoregressive")
+    d.add_argument("--spec-length", type=int, default=4)
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--prompts", type=int, default=3)
+    d.add_argument("--dtype", default="float32")
+    d.set_defaults(func=cmd_demo)
     t = sub.add_parser("make-tiny", help="write a tiny random HF-format Llama checkpoint (for tests and trials)")
     t.add_argument("out_dir")
     t.add_argument("--shape", default="llama3", help="mha | gqa | llama3 | tied")

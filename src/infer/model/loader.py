@@ -150,3 +150,61 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     model.to(device)
     model.eval().requires_grad_(False)
     return model
+
+
+def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our fused module tree -> Hugging Face tensor names (q/k/v and gate/up split again)."""
+    cfg = model.config
+    sd = model.state_dict()
+    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[dst + n] = sd[src + n]
+        for kind in ("weight", "bias"):
+            if src + f"self_attn.qkv_proj.{kind}" in sd:
+                parts = sd[src + f"self_attn.qkv_proj.{kind}"].split([q, kv, kv])
+                for name, t in zip("qkv", parts):
+                    out[dst + f"self_attn.{name}_proj.{kind}"] = t
+                out[dst + f"self_attn.o_proj.{kind}"] = sd[src + f"self_attn.o_proj.{kind}"]
+            if src + f"mlp.gate_up_proj.{kind}" in sd:
+                gate, up = sd[src + f"mlp.gate_up_proj.{kind}"].split([inter, inter])
+                out[dst + f"mlp.gate_proj.{kind}"], out[dst + f"mlp.up_proj.{kind}"] = gate, up
+                out[dst + f"mlp.down_proj.{kind}"] = sd[src + f"mlp.down_proj.{kind}"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def save_model(model: LlamaForCausalLM, out_dir: str | os.PathLike, dtype: str | torch.dtype = "bfloat16") -> Path:
+    """Write config.json, generation_config.json and model.safetensors in Hugging Face's Llama format."""
+    from safetensors.torch import save_file
+
+    cfg, out = model.config, Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = parse_dtype(dtype)
+    eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids
+    rope = {"rope_theta": cfg.rope.theta, "rope_type": cfg.rope.type}
+    if cfg.rope.type == "llama3":
+        rope.update(factor=cfg.rope.factor, low_freq_factor=cfg.rope.low_freq_factor,
+                    high_freq_factor=cfg.rope.high_freq_factor,
+                    original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta, "rope_parameters": rope, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if cfg.rope.type != "default":
+        config["rope_scaling"] = rope
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg.bos_token_id, "eos_token_id": eos},
+                                                           indent=2) + "\n")
+    tensors = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(model).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
