@@ -27,7 +27,7 @@ from ..request import Request
 from ..sampling import SamplingBatch, SamplingParams, logits_to_probs, make_generator, sample, seen_mask
 from ..tokenizer import Tokenizer
 from .adaptive import EntropyAdaptiveGamma
-from .verify import verify
+from .verify import greedy_verify, verify
 
 
 def check_compatible(target: LlamaForCausalLM, drafter: LlamaForCausalLM, target_name="target",
@@ -163,6 +163,7 @@ def speculative_generate(
     stats = SpecStats()
     printer = _make_printer(debug, tokenizer)
     seq = list(prompt_ids)
+    fast_greedy = params.greedy and not batch.use_penalty  # argmax in, argmax out: no probability tensors
 
     def emit(tokens: list[int]) -> list[int]:
         done = []
@@ -195,10 +196,13 @@ def speculative_generate(
             pending = seq[len(dft.fed):]
             for _ in range(k):
                 logits = dft.feed(pending, 1)  # [1, V]
-                q = logits_to_probs(logits, batch, ctx_seen)
-                t = int(sample(q, [generator], [params.greedy]))
+                if fast_greedy:  # argmax needs no probabilities
+                    t = int(logits.argmax(-1))
+                else:
+                    q = logits_to_probs(logits, batch, ctx_seen)
+                    t = int(sample(q, [generator], [params.greedy]))
+                    q_rows.append(q[0])
                 drafts.append(t)
-                q_rows.append(q[0])
                 draft_logits.append(logits[0])
                 if ctx_seen is not None:
                     ctx_seen[0, t] = True
@@ -207,14 +211,21 @@ def speculative_generate(
             p_logits = tgt.feed(seq[len(tgt.fed):] + drafts, k + 1)  # [K+1, V]
             req.num_target_forwards += 1
             draft_t = torch.tensor([drafts], device=device)
-            p_seen = None
-            if seen is not None:  # position j sees the context plus t_1..t_j
-                grow = torch.zeros(k + 1, V, dtype=torch.bool, device=device)
-                grow[1:] = torch.nn.functional.one_hot(draft_t[0], V).cumsum(0).bool()
-                p_seen = seen | grow
-            p = logits_to_probs(p_logits, batch.expand(k + 1), p_seen)
-            res = verify(draft_t, torch.stack(q_rows)[None], p[None], [generator], [params.greedy],
-                         skip_sample_adjustment=skip_sample_adjustment)
+            if fast_greedy:
+                argmax = p_logits.argmax(-1)  # [K+1]
+                res = greedy_verify(draft_t, argmax[None])
+                # one-hot p and q: sum_x min(p, q) = p(t) = 1 exactly when the target's argmax is the draft
+                res.expected_accept = res.p_draft = (argmax[:k] == draft_t[0]).float()[None]
+                res.q_draft = torch.ones_like(res.p_draft)
+            else:
+                p_seen = None
+                if seen is not None:  # position j sees the context plus t_1..t_j
+                    grow = torch.zeros(k + 1, V, dtype=torch.bool, device=device)
+                    grow[1:] = torch.nn.functional.one_hot(draft_t[0], V).cumsum(0).bool()
+                    p_seen = seen | grow
+                p = logits_to_probs(p_logits, batch.expand(k + 1), p_seen)
+                res = verify(draft_t, torch.stack(q_rows)[None], p[None], [generator], [params.greedy],
+                             skip_sample_adjustment=skip_sample_adjustment)
             n = int(res.num_accepted[0])
             new = res.output_tokens[0, : n + 1].tolist()
             # -- rollback: keep g and the n accepted drafts in both caches ---------------------------------

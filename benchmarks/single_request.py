@@ -1,0 +1,258 @@
+"""One request at a time on the shipped demo pair: infer vs Hugging Face transformers, same models, same process.
+
+Variants (interleaved within each repeat, medians over repeats):
+  ours AR                     autoregressive_generate on the target
+  ours spec K=1..8, EGAG      speculative_generate with the distilled drafter
+  HF generate                 transformers LlamaForCausalLM.generate on the same target weights
+  HF assisted (default)       generate(assistant_model=drafter), its default (heuristic) draft-length schedule
+  HF assisted K=k             the same with a constant schedule of k draft tokens
+  HF prompt lookup            generate(prompt_lookup_num_tokens=10)
+Also measured: alpha (our per-position acceptance) and c (drafter step / target step, our runtime), Leviathan's
+predicted speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) next to the measured one, and per prompt the acceptance
+and the share of repeated 4-grams in the output (a looping model would inflate acceptance).
+
+    python benchmarks/single_request.py [--dtypes float32,bfloat16] [--new-tokens 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, median, update_doc_section, write_json  # noqa: E402
+
+from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
+from infer.generate import autoregressive_generate  # noqa: E402
+from infer.model import load_model  # noqa: E402
+from infer.sampling import SamplingParams  # noqa: E402
+from infer.spec import speculative_generate  # noqa: E402
+from infer.spec.theory import walltime_improvement  # noqa: E402
+from infer.tokenizer import Tokenizer  # noqa: E402
+
+HF_CONST_KS = (2, 4, 6, 8)
+
+
+def repeated_4gram_share(ids: list[int]) -> float:
+    grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def per_token_seconds(model, ids, n) -> float:
+    """Median seconds per decode step of plain autoregressive decoding (for c)."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    autoregressive_generate(model, ids, params, [])
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        autoregressive_generate(model, ids, params, [])
+        t1 = time.perf_counter()
+        autoregressive_generate(model, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), [])
+        t2 = time.perf_counter()
+        times.append(((t1 - t0) - (t2 - t1)) / (n - 1))  # subtract the prefill + first token
+    return median(times)
+
+
+def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, drafter) -> dict:
+    greedy = temperature == 0
+    params = SamplingParams(temperature=temperature, max_tokens=a.new_tokens, ignore_eos=True)
+    n = a.new_tokens
+    hf_common = dict(max_new_tokens=n, do_sample=not greedy, pad_token_id=0)
+    if not greedy:
+        hf_common.update(temperature=temperature, top_k=0, top_p=1.0)
+
+    def hf(ids, **kw):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            return hf_t.generate(x, attention_mask=torch.ones_like(x), **hf_common, **kw)[0, len(ids):].tolist()
+
+    variants = {"ours AR": lambda ids, s: autoregressive_generate(target, ids, _seeded(params, s), []).output_ids}
+    spec_stats: dict[str, list] = {}
+
+    def spec(k=None, egag=False):
+        name = "ours EGAG" if egag else f"ours spec K={k}"
+
+        def run(ids, s):
+            out, st = speculative_generate(target, drafter, ids, _seeded(params, s), gamma=k or 8, eos_token_ids=[],
+                                           use_egag=egag, gamma_min=1, gamma_max=8)
+            spec_stats.setdefault(name, []).append((out, st))
+            return out.output_ids
+        return name, run
+
+    for k in a.ks:
+        name, fn = spec(k)
+        variants[name] = fn
+    name, fn = spec(egag=True)
+    variants[name] = fn
+    variants["HF generate"] = lambda ids, s: hf(ids)
+    variants["HF assisted (default)"] = lambda ids, s: hf(ids, assistant_model=hf_d)
+    for k in HF_CONST_KS:
+        variants[f"HF assisted K={k}"] = (lambda k: lambda ids, s: hf(ids, assistant_model=hf_d, num_assistant_tokens=k,
+                                                                     num_assistant_tokens_schedule="constant"))(k)
+    variants["HF prompt lookup"] = lambda ids, s: hf(ids, prompt_lookup_num_tokens=10)
+
+    times = {v: [[] for _ in prompts] for v in variants}
+    outputs = {v: [None] * len(prompts) for v in variants}
+    for rep in range(a.repeats + 1):  # repeat 0 is a warm-up, not recorded
+        for i, ids in enumerate(prompts):
+            for v, fn in variants.items():
+                torch.manual_seed(1000 * rep + i)  # HF samples from the global RNG
+                t0 = time.perf_counter()
+                out = fn(ids, 1000 * rep + i)
+                dt = time.perf_counter() - t0
+                if rep:
+                    times[v][i].append(dt)
+                    outputs[v][i] = out
+    # tokens/s per variant: all prompts' tokens over the sum of per-prompt median times
+    tok_s = {v: sum(len(o) for o in outputs[v]) / sum(median(t) for t in times[v]) for v in variants}
+    acc = {}
+    for name, runs in spec_stats.items():
+        judged = sum(r.tested for _, st in runs for r in st.rounds)
+        acc[name] = {"acceptance_rate": sum(o.num_accepted_tokens for o, _ in runs) / sum(o.num_draft_tokens for o, _ in runs),
+                     "alpha": sum(r.num_accepted for _, st in runs for r in st.rounds) / judged,
+                     "expected_alpha": _mean([v for _, st in runs for r in st.rounds for v in r.expected_accept[: r.tested]]),
+                     "tokens_per_target_forward": sum(len(o.output_ids) for o, _ in runs) / sum(o.num_target_forwards for o, _ in runs)}
+    per_prompt = [{"prompt_tokens": len(ids), "ar_repeated_4gram_share": repeated_4gram_share(outputs["ours AR"][i]),
+                   "acceptance_K4": _prompt_acc(spec_stats.get("ours spec K=4"), i, len(prompts))}
+                  for i, ids in enumerate(prompts)]
+    identical = {v: outputs[v] == outputs["ours AR"] for v in variants if v.startswith("ours")} if greedy else None
+    hf_same = outputs["HF generate"] == outputs["ours AR"] if greedy else None
+    return {"dtype": dtype, "temperature": temperature, "tokens_per_s": tok_s, "acceptance": acc,
+            "per_prompt": per_prompt, "greedy_identical_to_ours_AR": identical, "HF_generate_identical": hf_same}
+
+
+def _seeded(params, seed):
+    return params if params.greedy else SamplingParams(**{**params.__dict__, "seed": seed})
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _prompt_acc(runs, i, n_prompts):
+    if not runs:
+        return None
+    mine = [o for j, (o, _) in enumerate(runs) if j % n_prompts == i]
+    return sum(o.num_accepted_tokens for o in mine) / max(1, sum(o.num_draft_tokens for o in mine))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", default="1,2,3,4,5,6,8")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    a.ks = [int(k) for k in a.ks.split(",")]
+    torch.set_num_threads(a.threads)
+    from transformers import LlamaForCausalLM as HF
+
+    tdir, ddir = demo_model_paths()
+    tok = Tokenizer(tdir)
+    prompt_info = demo_prompts()[: a.prompts]
+    prompts = [tok.encode(p["prompt"]) for p in prompt_info]
+    results = {"benchmark": "single_request", "machine": machine(), "new_tokens": a.new_tokens,
+               "repeats": a.repeats, "prompts": [{"module": p["module"], "tokens": len(ids)}
+                                                 for p, ids in zip(prompt_info, prompts)], "configs": []}
+    for dtype in a.dtypes.split(","):
+        target, drafter = load_model(tdir, dtype), load_model(ddir, dtype)
+        hf_t = HF.from_pretrained(tdir, dtype=getattr(torch, dtype)).eval()
+        hf_d = HF.from_pretrained(ddir, dtype=getattr(torch, dtype)).eval()
+        for m in (hf_t, hf_d):
+            m.generation_config.eos_token_id = None  # fixed-length runs, like ignore_eos on our side
+        c = per_token_seconds(drafter, prompts[0], 32) / per_token_seconds(target, prompts[0], 32)
+        for temp in (float(t) for t in a.temperatures.split(",")):
+            r = run_config(dtype, temp, prompts, a, hf_t, hf_d, target, drafter)
+            r["c"] = c
+            ar = r["tokens_per_s"]["ours AR"]
+            r["speedup"] = {v: s / ar for v, s in r["tokens_per_s"].items() if v.startswith("ours")}
+            hf_ar = r["tokens_per_s"]["HF generate"]
+            r["hf_speedup"] = {v: s / hf_ar for v, s in r["tokens_per_s"].items() if v.startswith("HF")}
+            r["predicted"] = {f"ours spec K={k}": walltime_improvement(min(r["acceptance"][f"ours spec K={k}"]["alpha"], 0.999999), k, c)
+                              for k in a.ks}
+            results["configs"].append(r)
+            print(f"{dtype} T={temp}: AR {ar:.1f} tok/s, c={c:.3f}, " + ", ".join(
+                f"{v} {s:.2f}x" for v, s in r["speedup"].items()), flush=True)
+    write_json("single_request", results)
+    write_doc(results, a)
+    plot(results, a)
+
+
+def write_doc(res, a):
+    m = res["machine"]
+    lines = [
+        "## Single request on the demo pair (issue 4)",
+        "",
+        f"Shipped pair (target ~23M, drafter ~1.5M parameters; trained on the Python stdlib, see "
+        f"`src/infer/demo_models/`), {len(res['prompts'])} held-out prompts "
+        f"({', '.join(str(p['tokens']) for p in res['prompts'])} tokens), {res['new_tokens']} new tokens each (EOS "
+        f"ignored), {res['repeats']} interleaved repeats after a warm-up, per-prompt medians. {m['cpu']}, "
+        f"{m['torch_threads']} threads, torch {m['torch']}, {m['date']}. tokens/s = all prompts' tokens / sum of "
+        "median times. alpha = accepted / judged drafts (ours); c = drafter step / target step (our runtime); "
+        "predicted = Leviathan's (1 - a^(K+1)) / ((1 - a)(Kc + 1)).",
+        "",
+    ]
+    for r in res["configs"]:
+        tps, ar, hf_ar = r["tokens_per_s"], r["tokens_per_s"]["ours AR"], r["tokens_per_s"]["HF generate"]
+        best_k = max((v for v in r["speedup"] if v.startswith("ours spec")), key=lambda v: r["speedup"][v])
+        best_hf = max((v for v in tps if v.startswith("HF assisted")), key=lambda v: tps[v])
+        lines += [f"### {r['dtype']}, temperature {r['temperature']:g} (c = {r['c']:.3f})", "",
+                  "| variant | tokens/s | vs ours AR | vs HF generate | alpha | predicted | measured / predicted |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for v, s in tps.items():
+            acc = r["acceptance"].get(v, {})
+            pred = r["predicted"].get(v)
+            lines.append(f"| {v} | {s:.1f} | {s / ar:.2f}x | {s / hf_ar:.2f}x | "
+                         f"{acc.get('alpha', float('nan')):.2f} | " + (f"{pred:.2f}x | {s / ar / pred:.0%} |" if pred else "| |"))
+        lines += ["", f"Best ours: **{best_k}** at {r['speedup'][best_k]:.2f}x our AR; vs best HF assisted "
+                      f"({best_hf}, {tps[best_hf]:.1f} tok/s): **{tps[best_k] / tps[best_hf]:.2f}x**. Ours AR vs HF "
+                      f"generate: {ar / hf_ar:.2f}x."]
+        if r["greedy_identical_to_ours_AR"] is not None:
+            lines.append(f"Greedy outputs identical to ours AR for every speculative variant: "
+                         f"{all(r['greedy_identical_to_ours_AR'].values())}; HF generate identical: {r['HF_generate_identical']}.")
+        lines += ["", "| prompt | tokens | acceptance (K=4) | repeated 4-grams in output |", "|---|---:|---:|---:|"]
+        for p, pp in zip(res["prompts"], r["per_prompt"]):
+            lines.append(f"| {p['module']} | {pp['prompt_tokens']} | {pp['acceptance_K4']:.2f} | {pp['ar_repeated_4gram_share']:.2f} |")
+        lines.append("")
+    lines += ["![speedup vs K](single_request_speedup.png)", "", "Reproduce: `python benchmarks/single_request.py`."]
+    update_doc_section("single_request", "\n".join(lines))
+
+
+def plot(res, a):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')")
+        return
+    cfgs = res["configs"]
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(5 * len(cfgs), 4), squeeze=False)
+    for ax, r in zip(axes[0], cfgs):
+        ks = a.ks
+        ax.plot(ks, [r["speedup"][f"ours spec K={k}"] for k in ks], "o-", label="ours, measured")
+        ax.plot(ks, [r["predicted"][f"ours spec K={k}"] for k in ks], "--", label="ours, Leviathan predicted")
+        ax.plot(HF_CONST_KS, [r["hf_speedup"][f"HF assisted K={k}"] for k in HF_CONST_KS], "s-",
+                label="HF assisted (vs HF generate)")
+        ax.axhline(r["speedup"]["ours EGAG"], color="g", ls=":", label="ours EGAG")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_title(f"{r['dtype']}, T={r['temperature']:g}")
+        ax.set_xlabel("K (draft tokens per round)")
+        ax.set_ylabel("speedup vs own autoregressive")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = ROOT / "docs" / "single_request_speedup.png"
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
