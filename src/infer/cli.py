@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug", action="store_true", help="show every speculative round (accepted/rejected/bonus)")
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser("demo", help="speculative decoding on the shipped demo pair, vs autoregressive")
-    d.add_argument("--spec-length", type=int, default=4)
+    d.add_argument("--spec-length", type=int, default=2)
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--prompts", type=int, default=3)
     d.add_argument("--dtype", default="float32")

@@ -28,7 +28,7 @@ def demo_prompts() -> list[dict]:
     return json.loads((DEMO_DIR / "prompts.json").read_text())
 
 
-def run_demo(spec_length: int = 4, max_tokens: int = 128, num_prompts: int = 3, dtype: str = "float32",
+def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, dtype: str = "float32",
              out=sys.stdout) -> dict:
     import torch
 
@@ -40,9 +40,12 @@ def run_demo(spec_length: int = 4, max_tokens: int = 128, num_prompts: int = 3, 
 
     t_start = time.perf_counter()
     target_dir, drafter_dir = demo_model_paths()
-    print(f"infer demo: speculative decoding with the shipped pair (target {target_dir.name}, drafter "
-          f"{drafter_dir.name}), K={spec_length}, greedy, {dtype}, CPU threads {torch.get_num_threads()}", file=out)
+    print(f"infer demo: speculative decoding on the shipped pair ({DEMO_DIR}), K={spec_length}, greedy, {dtype}, "
+          f"CPU threads {torch.get_num_threads()}", file=out)
     llm = LLM(target_dir, dtype=dtype, draft_model=drafter_dir, spec_length=spec_length)
+    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (llm.model, llm.draft_model)]
+    print(f"target {sizes[0]:.1f}M parameters, drafter {sizes[1]:.1f}M (a demo trained on the Python stdlib, "
+          "not a language model)", file=out)
     prompts = demo_prompts()[:num_prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tok = llm.tokenizer

@@ -31,7 +31,8 @@ def format_round(idx: int, record, token_text, color: bool) -> str:
         final = repr(token_text(record.emitted[n]))
         kind = "bonus" if record.bonus else "recovered"
         parts.append(paint(BLUE, f"{kind} {final}") if color else f"-> {kind} {final}")
-    exp = sum(record.expected_accept) / len(record.expected_accept) if record.expected_accept else float("nan")
+    judged = record.expected_accept[: record.tested]  # positions after the first rejection are never judged
+    exp = sum(judged) / len(judged) if judged else float("nan")
     head = f"round {idx:3d} K={record.k} accepted {n}/{record.k} (E[accept]={exp:.2f}"
     head += f", H_norm={record.h_norm:.2f})" if record.h_norm is not None else ")"
     return f"{head}: " + " ".join(parts)

@@ -1,0 +1,44 @@
+"""The shipped demo pair: present, loadable by us and by transformers, lossless speculation on it, `infer demo`."""
+
+import io
+
+from infer import LLM, SamplingParams
+from infer.demo import demo_model_paths, demo_prompts, run_demo
+
+
+def test_pair_is_shipped_and_small():
+    target, drafter = demo_model_paths()
+    size = sum(f.stat().st_size for d in (target, drafter) for f in d.iterdir())
+    assert size <= 60 * 2**20
+    assert len(demo_prompts()) >= 3
+
+
+def test_speculative_greedy_equals_autoregressive_on_the_demo_pair():
+    target, drafter = demo_model_paths()
+    spec = LLM(target, draft_model=drafter, spec_length=3)
+    prompts = [p["prompt"] for p in demo_prompts()[:2]]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(target).generate(prompts, params)
+    for a, b in zip(spec.generate(prompts, params), plain):
+        assert a.token_ids == b.token_ids
+        assert 0.2 < a.acceptance_rate <= 1.0  # a distilled drafter, not a random one
+
+
+def test_transformers_loads_the_pair():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    target, _ = demo_model_paths()
+    ours = LLM(target).model
+    ref = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        assert (ref(ids).logits - ours.compute_logits(ours(ids))).abs().max() <= 1e-4
+
+
+def test_run_demo_smoke():
+    out = io.StringIO()
+    res = run_demo(spec_length=2, max_tokens=16, num_prompts=1, out=out)
+    text = out.getvalue()
+    assert "round   1 K=2" in text and "median speedup" in text
+    assert all(r["identical"] for r in res["rows"])
