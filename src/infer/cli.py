@@ -43,23 +43,9 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
               use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max)
     load_s = time.perf_counter() - t0
-    if a.chat:
-        prompt_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
-    else:
-        prompt_ids = llm._prompt_ids(a.prompt)[1]
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     t0 = time.perf_counter()
-    if a.debug:
-        from .request import RequestOutput
-        from .spec.speculative import speculative_generate
-
-        req = llm.make_requests([prompt_ids], params)[0]
-        speculative_generate(llm.model, llm.draft_model, req.prompt_ids, req.params, gamma=a.spec_length,
-                             eos_token_ids=llm.eos_token_ids, tokenizer=llm.tokenizer, generator=req.generator,
-                             debug=True, request=req, use_egag=a.egag, gamma_min=a.gamma_min,
-                             gamma_max=a.gamma_max)
-        out = RequestOutput.from_request(req, speculative=True)
-    else:
-        out = llm.generate([prompt_ids], params)[0]
+    out = llm.generate([prompt], params, debug=a.debug)[0]
     dt = time.perf_counter() - t0
     if not a.chat:
         print(a.prompt, end="")

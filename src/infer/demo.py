@@ -56,10 +56,8 @@ def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, 
           file=out)
     print("".join(first["prompt"].splitlines(keepends=True)[-4:]), file=out)
     print("Round by round (green accepted, red rejected with p and q, blue recovered/bonus):", file=out)
-    req = llm.make_requests([ids], params)[0]
-    speculative_generate(llm.model, llm.draft_model, ids, params, gamma=spec_length, eos_token_ids=llm.eos_token_ids,
-                         tokenizer=tok, debug=RoundPrinter(tok, out), request=req)
-    print(f"\nCompletion:\n{req.text}\n", file=out)
+    completion = llm.generate([ids], params, debug=RoundPrinter(tok, out))[0].text
+    print(f"\nCompletion:\n{completion}\n", file=out)
 
     rows = []
     for p in prompts:
@@ -70,7 +68,7 @@ def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, 
         ar = autoregressive_generate(llm.model, ids, params, llm.eos_token_ids)
         t_ar = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sp, stats = speculative_generate(llm.model, llm.draft_model, ids, params, gamma=spec_length,
+        sp, _ = speculative_generate(llm.model, llm.draft_model, ids, params, gamma=spec_length,
                                          eos_token_ids=llm.eos_token_ids)
         t_sp = time.perf_counter() - t0
         rows.append({"module": p["module"], "tokens": len(sp.output_ids),

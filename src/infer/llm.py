@@ -57,7 +57,6 @@ class LLM:
             if draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
                 raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
                                  "(token -> id maps differ): speculative decoding needs the same vocabulary")
-        self.last_spec_stats = []  # SpecStats per request of the last speculative generate()
         self._seed_rng = make_generator(seed, "cpu")  # seeds requests that bring no seed of their own
         self._kv: SlottedKVCache | None = None
 
@@ -108,17 +107,21 @@ class LLM:
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 debug: bool | callable = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids.
+
+        ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
+        """
+        if debug and self.draft_model is None:
+            raise ValueError("debug shows speculative rounds: it needs a draft_model")
         outputs = []
         if self.draft_model is not None:
-            self.last_spec_stats = []
             for req in self.make_requests(prompts, sampling_params):
                 _, stats = speculative_generate(
                     self.model, self.draft_model, req.prompt_ids, req.params, gamma=self.spec_length,
                     eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer, generator=req.generator,
-                    use_egag=self.use_egag, request=req, **self.egag_args)
-                self.last_spec_stats.append(stats)
+                    use_egag=self.use_egag, request=req, debug=debug, **self.egag_args)
                 outputs.append(RequestOutput.from_request(req, speculative=True, metrics=_spec_metrics(stats)))
             return outputs
         for req in self.make_requests(prompts, sampling_params):

@@ -176,19 +176,21 @@ def speculative_generate(
                 break
         return done
 
+    def target_step() -> None:
+        """One plain target forward over the unfed tokens and one sampled token (no drafting)."""
+        probs = logits_to_probs(tgt.feed(seq[len(tgt.fed):], 1), batch, seen)
+        req.num_target_forwards += 1
+        emit(sample(probs, [generator], [params.greedy]).tolist())
+
     try:
         if first_target:  # prefill the target and take the first token from it
-            probs = logits_to_probs(tgt.feed(seq, 1), batch, seen)
-            req.num_target_forwards += 1
-            emit(sample(probs, [generator], [params.greedy]).tolist())
+            target_step()
         while not req.finished:
             remaining = params.max_tokens - len(req.output_ids)
             k = min(egag.next_gamma() if egag else gamma, remaining - 1)  # a round emits up to K+1 tokens
             L = len(seq)
             if k == 0:  # one token left: a plain target step
-                probs = logits_to_probs(tgt.feed(seq[len(tgt.fed):], 1), batch, seen)
-                req.num_target_forwards += 1
-                emit(sample(probs, [generator], [params.greedy]).tolist())
+                target_step()
                 break
             # -- draft: K drafter forwards; the first also catches up on any unfed tokens ------------------
             drafts, q_rows, draft_logits = [], [], []
@@ -203,7 +205,8 @@ def speculative_generate(
                     t = int(sample(q, [generator], [params.greedy]))
                     q_rows.append(q[0])
                 drafts.append(t)
-                draft_logits.append(logits[0])
+                if egag:
+                    draft_logits.append(logits[0])
                 if ctx_seen is not None:
                     ctx_seen[0, t] = True
                 pending = [t]
