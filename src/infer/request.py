@@ -7,7 +7,9 @@ exactly at the first token that triggers a stop, with nothing after it.
 
 from __future__ import annotations
 
+import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,12 @@ from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted: its K/V was dropped and will be recomputed)
+    RUNNING = "running"  # holds KV slots; prefilling (num_computed < num_tokens) or decoding
+    FINISHED = "finished"
 
 
 class Request:
@@ -50,6 +58,18 @@ class Request:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_target_forwards = 0
+        self.speculation_acceptance_rates: list[float] = []  # per round: accepted / drafted
+        self.accepted_per_position: list[int] = []  # [k]: rounds whose draft k was accepted
+        self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
+        # engine state
+        self.status = RequestStatus.WAITING
+        self.slot: int | None = None  # target KV slot while running
+        self.num_computed = 0  # leading tokens of all_ids() whose K/V the target cache holds
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self._streamed = 0  # characters of text already handed out by stream_text()
 
     @property
     def finished(self) -> bool:
@@ -97,6 +117,57 @@ class Request:
         if not self.finished:
             self._finish("abort", None)
 
+    def record_round(self, num_draft: int, num_accepted: int) -> None:
+        """Speculation counters for one round (D9)."""
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_target_forwards += 1
+        if num_draft:
+            self.speculation_acceptance_rates.append(num_accepted / num_draft)
+        while len(self.drafted_per_position) < num_draft:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(num_draft):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Mean of the per-round acceptance rates (None before any speculative round)."""
+        r = self.speculation_acceptance_rates
+        return sum(r) / len(r) if r else None
+
+    def stream_text(self) -> str:
+        """Text not yet handed out that can no longer change.
+
+        A stop string may still cut the text back, so the last ``len(longest stop) - 1`` characters are held
+        until the request finishes.
+        """
+        end = len(self.text) if self.finished else max(self._streamed, len(self.text) - max(0, self._max_stop - 1))
+        delta, self._streamed = self.text[self._streamed:end], end
+        return delta
+
+
+@dataclass
+class StepOutput:
+    """One generated token of one request.
+
+    Under speculative decoding a single engine step may produce several StepOutputs for the same request (every
+    accepted token and the final recovered/bonus token), in order. ``acceptance_rate`` and the counters are
+    filled on the final output of a speculative request only.
+    """
+
+    request_id: str
+    token_id: int | None  # None only for a request that ends without a new token (abort)
+    text: str  # new stable text (may be empty: held back for stop strings or incomplete UTF-8)
+    finished: bool = False
+    finish_reason: str | None = None
+    acceptance_rate: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    logprob: float | None = None  # log p(token) under the target's (processed) distribution
+    top_logprobs: list[tuple[int, float]] | None = None
+
 
 @dataclass
 class RequestOutput:
@@ -118,8 +189,13 @@ class RequestOutput:
 
     @classmethod
     def from_request(cls, req: Request, speculative: bool = False, metrics: dict | None = None) -> RequestOutput:
+        metrics = dict(metrics or {})
+        if speculative:
+            metrics.setdefault("accepted_per_position", list(req.accepted_per_position))
+            metrics.setdefault("drafted_per_position", list(req.drafted_per_position))
+            metrics.setdefault("speculation_acceptance_rates", list(req.speculation_acceptance_rates))
         out = cls(req.request_id, req.prompt, req.prompt_ids, req.text, list(req.output_ids), req.finish_reason,
-                  req.stop_reason, metrics=metrics or {})
+                  req.stop_reason, metrics=metrics)
         if speculative:
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             out.acceptance_rate = req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else 0.0

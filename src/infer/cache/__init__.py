@@ -1,4 +1,5 @@
 from .base import AttnMeta, KVCachePool
+from .paged import PagedKVCachePool
 from .slotted import SlottedKVCache
 
-__all__ = ["AttnMeta", "KVCachePool", "SlottedKVCache"]
+__all__ = ["AttnMeta", "KVCachePool", "PagedKVCachePool", "SlottedKVCache"]

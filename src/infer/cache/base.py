@@ -36,6 +36,7 @@ class AttnMeta:
     kv_len: int  # keys attended: max(start + num_new)
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend) or None when no masking is needed
     is_causal: bool  # True when a plain causal mask over kv_len == T suffices (fresh single-row prefill)
+    read_pos: torch.Tensor | None = None  # [B, kv_len] long, paged pools: storage row of each attended key
 
     @property
     def batch_size(self) -> int:
@@ -54,8 +55,20 @@ class KVCachePool(ABC):
     max_seq_len: int
 
     @abstractmethod
-    def allocate(self, num_tokens: int = 0) -> int:
-        """Reserve a slot able to hold ``num_tokens`` positions now; returns the slot id. Raises if none is free."""
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
+        """Reserve a slot for a sequence of up to ``num_tokens`` positions; returns the slot id. Raises if none is free.
+
+        With ``prefix_ids`` a pool with a prefix cache may start the slot at ``seq_len(slot) > 0``: the K/V of a
+        cached prefix of those ids (never all of them: the last token is always recomputed for its logits).
+        """
+
+    @abstractmethod
+    def can_fit(self, demands: list[tuple[int | None, int]]) -> bool:
+        """Ask before doing: could every ``(slot, new_len)`` grow to ``new_len`` positions at once?
+
+        ``slot=None`` stands for a sequence not yet allocated (it needs a free slot too). Prefix-cache hits are not
+        counted, so the answer is conservative.
+        """
 
     @abstractmethod
     def free(self, slot: int) -> None:
@@ -71,7 +84,14 @@ class KVCachePool(ABC):
 
     @abstractmethod
     def free_token_capacity(self) -> int:
-        """Positions that can still be written across the pool."""
+        """Positions that can still be written across the pool (a fresh pool returns its total capacity)."""
+
+    def cache_prefix(self, slot: int, token_ids: list[int]) -> None:
+        """Offer the computed K/V of ``token_ids`` (the prompt in ``slot``) to the prefix cache. Default: none."""
+
+    @property
+    def num_used_slots(self) -> int:
+        return 0
 
     @abstractmethod
     def prepare(self, slots: list[int], num_new: list[int], device: torch.device | None = None) -> AttnMeta:

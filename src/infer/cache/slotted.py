@@ -28,9 +28,10 @@ class SlottedKVCache(KVCachePool):
         self.num_layers, self.max_seq_len, self.max_slots = num_layers, max_seq_len, max_slots
         self.device = torch.device(device)
         shape = (num_layers, max_slots, num_kv_heads, max_seq_len + 1, head_dim)
-        # torch.empty: stale values are never read (see the base-class invariants), so no zero fill is needed.
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        # Zeros, not empty: masked keys still enter the attention matmul with weight 0, and 0 * NaN from
+        # uninitialised memory would be NaN. Stale entries written by the model are always finite.
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._lens = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._used: set[int] = set()
@@ -43,7 +44,7 @@ class SlottedKVCache(KVCachePool):
                    dtype=p.dtype, device=p.device)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def allocate(self, num_tokens: int = 0) -> int:
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
         if num_tokens > self.max_seq_len:
             raise ValueError(f"{num_tokens} tokens exceed the cache's max_seq_len {self.max_seq_len}")
         if not self._free:
@@ -67,6 +68,14 @@ class SlottedKVCache(KVCachePool):
         if not 0 <= new_len <= self._lens[slot]:
             raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self._lens[slot]} positions")
         self._lens[slot] = new_len
+
+    def can_fit(self, demands: list[tuple[int | None, int]]) -> bool:
+        new = sum(1 for slot, _ in demands if slot is None)
+        return new <= len(self._free) and all(n <= self.max_seq_len for _, n in demands)
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._used)
 
     def free_token_capacity(self) -> int:
         return len(self._free) * self.max_seq_len + sum(self.max_seq_len - self._lens[s] for s in self._used)

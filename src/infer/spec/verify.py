@@ -67,10 +67,15 @@ def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, num_d
     return VerifyResult(_assemble(draft_tokens, n, final), n, n == nd)
 
 
-def _uniforms(generators, B, K, device) -> torch.Tensor:
+def _uniforms(generators, B, K, device, nd: torch.Tensor) -> torch.Tensor:
+    """[B, K] uniforms. With one generator per row, row b draws exactly ``nd[b]`` of them (the rest are 1 and
+    never judged), so a request's random stream does not depend on what else shares its batch."""
     if isinstance(generators, torch.Generator) or generators is None:
         return torch.rand(B, K, generator=generators, device=device)
-    return torch.stack([torch.rand(K, generator=g, device=device) for g in generators])
+    u = torch.ones(B, K, device=device)
+    for b, (g, n) in enumerate(zip(generators, nd.tolist())):
+        u[b, :n] = torch.rand(n, generator=g, device=device)
+    return u
 
 
 def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
@@ -110,14 +115,14 @@ def rejection_sample(
     Edge cases are exact: p(t) = 0 always rejects; p == q never rejects (and if rounding makes it reject, the
     residual is 0 everywhere and we sample p, which equals it in exact arithmetic); zero-probability tokens of
     truncated supports (top-k / top-p / min-p) are never drawn from a residual, since max(0, 0 - q) = 0.
-    Random draws per row, in order: K uniforms, then V exponentials for the final token.
+    Random draws per row, in order: num_draft[b] uniforms, then V exponentials for the final token.
     """
     B, K = draft_tokens.shape
     device = p.device
     nd = _num_draft(num_draft, B, K, device)
     valid = torch.arange(K, device=device)[None, :] < nd[:, None]  # [B, K]
     p_t, q_t, expected = draft_diagnostics(draft_tokens, q, p, nd)  # [B, K] each
-    u = _uniforms(generators, B, K, device)
+    u = _uniforms(generators, B, K, device, nd)
     # u < p/q  <=>  u * q < p  (q(t) > 0 because t was drawn from q); p/q >= 1 always accepts since u < 1.
     n = _first_rejection((u * q_t < p_t) & valid)
     bonus = n == nd

@@ -1,0 +1,206 @@
+"""Paged KV storage: fixed-size blocks from one free list, a block table per sequence, a refcounted prefix cache.
+
+Storage is token-addressed: ``k[layer]`` is ``[num_blocks * block_size + 1, Hkv, D]`` and position p of a slot
+lives at row ``table[p // block_size] * block_size + p % block_size``. The last row is the scratch sink for padded
+query rows. A forward gathers each row's keys through ``read_pos [B, kv_len]`` (entries past a row's length point
+at any valid row; the mask hides them) and scatters the new K/V through ``write_pos [B, T]``.
+
+Prefix cache (``enable_prefix_caching``): when a prompt's prefill completes, each *full* prompt block is
+registered under a hash chaining all tokens up to its end, so equal hashes mean equal prefixes. A later prompt
+with the same leading blocks takes them (refcount + 1) instead of recomputing. A block whose refcount drops to 0
+stays cached but *evictable* (LRU); the free list is used first, then the oldest evictable block is recycled.
+
+Invariants: a block is in exactly one of {free list, evictable set, referenced by >= 1 slot}; cached blocks are
+only ever read (slots write strictly after their hit length, and only full prompt blocks are cached);
+``truncate_to`` drops references to whole trailing blocks and copies nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .base import AttnMeta, KVCachePool, build_positions
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCachePool(KVCachePool):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        max_seq_len: int = 4096,
+        max_slots: int = 8,
+        enable_prefix_caching: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks <= 0 or block_size <= 0 or max_seq_len <= 0 or max_slots <= 0:
+            raise ValueError(f"num_blocks, block_size, max_seq_len and max_slots must be > 0, got "
+                             f"{num_blocks}, {block_size}, {max_seq_len}, {max_slots}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.max_seq_len, self.max_slots = max_seq_len, max_slots
+        self.enable_prefix_caching = enable_prefix_caching
+        self.device = torch.device(device)
+        self.scratch = num_blocks * block_size
+        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
+        # zeros: masked keys still meet the matmul with weight 0, and 0 * NaN would poison the row
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._ref = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
+        self._hash_of: dict[int, int] = {}  # block -> prefix hash (cached blocks only)
+        self._block_of: dict[int, int] = {}  # prefix hash -> block
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self.prefix_hits = 0  # tokens served from the prefix cache (lifetime counter)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int, max_seq_len: int, max_slots: int,
+                  enable_prefix_caching: bool = False) -> PagedKVCachePool:
+        cfg, p = model.config, next(model.parameters())
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
+                   max_seq_len, max_slots, enable_prefix_caching, dtype=p.dtype, device=p.device)
+
+    # -- blocks ------------------------------------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self._free_blocks:
+            b = self._free_blocks.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)  # least recently released cached block
+            del self._block_of[self._hash_of.pop(b)]
+        else:
+            raise RuntimeError("KV pool exhausted: no free block (the scheduler should have asked can_fit)")
+        self._ref[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self._ref[b] -= 1
+        if self._ref[b] == 0:
+            if b in self._hash_of:
+                self._evictable[b] = None  # keep the cached K/V until the space is needed
+            else:
+                self._free_blocks.append(b)
+
+    def _prefix_hashes(self, token_ids: list[int], n_blocks: int) -> list[int]:
+        hashes, h, bs = [], 0, self.block_size
+        for i in range(n_blocks):
+            h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(h)
+        return hashes
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks) + len(self._evictable)
+
+    def blocks_needed(self, slot: int | None, new_len: int) -> int:
+        have = len(self._tables[slot]) if slot is not None else 0
+        return max(0, _cdiv(new_len, self.block_size) - have)
+
+    # -- KVCachePool -------------------------------------------------------------------------------------------
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
+        if num_tokens > self.max_seq_len:
+            raise ValueError(f"{num_tokens} tokens exceed the cache's max_seq_len {self.max_seq_len}")
+        if not self._free_slots:
+            raise RuntimeError(f"no free KV slot (all {self.max_slots} in use)")
+        slot = self._free_slots.pop()
+        table: list[int] = []
+        if self.enable_prefix_caching and prefix_ids:
+            # never the whole prompt: its last token must run through the model to produce logits
+            for h in self._prefix_hashes(prefix_ids, (len(prefix_ids) - 1) // self.block_size):
+                b = self._block_of.get(h)
+                if b is None:
+                    break
+                if self._ref[b] == 0:
+                    del self._evictable[b]
+                self._ref[b] += 1
+                table.append(b)
+        self._tables[slot] = table
+        self._lens[slot] = len(table) * self.block_size
+        self.prefix_hits += self._lens[slot]
+        return slot
+
+    def cache_prefix(self, slot: int, token_ids: list[int]) -> None:
+        if not self.enable_prefix_caching:
+            return
+        table, n_full = self._tables[slot], min(len(token_ids), self._lens[slot]) // self.block_size
+        for i, h in enumerate(self._prefix_hashes(token_ids, n_full)):
+            b = table[i]
+            if h not in self._block_of and b not in self._hash_of:
+                self._block_of[h], self._hash_of[b] = b, h
+
+    def free(self, slot: int) -> None:
+        if slot not in self._tables:
+            raise ValueError(f"slot {slot} is not allocated")
+        for b in reversed(self._tables.pop(slot)):  # tail blocks first: they become the first evicted
+            self._release(b)
+        del self._lens[slot]
+        self._free_slots.append(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self._lens[slot]
+
+    def truncate_to(self, slot: int, new_len: int) -> None:
+        if not 0 <= new_len <= self._lens[slot]:
+            raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self._lens[slot]} positions")
+        self._lens[slot] = new_len
+        table = self._tables[slot]
+        keep = _cdiv(new_len, self.block_size)  # a partial last block stays; its stale tail is overwritten later
+        while len(table) > keep:
+            self._release(table.pop())
+
+    def can_fit(self, demands: list[tuple[int | None, int]]) -> bool:
+        new = sum(1 for slot, _ in demands if slot is None)
+        if new > len(self._free_slots) or any(n > self.max_seq_len for _, n in demands):
+            return False
+        return sum(self.blocks_needed(s, n) for s, n in demands) <= self.num_free_blocks
+
+    def free_token_capacity(self) -> int:
+        return self.num_free_blocks * self.block_size
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._tables)
+
+    def prepare(self, slots: list[int], num_new: list[int], device=None) -> AttnMeta:
+        device = device or self.device
+        bs = self.block_size
+        start = [self._lens[s] for s in slots]
+        for s, st, n in zip(slots, start, num_new):
+            if st + n > self.max_seq_len:
+                raise ValueError(f"slot {s}: {st} + {n} tokens exceed max_seq_len {self.max_seq_len}")
+        if sum(self.blocks_needed(s, st + n) for s, st, n in zip(slots, start, num_new)) > self.num_free_blocks:
+            raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
+        for s, st, n in zip(slots, start, num_new):
+            table = self._tables[s]
+            while len(table) * bs < st + n:
+                table.append(self._take_block())
+            self._lens[s] = st + n
+        positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
+        T = positions.shape[1]
+        width = _cdiv(kv_len, bs)
+        tables = torch.tensor([self._tables[s][:width] + [0] * (width - len(self._tables[s][:width]))
+                               for s in slots], dtype=torch.long)  # [B, width], short rows padded (masked)
+        pos = torch.arange(kv_len)
+        read_pos = tables[:, pos // bs] * bs + pos % bs  # [B, kv_len]
+        offs = torch.arange(T)[None, :]
+        st_t, n_t = torch.tensor(start)[:, None], torch.tensor(num_new)[:, None]
+        write_pos = torch.where(offs < n_t, read_pos.gather(1, (st_t + offs).clamp(max=kv_len - 1)), self.scratch)
+        return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
+                        num_new=list(num_new), positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
+                        mask=mask, is_causal=is_causal, read_pos=read_pos.to(device))
+
+    def update(self, layer, k, v, meta):
+        kc, vc = self.k[layer], self.v[layer]  # [rows, Hkv, D]
+        kc[meta.write_pos] = k.transpose(1, 2)  # [B, T, Hkv, D] scattered to their rows
+        vc[meta.write_pos] = v.transpose(1, 2)
+        return kc[meta.read_pos].transpose(1, 2), vc[meta.read_pos].transpose(1, 2)  # [B, Hkv, kv_len, D]

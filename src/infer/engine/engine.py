@@ -1,0 +1,153 @@
+"""Engine: models, tokenizer, scheduler and runner behind ``add_request`` / ``step`` / ``abort``.
+
+    engine = Engine(EngineConfig(model=..., draft_model=...))
+    engine.add_request(prompt_ids, params)          # validated now: a bad request never enters the queue
+    while engine.has_unfinished: outputs = engine.step()
+
+Not thread-safe: one thread drives it (AsyncEngine runs it in a background thread and feeds it through a queue).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import parse_dtype
+from ..model.loader import load_model, resolve_model_path
+from ..request import Request, RequestStatus, StepOutput
+from ..sampling import SamplingParams, make_generator
+from ..spec.speculative import check_compatible
+from ..tokenizer import Tokenizer
+from .config import EngineConfig
+from .runner import ContinuousRunner
+from .scheduler import Scheduler
+from .speculative_runner import SpeculativeRunner
+from .stats import EngineStats
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``; try again later."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config
+        self.model_path = resolve_model_path(cfg.model)
+        self.dtype, self.device = parse_dtype(cfg.dtype), torch.device(cfg.device)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
+        self.stats = EngineStats()
+        self.draft_model = None
+        if cfg.use_speculative_decoding:
+            self.draft_path = resolve_model_path(cfg.draft_model)
+            self.draft_model = load_model(self.draft_path, self.dtype, self.device)
+            check_compatible(self.model, self.draft_model, str(self.model_path), str(self.draft_path))
+            draft_tok = Tokenizer(self.draft_path)
+            if draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
+                raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
+                                 "(token -> id maps differ): speculative decoding needs the same vocabulary")
+            if set(draft_tok.eos_token_ids) - set(self.eos_token_ids):
+                raise ValueError(f"drafter {self.draft_path} has EOS ids {draft_tok.eos_token_ids} but target "
+                                 f"{self.model_path} has {self.eos_token_ids}")
+            self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
+            self.runner = SpeculativeRunner(self.model, self.draft_model, cfg, self.max_seq_len, self.stats)
+        else:
+            self.runner = ContinuousRunner(self.model, cfg, self.max_seq_len, self.stats)
+        self.scheduler = Scheduler(cfg, self.runner)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = make_generator(cfg.seed, "cpu")
+        self._initial_free_kv = self.runner.free_kv_tokens()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the problem if this request can never run."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        V = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        if n + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"exceeds the maximum sequence length ({self.max_seq_len} tokens)")
+        lookahead = self.config.max_draft if self.draft_model is not None else 0
+        if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
+                             f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt: str | None = None) -> Request:
+        params = params or SamplingParams()
+        self.check_request(prompt_ids, params)
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        req = Request(prompt_ids, params, self.eos_token_ids, self.tokenizer, self._generator(params),
+                      request_id=request_id, prompt=prompt)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        return make_generator(seed, self.device)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request wherever it is; frees its KV at once. Returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.status == RequestStatus.FINISHED:
+            return None
+        self.scheduler.abort(req)
+        self._count_finished(req)
+        return StepOutput(req.request_id, None, req.stream_text(), True, "abort")
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one batched forward (or one speculative round), retire what finished."""
+        plan = self.scheduler.schedule()
+        outputs = self.runner.step(plan.prefill, plan.decode) if not plan.empty else []
+        for req in self.scheduler.retire():
+            self.requests.pop(req.request_id, None)
+            self._count_finished(req)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return [o for _, o in outputs]
+
+    def _count_finished(self, req: Request) -> None:
+        req.finish_time = time.monotonic()
+        reason = req.finish_reason or "abort"
+        self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Step until every given request has finished (the library's batch mode)."""
+        while any(not r.finished for r in requests):
+            self.step()
+        return requests
+
+    # -- introspection -----------------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def free_kv_tokens(self) -> int:
+        return self.runner.free_kv_tokens()
+
+    @property
+    def initial_free_kv_tokens(self) -> int:
+        return self._initial_free_kv

@@ -1,0 +1,125 @@
+"""Scheduler: which requests run this step, and with how many tokens. It knows nothing of speculation: the runner
+answers the KV questions (``can_fit``, ``decode_tokens``) and does the allocation (``admit``, ``free``).
+
+Each step, in order:
+  1. decode every running request that has finished its prefill, oldest first; if their KV growth does not fit,
+     preempt the newest running request (its K/V is dropped and recomputed later) until it does;
+  2. spend the rest of the token budget (``max_num_batched_tokens``) on prefill chunks: first requests already
+     prefilling, then new admissions from the waiting queue while slots and KV capacity allow.
+The oldest running request always fits alone (``Engine.add_request`` checks this), so the engine always makes
+progress: preemption goes newest-first and the waiting queue is first-come first-served.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..request import Request, RequestStatus
+from .config import EngineConfig
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+def is_prefilling(req: Request) -> bool:
+    return req.num_computed < req.num_tokens - 1
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, runner):
+        self.cfg, self.runner = cfg, runner
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        """Remove a request wherever it is and free everything it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.runner.free(req)
+        req.abort()
+        req.status = RequestStatus.FINISHED
+
+    def retire(self) -> list[Request]:
+        """Free the requests that finished this step."""
+        done = [r for r in self.running if r.finished]
+        for r in done:
+            self.running.remove(r)
+            self.runner.free(r)
+            r.status = RequestStatus.FINISHED
+        return done
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.runner.free(req)  # recompute later: prompt + output so far are prefilled again
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        while True:
+            out = self._try_schedule()
+            if not out.empty or out.admitted or not self.running:
+                return out
+            # running requests exist but none could take a step (their prefills do not fit together): make room
+            self._preempt(self.running[-1], out)
+
+    def _try_schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        decode = [r for r in self.running if not is_prefilling(r)]
+        while decode and not self.runner.can_fit(decode, []):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim in decode:
+                decode.remove(victim)
+        out.decode = decode
+        budget = self.cfg.max_num_batched_tokens - self.runner.decode_tokens(len(decode))
+        for r in self.running:
+            if budget <= 0:
+                break
+            if is_prefilling(r):
+                chunk = min(r.num_tokens - r.num_computed, budget)
+                if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
+                    break
+                out.prefill.append((r, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
+            r = self.waiting[0]
+            chunk = min(r.num_tokens, budget)
+            if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
+                break
+            self.waiting.popleft()
+            self.runner.admit(r)  # may start past a cached prefix
+            r.status = RequestStatus.RUNNING
+            self.running.append(r)
+            out.admitted.append(r)
+            if is_prefilling(r):
+                chunk = min(r.num_tokens - r.num_computed, budget)
+                out.prefill.append((r, chunk))
+                budget -= chunk
+            elif self.runner.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
+                out.decode.append(r)
+                budget -= self.runner.decode_tokens(1)
+        return out
