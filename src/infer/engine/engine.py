@@ -73,7 +73,8 @@ class Engine:
             raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         if n + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                             f"exceeds the maximum sequence length ({self.max_seq_len} tokens)")
+                             f"exceeds the maximum sequence length {self.max_seq_len} (max_seq_len, capped by the model's "
+                             f"max_position_embeddings {self.model.config.max_position_embeddings})")
         lookahead = self.config.max_draft if self.draft_model is not None else 0
         if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "

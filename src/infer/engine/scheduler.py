@@ -110,13 +110,17 @@ class Scheduler:
             chunk = min(r.num_tokens, budget)
             if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
                 break
+            self.runner.admit(r)  # may start past a cached prefix, whose blocks it now holds
+            if is_prefilling(r):
+                chunk = min(r.num_tokens - r.num_computed, budget)
+                if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
+                    self.runner.free(r)  # the hit blocks cost capacity too: undo, retry next step
+                    break
             self.waiting.popleft()
-            self.runner.admit(r)  # may start past a cached prefix
             r.status = RequestStatus.RUNNING
             self.running.append(r)
             out.admitted.append(r)
             if is_prefilling(r):
-                chunk = min(r.num_tokens - r.num_computed, budget)
                 out.prefill.append((r, chunk))
                 budget -= chunk
             elif self.runner.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit

@@ -1,0 +1,156 @@
+"""AsyncEngine: the Engine driven by one background thread, many requests streaming concurrently over asyncio.
+
+    engine = AsyncEngine(EngineConfig(...))
+    async for out in engine.generate(prompt_ids, params, request_id):   # StepOutputs, the last has finished=True
+        ...
+    engine.abort(request_id)                                            # from anywhere, at any time
+
+The model thread owns the Engine; other threads talk to it only through a command queue (add / abort), and it
+answers through each request's asyncio.Queue via ``loop.call_soon_threadsafe``. ``add_request`` awaits the
+engine's verdict, so a bad or refused request raises (ValueError, QueueFullError) before any streaming starts.
+A consumer that stops iterating (client disconnect, task cancellation) aborts its request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+
+from ..request import StepOutput
+from ..sampling import SamplingParams
+from .config import EngineConfig
+from .engine import Engine
+
+
+class RequestStream:
+    """The StepOutputs of one request, in order; iterating to the end or closing it early are both fine."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue):
+        self.engine, self.request_id, self._q, self.finished = engine, request_id, q, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | Engine):
+        self.engine = config if isinstance(config, Engine) else Engine(config)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._ids = 0
+        self.error: BaseException | None = None  # set if the model loop died
+        self._thread = threading.Thread(target=self._loop, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    # -- client side (any thread / event loop) -----------------------------------------------------------------
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, prompt: str | None = None) -> RequestStream:
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
+        if request_id is None:
+            self._ids += 1
+            request_id = f"areq-{self._ids}"
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        accepted = loop.create_future()
+        self._cmds.put(("add", (list(prompt_ids), params or SamplingParams(), request_id, prompt), loop, q, accepted))
+        self._wake.set()
+        await accepted  # raises what Engine.add_request raised
+        return RequestStream(self, request_id, q)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+        stream = await self.add_request(prompt_ids, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()  # consumer went away early: abort and free its KV
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- model thread ------------------------------------------------------------------------------------------
+    def _push(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, q = target
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed: nobody is listening any more
+            pass
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, (ids, params, rid, prompt), loop, q, accepted = cmd
+            try:
+                self.engine.add_request(ids, params, rid, prompt)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, accepted, e)
+                return
+            self._streams[rid] = (loop, q)
+            loop.call_soon_threadsafe(_settle, accepted, None)
+        else:
+            out = self.engine.abort(cmd[1])
+            if out is not None:
+                self._push(cmd[1], out)
+            else:
+                self._streams.pop(cmd[1], None)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                while True:
+                    try:
+                        self._handle(self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                if not self.engine.has_unfinished:
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._push(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - a dead loop must not leave clients waiting forever
+            traceback.print_exc()
+            self.error = e
+            for rid in list(self._streams):
+                self._push(rid, RuntimeError(f"engine failure: {e!r}"))
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
