@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..config import parse_dtype
+from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, resolve_model_path
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
@@ -31,27 +32,29 @@ class QueueFullError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
+                 draft_model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None):
+        """Models load from ``config.model`` / ``config.draft_model``; tests may pass loaded ones instead (then
+        ``tokenizer`` may be None: no stop strings or text, EOS from the model's config)."""
         self.config = cfg = config
-        self.model_path = resolve_model_path(cfg.model)
         self.dtype, self.device = parse_dtype(cfg.dtype), torch.device(cfg.device)
-        self.model = load_model(self.model_path, self.dtype, self.device)
-        self.tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
-        self.eos_token_ids = self.tokenizer.eos_token_ids
+        if model is None:
+            self.model_path = resolve_model_path(cfg.model)
+            self.model = load_model(self.model_path, self.dtype, self.device)
+            tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
+        else:
+            self.model_path, self.model = str(cfg.model), model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else list(self.model.config.eos_token_ids)
         self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
         self.stats = EngineStats()
-        self.draft_model = None
+        self.draft_model = draft_model
         if cfg.use_speculative_decoding:
-            self.draft_path = resolve_model_path(cfg.draft_model)
-            self.draft_model = load_model(self.draft_path, self.dtype, self.device)
-            check_compatible(self.model, self.draft_model, str(self.model_path), str(self.draft_path))
-            draft_tok = Tokenizer(self.draft_path)
-            if draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
-                raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
-                                 "(token -> id maps differ): speculative decoding needs the same vocabulary")
-            if set(draft_tok.eos_token_ids) - set(self.eos_token_ids):
-                raise ValueError(f"drafter {self.draft_path} has EOS ids {draft_tok.eos_token_ids} but target "
-                                 f"{self.model_path} has {self.eos_token_ids}")
+            if draft_model is None:
+                self.draft_path = resolve_model_path(cfg.draft_model)
+                self.draft_model = load_model(self.draft_path, self.dtype, self.device)
+                self._check_draft_tokenizer()
+            check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
             self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
             self.runner = SpeculativeRunner(self.model, self.draft_model, cfg, self.max_seq_len, self.stats)
         else:
@@ -60,6 +63,15 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.runner.free_kv_tokens()
+
+    def _check_draft_tokenizer(self) -> None:
+        draft_tok = Tokenizer(self.draft_path)
+        if self.tokenizer is not None and draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
+            raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
+                             "(token -> id maps differ): speculative decoding needs the same vocabulary")
+        if self.tokenizer is not None and set(draft_tok.eos_token_ids) - set(self.eos_token_ids):
+            raise ValueError(f"drafter {self.draft_path} has EOS ids {draft_tok.eos_token_ids} but target "
+                             f"{self.model_path} has {self.eos_token_ids}")
 
     # -- requests ----------------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -1,0 +1,206 @@
+"""The serving engine (issue 5, D10): batched greedy parity with one-at-a-time decoding across both KV backends,
+prefix caching, chunked prefill and speculation; seeded reproducibility in any batch; multi-token steps;
+preemption under pool exhaustion; abort; config validation and bad input."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from infer.engine import Engine, EngineConfig, QueueFullError
+from infer.generate import autoregressive_generate
+from infer.model.loader import load_model
+from infer.sampling import SamplingParams
+from infer.testing import make_tiny_llama
+from infer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def models(gqa_dir):
+    """Target, a drafter that resembles it (a noisy copy: acceptance in between 0 and 1), and the tokenizer."""
+    target = load_model(gqa_dir)
+    drafter = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return target, drafter, Tokenizer(gqa_dir, extra_eos_token_ids=target.config.eos_token_ids)
+
+
+def _prompts(n=12, seed=0):
+    rnd = random.Random(seed)
+    shared = [rnd.randrange(5, 300) for _ in range(13)]  # half the prompts share a 13-token prefix
+    prompts, max_tokens = [], []
+    for i in range(n):
+        tail = [rnd.randrange(5, 300) for _ in range(rnd.randrange(1, 30))]
+        prompts.append(shared + tail if i % 2 else tail)
+        max_tokens.append(rnd.randrange(1, 30))
+    return prompts, max_tokens
+
+
+def _engine(models, gqa_dir, spec=True, draft=None, **kw):
+    target, drafter, tok = models
+    cfg = EngineConfig(model=gqa_dir, draft_model=gqa_dir if spec else None, **kw)
+    return Engine(cfg, model=target, draft_model=(draft or drafter) if spec else None, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    target, _, tok = models
+    prompts, max_tokens = _prompts()
+    return [autoregressive_generate(target, p, SamplingParams(temperature=0, max_tokens=m), tok.eos_token_ids).output_ids
+            for p, m in zip(prompts, max_tokens)]
+
+
+CONFIGS = {
+    "contiguous": dict(kv_cache_backend="contiguous"),
+    "paged": dict(kv_cache_backend="paged", block_size=4),
+    "paged+prefix": dict(kv_cache_backend="paged", block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_greedy_equals_one_at_a_time(models, gqa_dir, reference, name, spec):
+    eng = _engine(models, gqa_dir, spec, max_batch_size=4, max_num_batched_tokens=24, spec_length=3,
+                  **CONFIGS[name])
+    prompts, max_tokens = _prompts()
+    reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == reference
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens  # nothing leaked
+    if spec:
+        assert 0 < eng.stats.acceptance_rate < 1  # real accepts and real rejections
+        assert eng.stats.num_draft_tokens == sum(r.num_draft_tokens for r in reqs)
+        assert sum(eng.stats.accepted_per_position) == eng.stats.num_accepted_tokens
+    if "prefix" in name:
+        assert eng.stats.prefix_cache_hit_tokens > 0
+
+
+def test_self_drafting_accepts_everything_and_emits_several_tokens_per_step(models, gqa_dir):
+    target = models[0]
+    eng = _engine(models, gqa_dir, draft=target, spec_length=4)
+    req = eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
+    per_step = []
+    while not req.finished:
+        per_step.append(len([o for o in eng.step() if o.request_id == req.request_id]))
+    assert max(per_step) == 5  # K accepted + bonus in one step
+    final = req.output_ids
+    assert len(final) == 11 and req.acceptance_rate == 1.0
+    # the last StepOutput carries the acceptance rate
+    eng2 = _engine(models, gqa_dir, draft=target, spec_length=4)
+    eng2.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
+    outs = [o for _ in range(20) for o in eng2.step()]
+    assert outs[-1].finished and outs[-1].acceptance_rate == 1.0 and outs[-1].num_draft_tokens > 0
+    assert all(o.acceptance_rate is None for o in outs[:-1])
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_seeded_request_is_the_same_alone_or_in_any_batch(models, gqa_dir, spec):
+    params = SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=7, ignore_eos=True)
+    eng = _engine(models, gqa_dir, spec, max_batch_size=4, block_size=4, spec_length=3)
+    alone = eng.run([eng.add_request([10, 11, 12], params)])[0].output_ids
+    for others in (3, 6):
+        prompts, max_tokens = _prompts(others, seed=others)
+        reqs = [eng.add_request(p, SamplingParams(temperature=0.9, max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+        mine = eng.add_request([10, 11, 12], params)
+        eng.run(reqs + [mine])
+        assert mine.output_ids == alone
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_pool_exhaustion_preempts_and_every_request_completes(models, gqa_dir, backend):
+    target, _, tok = models
+    kw = dict(num_kv_blocks=14, block_size=4) if backend == "paged" else dict(max_seq_len=60)
+    eng = _engine(models, gqa_dir, kv_cache_backend=backend, max_batch_size=6, spec_length=3, **kw)
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(5, 300) for _ in range(rnd.randrange(5, 20))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    eng.run(reqs)
+    ref = [autoregressive_generate(target, p, params).output_ids for p in prompts]
+    assert [r.output_ids for r in reqs] == ref
+    if backend == "paged":
+        assert eng.stats.num_preemptions > 0  # 14 blocks cannot hold six 50-token sequences
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+
+
+def test_abort_at_any_time_frees_everything(models, gqa_dir):
+    eng = _engine(models, gqa_dir, max_batch_size=2, block_size=4, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reqs = [eng.add_request(list(range(5, 5 + n)), params) for n in (20, 3, 9, 4)]
+    eng.step()  # first request mid-prefill (chunked), others waiting
+    out = eng.abort(reqs[0].request_id)
+    assert out.finished and out.finish_reason == "abort" and reqs[0].finish_reason == "abort"
+    for _ in range(4):
+        eng.step()  # two decoding now, one still waiting
+    assert eng.num_running == 2 and eng.num_waiting == 1
+    for r in reqs[1:]:
+        eng.abort(r.request_id)
+    assert eng.abort(reqs[1].request_id) is None  # unknown / already finished: nothing to do
+    assert not eng.has_unfinished and eng.free_kv_tokens() == eng.initial_free_kv_tokens
+    assert eng.stats.requests_finished["abort"] == 4
+
+
+def test_overflow_guard_near_max_seq_len(models, gqa_dir, reference):
+    target = models[0]
+    eng = _engine(models, gqa_dir, draft=target, spec_length=5, max_seq_len=24, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    req = eng.run([eng.add_request(list(range(5, 15)), params)])[0]  # 10 + 14 = max_seq_len exactly
+    assert req.output_ids == autoregressive_generate(target, list(range(5, 15)), params).output_ids
+
+
+def test_stop_strings_and_penalty_through_the_engine(models, gqa_dir):
+    target, _, tok = models
+    prompts, _ = _prompts(6, seed=3)
+    ref_params = SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3, ignore_eos=True)
+    ref = [autoregressive_generate(target, p, ref_params, tokenizer=tok) for p in prompts]
+    stops = [r.text[3:5] for r in ref if len(r.text) > 6][:2]  # strings that occur in the outputs
+    params = SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.3, ignore_eos=True, stop=stops)
+    expect = [autoregressive_generate(target, p, params, tokenizer=tok) for p in prompts]
+    eng = _engine(models, gqa_dir, max_batch_size=3, spec_length=3)
+    got = eng.run([eng.add_request(p, params) for p in prompts])
+    assert [(r.output_ids, r.text, r.finish_reason) for r in got] == [
+        (r.output_ids, r.text, r.finish_reason) for r in expect]
+    assert any(r.finish_reason == "stop" for r in got)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="requires draft_model"):
+        EngineConfig(model="m", use_speculative_decoding=True)
+    with pytest.raises(ValueError, match="spec_length"):
+        EngineConfig(model="m", draft_model="d", spec_length=0)
+    with pytest.raises(ValueError, match="kv_cache_backend"):
+        EngineConfig(model="m", kv_cache_backend="ring")
+    with pytest.raises(ValueError, match="prefix"):
+        EngineConfig(model="m", kv_cache_backend="contiguous", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        EngineConfig(model="m", max_batch_size=0)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(model="m", num_kv_blocks=4, kv_cache_memory_mb=1.0)
+    with pytest.raises(ValueError, match="gamma_min"):
+        EngineConfig(model="m", draft_model="d", use_egag=True, gamma_min=4, gamma_max=2)
+    assert EngineConfig(model="m", draft_model="d").use_speculative_decoding  # a drafter turns speculation on
+
+
+def test_drafter_with_another_vocabulary_is_refused(gqa_dir, tmp_path):
+    other = make_tiny_llama(tmp_path / "wide", "gqa", vocab_size=400)
+    with pytest.raises(ValueError, match="vocab"):
+        Engine(EngineConfig(model=gqa_dir, draft_model=other))
+
+
+def test_bad_requests_are_refused_before_queueing(models, gqa_dir):
+    eng = _engine(models, gqa_dir, num_kv_blocks=4, block_size=4, max_waiting_requests=1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        eng.add_request([1, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.add_request([1] * 10, SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        eng.add_request([1] * 10, SamplingParams(max_tokens=10))  # 16-token pool
+    eng.add_request([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        eng.add_request([1, 2], SamplingParams(max_tokens=2))
+    assert eng.num_waiting == 1

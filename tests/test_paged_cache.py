@@ -1,0 +1,113 @@
+"""PagedKVCachePool: same attention results as the contiguous pool, rollback frees whole trailing blocks (D6),
+prefix cache sharing and eviction, capacity accounting."""
+
+import pytest
+import torch
+
+from infer.cache import PagedKVCachePool, SlottedKVCache
+from infer.testing import random_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(vocab_size=50, seed=1)
+
+
+def _run(model, pool, seqs):
+    """Chunked prefill of three sequences, a rollback, then a batched decode; returns logits of both phases."""
+    slots = [pool.allocate() for _ in seqs]
+    outs = []
+    for lo, hi in ((0, 4), (4, None)):
+        rows = [s[lo:hi] for s in seqs]
+        x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        for i, r in enumerate(rows):
+            x[i, :len(r)] = torch.tensor(r)
+        meta = pool.prepare(slots, [len(r) for r in rows])
+        h = model(x, meta.positions, pool, meta)
+    outs.append(model.compute_logits(torch.stack([h[i, len(r) - 1] for i, r in enumerate(rows)])))
+    pool.truncate_to(slots[1], pool.seq_len(slots[1]) - 3)
+    meta = pool.prepare(slots, [1, 1, 1])
+    outs.append(model.compute_logits(model(torch.tensor([[1], [2], [3]]), meta.positions, pool, meta)[:, -1]))
+    return outs, slots
+
+
+def test_paged_attention_matches_contiguous_and_reference(model):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (5, 13, 9)]
+    ref, _ = _run(model, SlottedKVCache.for_model(model, 64, 3), seqs)
+    paged, slots = _run(model, PagedKVCachePool.for_model(model, 20, 4, 64, 3), seqs)
+    for a, b in zip(ref, paged):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    full = torch.cat([model.compute_logits(model(torch.tensor([s]))[:, -1]) for s in seqs])
+    torch.testing.assert_close(paged[0], full, rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_frees_whole_trailing_blocks_only():
+    pool = PagedKVCachePool(1, 1, 4, num_blocks=8, block_size=4, max_seq_len=32, max_slots=2)
+    s = pool.allocate()
+    pool.prepare([s], [10])  # 3 blocks
+    assert pool.free_token_capacity() == 5 * 4
+    pool.truncate_to(s, 9)  # still 3 blocks (partial last block is kept)
+    assert pool.free_token_capacity() == 5 * 4
+    pool.truncate_to(s, 8)  # block 3 freed
+    assert pool.free_token_capacity() == 6 * 4 and pool.seq_len(s) == 8
+    pool.truncate_to(s, 0)
+    assert pool.free_token_capacity() == 8 * 4
+    with pytest.raises(ValueError, match="truncate_to"):
+        pool.truncate_to(s, 1)  # cannot grow by truncation
+    pool.free(s)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(s)
+
+
+def test_can_fit_asks_before_prepare_does():
+    pool = PagedKVCachePool(1, 1, 4, num_blocks=4, block_size=4, max_seq_len=32, max_slots=2)
+    s = pool.allocate()
+    assert pool.can_fit([(s, 16)]) and not pool.can_fit([(s, 17)])
+    assert not pool.can_fit([(s, 12), (None, 5)])  # 3 + 2 blocks > 4
+    assert not pool.can_fit([(None, 1), (None, 1)])  # one slot left
+    pool.prepare([s], [16])
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.prepare([s], [1])
+    assert pool.seq_len(s) == 16  # a refused prepare changes nothing
+
+
+def test_prefix_cache_shares_full_prompt_blocks_and_evicts_lru(model):
+    pool = PagedKVCachePool.for_model(model, num_blocks=6, block_size=4, max_seq_len=32, max_slots=3,
+                                      enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + 2
+    a = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(a) == 0
+    meta = pool.prepare([a], [10])
+    ha = model(torch.tensor([prompt]), meta.positions, pool, meta)
+    pool.cache_prefix(a, prompt)
+    b = pool.allocate(prefix_ids=prompt + [7, 7])  # shares the 2 full blocks
+    assert pool.seq_len(b) == 8
+    meta = pool.prepare([b], [2])
+    hb = model(torch.tensor([prompt[8:]]), meta.positions, pool, meta)
+    torch.testing.assert_close(hb[0, -1], ha[0, -1], rtol=1e-5, atol=1e-5)
+    assert pool.free_token_capacity() == (6 - 3 - 1) * 4  # a: 3 blocks, b: 2 shared + 1 own
+    pool.free(a)
+    pool.free(b)
+    assert pool.free_token_capacity() == 6 * 4  # cached blocks count as free (evictable)
+    c = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(c) == 8  # still cached after both owners left
+    pool.free(c)
+    d = pool.allocate()
+    pool.prepare([d], [24])  # needs every block: evicts the cached ones
+    pool.free(d)
+    e = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(e) == 0  # evicted
+    # a prompt that is exactly whole blocks never hits entirely: its last token must be recomputed
+    pool.free(e)
+
+
+def test_whole_prompt_never_hits():
+    pool = PagedKVCachePool(1, 1, 4, num_blocks=8, block_size=4, max_seq_len=32, max_slots=2,
+                            enable_prefix_caching=True)
+    prompt = list(range(8))
+    a = pool.allocate(prefix_ids=prompt)
+    pool.prepare([a], [8])
+    pool.cache_prefix(a, prompt)
+    b = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(b) == 4
