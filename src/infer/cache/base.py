@@ -37,6 +37,7 @@ class AttnMeta:
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool (True = attend) or None when no masking is needed
     is_causal: bool  # True when a plain causal mask over kv_len == T suffices (fresh single-row prefill)
     read_pos: torch.Tensor | None = None  # [B, kv_len] long, paged pools: storage row of each attended key
+    row0: int | None = None  # paged, one row whose blocks are consecutive: storage row of position 0 (slices)
 
     @property
     def batch_size(self) -> int:

@@ -188,6 +188,13 @@ class PagedKVCachePool(KVCachePool):
         positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
         T = positions.shape[1]
         width = _cdiv(kv_len, bs)
+        if len(slots) == 1:
+            table = self._tables[slots[0]][:width]
+            if table[-1] - table[0] == width - 1 and table == list(range(table[0], table[0] + width)):
+                # consecutive blocks (the common case for a lone sequence): plain slices, no gather
+                return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
+                                num_new=list(num_new), positions=positions, write_pos=positions, kv_len=kv_len,
+                                mask=mask, is_causal=is_causal, row0=table[0] * bs)
         tables = torch.tensor([self._tables[s][:width] + [0] * (width - len(self._tables[s][:width]))
                                for s in slots], dtype=torch.long)  # [B, width], short rows padded (masked)
         pos = torch.arange(kv_len)
@@ -201,6 +208,12 @@ class PagedKVCachePool(KVCachePool):
 
     def update(self, layer, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [rows, Hkv, D]
+        if meta.row0 is not None:
+            lo, T = meta.row0 + meta.start[0], k.shape[2]
+            kc[lo:lo + T] = k[0].transpose(0, 1)
+            vc[lo:lo + T] = v[0].transpose(0, 1)
+            end = meta.row0 + meta.kv_len
+            return kc[meta.row0:end].transpose(0, 1)[None], vc[meta.row0:end].transpose(0, 1)[None]
         kc[meta.write_pos] = k.transpose(1, 2)  # [B, T, Hkv, D] scattered to their rows
         vc[meta.write_pos] = v.transpose(1, 2)
         return kc[meta.read_pos].transpose(1, 2), vc[meta.read_pos].transpose(1, 2)  # [B, Hkv, kv_len, D]
