@@ -77,6 +77,19 @@ def cmd_demo(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .server.__main__ import serve
+
+    return serve(a)
+
+
+def cmd_bench_serve(a) -> int:
+    from .bench_serve import run_bench
+
+    run_bench(a)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=3)
     d.add_argument("--dtype", default="float32")
     d.set_defaults(func=cmd_demo)
+    from .bench_serve import add_bench_args
+    from .server.__main__ import add_serve_args
+
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench-serve", help="bounded streaming load against a running server")
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench_serve)
     t = sub.add_parser("make-tiny", help="write a tiny random HF-format Llama checkpoint (for tests and trials)")
     t.add_argument("out_dir")
     t.add_argument("--shape", default="llama3", help="mha | gqa | llama3 | tied")

@@ -26,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
 
     def __post_init__(self):
         def bad(name, why):
@@ -53,6 +54,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20] or None")
 
     @property
     def greedy(self) -> bool:

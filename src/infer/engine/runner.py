@@ -43,6 +43,17 @@ def num_kv_blocks(model: LlamaForCausalLM, cfg: EngineConfig, max_seq_len: int) 
     return cfg.max_batch_size * math.ceil(max_seq_len / cfg.block_size)  # every slot can reach max_seq_len
 
 
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """log p(token) under the target's raw next-token distribution (softmax of its logits, before temperature and
+    truncation, as vLLM reports by default) and the ``top`` most likely alternatives."""
+    logp = logits.float().log_softmax(-1)
+    alts = []
+    if top:
+        vals, idx = logp.topk(top)
+        alts = list(zip(idx.tolist(), vals.tolist()))
+    return float(logp[token]), alts
+
+
 class ContinuousRunner:
 
     def __init__(self, model: LlamaForCausalLM, cfg: EngineConfig, max_seq_len: int, stats: EngineStats):
@@ -100,13 +111,18 @@ class ContinuousRunner:
         probs = logits_to_probs(logits, batch, seen)
         return sample(probs, [r.generator for r in reqs], [p.greedy for p in params]).tolist()
 
-    def emit(self, req: Request, token: int, now: float | None = None) -> StepOutput:
-        """Append one token to the request (stop conditions live in Request.append) -> its StepOutput."""
+    def emit(self, req: Request, token: int, logits: torch.Tensor | None = None) -> StepOutput:
+        """Append one token to the request (stop conditions live in Request.append) -> its StepOutput.
+
+        ``logits`` [V]: the target's logits for this position, for requests that asked for logprobs.
+        """
         if req.first_token_time is None:
-            req.first_token_time = now or time.monotonic()
+            req.first_token_time = time.monotonic()
         done = req.append(token)
         self.stats.generation_tokens += 1
         out = StepOutput(req.request_id, token, req.stream_text(), done, req.finish_reason)
+        if req.params.logprobs is not None and logits is not None:
+            out.logprob, out.top_logprobs = token_logprobs(logits, token, req.params.logprobs)
         if done and req.num_draft_tokens:
             out.acceptance_rate = req.acceptance_rate
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
@@ -138,16 +154,18 @@ class ContinuousRunner:
         if not done_reqs:
             return []
         last = torch.stack([hidden[i, j] for i, j in done_idx])
-        tokens = self.sample(done_reqs, self.model.compute_logits(last))
-        return [(r, self.emit(r, t)) for r, t in zip(done_reqs, tokens)]
+        logits = self.model.compute_logits(last)
+        tokens = self.sample(done_reqs, logits)
+        return [(r, self.emit(r, t, logits[i])) for i, (r, t) in enumerate(zip(done_reqs, tokens))]
 
     def decode(self, decode: list[Request]) -> list[tuple[Request, StepOutput]]:
         """One token for each request: feed its unfed last token at its own position."""
         hidden = self.forward(self.model, self.pool, [r.slot for r in decode], [[r.all_ids()[-1]] for r in decode])
-        tokens = self.sample(decode, self.model.compute_logits(hidden[:, -1]))
+        logits = self.model.compute_logits(hidden[:, -1])
+        tokens = self.sample(decode, logits)
         outs = []
-        for r, t in zip(decode, tokens):
+        for i, (r, t) in enumerate(zip(decode, tokens)):
             r.num_computed += 1
             r.num_target_forwards += 1
-            outs.append((r, self.emit(r, t)))
+            outs.append((r, self.emit(r, t, logits[i])))
         return outs

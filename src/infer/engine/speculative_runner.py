@@ -131,8 +131,8 @@ class SpeculativeRunner(ContinuousRunner):
             else:
                 r.num_target_forwards += 1
             emitted = []
-            for t in out_tokens[b][: n + 1]:
-                outputs.append((r, self.emit(r, t)))
+            for j, t in enumerate(out_tokens[b][: n + 1]):  # token j was judged by the target's p_j
+                outputs.append((r, self.emit(r, t, logits[b, j])))
                 emitted.append(t)
                 if r.finished:
                     break

@@ -1,0 +1,3 @@
+from .app import build_app
+
+__all__ = ["build_app"]

@@ -1,0 +1,215 @@
+"""End-to-end: the real server (uvicorn on 127.0.0.1, ephemeral port) driven by the official openai client."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from infer.engine import EngineConfig
+from infer.engine.async_engine import AsyncEngine
+from infer.llm import LLM
+from infer.sampling import SamplingParams
+from infer.server import build_app
+from infer.server.thread import ServerThread
+
+KEY = "test-key"
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_dirs):
+    # target gqa, drafter mha: same tokenizer, different weights (real rejections)
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], draft_model=ckpt_dirs["mha"], spec_length=3,
+                                      max_batch_size=4, block_size=4, max_waiting_requests=64))
+    with ServerThread(build_app(engine, NAME, api_key=KEY, max_body_bytes=4096)) as srv:
+        srv.engine = engine
+        yield srv
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dirs):
+    return LLM(ckpt_dirs["gqa"])
+
+
+def _wait_idle(engine, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.engine.free_kv_tokens() == engine.engine.initial_free_kv_tokens
+
+
+def _raw(server, path, body: bytes | None = None, key=KEY, method=None):
+    req = urllib.request.Request(server.url + path, data=body, method=method,
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_completion_greedy_equals_library_and_usage_has_acceptance(client, llm):
+    r = client.completions.create(model=NAME, prompt="def fib(n):", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    u = r.usage.model_dump()
+    assert u["completion_tokens"] == 12 and u["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert u["num_draft_tokens"] > 0 and 0 <= u["num_accepted_tokens"] <= u["num_draft_tokens"]
+    assert u["acceptance_rate"] == pytest.approx(u["num_accepted_tokens"] / u["num_draft_tokens"])
+
+
+def test_chat_streaming_matches_non_streaming_and_ends_with_usage(client, llm):
+    msgs = [{"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0)
+    ref = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=10))
+    assert full.choices[0].message.content == ref.text
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.model_dump()["num_draft_tokens"] > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_seeds_reproduce_and_n_gives_distinct_choices(client):
+    kw = dict(model=NAME, prompt="The cat", max_tokens=12, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+    many = client.completions.create(**{**kw, "n": 3})
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == a  # choice j uses seed + j
+    assert len({c.text for c in many.choices}) > 1
+    assert many.usage.completion_tokens == 36
+
+
+def test_logprobs_are_the_targets_exactly(client, llm):
+    r = client.completions.create(model=NAME, prompt="import os", max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    ids = llm.tokenizer.encode("import os")
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        logits = llm.model.compute_logits(llm.model(torch.tensor([ids + out])))[0, len(ids) - 1:-1]
+    expect = logits.log_softmax(-1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+    assert lp.token_logprobs == pytest.approx(expect.tolist(), abs=1e-4)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)  # a dict: tokens that decode alike share a key
+    assert max(lp.top_logprobs[0].values()) == pytest.approx(lp.token_logprobs[0], abs=1e-5)  # greedy: the top one
+
+
+def test_error_statuses(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=100000)
+    assert "exceeds" in e.value.body["message"] and "100000" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", top_p=0)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+    assert _raw(server, "/health", key="wrong")[0] == 200  # /health needs no key
+    status, _, body = _raw(server, "/v1/nothing")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, _, body = _raw(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "x" * 10000}).encode())
+    assert status == 413
+    status, _, body = _raw(server, "/v1/completions", b"{not json")
+    assert status == 400 and "error" in body
+    status, _, body = _raw(server, "/v1/completions", json.dumps({"model": NAME}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert _wait_idle(server.engine)
+
+
+def test_client_disconnect_aborts_and_frees_kv(server, client):
+    stats = server.engine.engine.stats
+    aborted = stats.requests_finished.get("abort", 0)
+    stream = client.completions.create(model=NAME, prompt="Hello", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()  # hang up mid-stream
+    assert _wait_idle(server.engine)
+    assert stats.requests_finished.get("abort", 0) == aborted + 1  # aborted, not run to its 200 tokens
+    assert _raw(server, "/health")[0] == 200
+    assert _raw(server, "/metrics", key="wrong")[0] == 401  # every route but /health needs the key
+
+
+def test_metrics(server, client):
+    client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0)
+    req = urllib.request.Request(server.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req).read().decode()
+    for name in ("infer_requests_total", "infer_prompt_tokens_total", "infer_generation_tokens_total",
+                 "infer_time_to_first_token_seconds_bucket", "infer_inter_token_latency_seconds_bucket",
+                 "infer_requests_running", "infer_requests_waiting", "infer_kv_cache_usage",
+                 "infer_spec_drafts_total", "infer_spec_draft_tokens_total", "infer_spec_accepted_tokens_total",
+                 "infer_spec_accepted_tokens_per_position_total"):
+        assert name in text, name
+
+
+def test_full_queue_answers_503_with_retry_after(ckpt_dirs):
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], max_batch_size=1, max_waiting_requests=1))
+    with ServerThread(build_app(engine, NAME)) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+        kw = dict(model=NAME, prompt="Hi", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        held = [c.completions.create(**kw), c.completions.create(**kw)]  # one running, one waiting
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(**kw)
+        assert e.value.status_code == 503 and e.value.response.headers.get("retry-after") == "1"
+        for s in held:
+            s.close()
+        assert _wait_idle(engine)
+    engine.shutdown()
+
+
+def test_many_concurrent_streaming_clients(server):
+    """32 streaming clients x 4 requests: every request completes, no 5xx, the KV pool is fully free after."""
+    import asyncio
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+
+        async def client_(i):
+            done = 0
+            for j in range(4):
+                s = await c.completions.create(model=NAME, prompt=f"req {i} {j}", max_tokens=6, temperature=0.8,
+                                               stream=True, stream_options={"include_usage": True}, seed=i * 4 + j)
+                usage = None
+                async for chunk in s:
+                    usage = chunk.usage or usage
+                done += usage is not None and usage.completion_tokens > 0
+            return done
+
+        return await asyncio.gather(*[client_(i) for i in range(32)])
+
+    assert asyncio.run(main()) == [4] * 32
+    assert _wait_idle(server.engine)
+
+
+def test_serve_rejects_bad_flags_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--speculative-decoding"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--draft-model" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--kv-cache-backend", "ring"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "kv_cache_backend" in r.stderr and r.stderr.strip().count("\n") == 0
