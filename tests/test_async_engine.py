@@ -76,9 +76,11 @@ def test_refused_requests_raise_before_streaming(engine):
             await engine.add_request([], SamplingParams())
         with pytest.raises(ValueError, match="max_seq_len"):
             await engine.add_request([1, 2], SamplingParams(max_tokens=10**6))
-        await engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        first = await engine.add_request([1, 2], long, request_id="dup")
         with pytest.raises(ValueError, match="already in use"):
-            await engine.add_request([1, 2], SamplingParams(max_tokens=2), request_id="dup")
+            await engine.add_request([1, 2], long, request_id="dup")
+        first.close()
 
     asyncio.run(main())
 
@@ -88,7 +90,10 @@ def test_full_queue_is_refused(gqa_dir):
     try:
         async def main():
             params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-            streams = [await eng.add_request([5, 6], params), await eng.add_request([5, 7], params)]
+            streams = [await eng.add_request([5, 6], params)]
+            while eng.engine.num_running == 0:  # admitted: the queue is empty again
+                await asyncio.sleep(0.005)
+            streams.append(await eng.add_request([5, 7], params))  # waits behind it (max_batch_size 1)
             errors = 0
             for _ in range(3):
                 try:
@@ -99,6 +104,6 @@ def test_full_queue_is_refused(gqa_dir):
                 s.close()
             return errors
 
-        assert asyncio.run(main()) >= 1
+        assert asyncio.run(main()) == 3
     finally:
         eng.shutdown()

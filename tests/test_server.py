@@ -172,7 +172,10 @@ def test_full_queue_answers_503_with_retry_after(ckpt_dirs):
     with ServerThread(build_app(engine, NAME)) as srv:
         c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
         kw = dict(model=NAME, prompt="Hi", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
-        held = [c.completions.create(**kw), c.completions.create(**kw)]  # one running, one waiting
+        held = [c.completions.create(**kw)]
+        while engine.engine.num_running == 0:  # admitted, so the queue is empty again
+            time.sleep(0.005)
+        held.append(c.completions.create(**kw))  # waits behind it: the queue is now full
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(**kw)
         assert e.value.status_code == 503 and e.value.response.headers.get("retry-after") == "1"
