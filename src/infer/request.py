@@ -20,6 +20,16 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 _ids = itertools.count()
 
 
+def count_per_position(drafted: list[int], accepted: list[int], num_draft: int, num_accepted: int) -> None:
+    """One round into per-draft-position counters: positions 0..num_draft-1 drafted, 0..num_accepted-1 accepted."""
+    while len(drafted) < num_draft:
+        drafted.append(0)
+        accepted.append(0)
+    for i in range(num_draft):
+        drafted[i] += 1
+        accepted[i] += i < num_accepted
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted: its K/V was dropped and will be recomputed)
     RUNNING = "running"  # holds KV slots; prefilling (num_computed < num_tokens) or decoding
@@ -124,12 +134,7 @@ class Request:
         self.num_target_forwards += 1
         if num_draft:
             self.speculation_acceptance_rates.append(num_accepted / num_draft)
-        while len(self.drafted_per_position) < num_draft:
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
-        for i in range(num_draft):
-            self.drafted_per_position[i] += 1
-            self.accepted_per_position[i] += i < num_accepted
+        count_per_position(self.drafted_per_position, self.accepted_per_position, num_draft, num_accepted)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -85,12 +85,6 @@ class ContinuousRunner:
     def free_kv_tokens(self) -> int:
         return self.pool.free_token_capacity()
 
-    def kv_usage(self) -> float:
-        """Share of the pool's token capacity in use (0..1)."""
-        total = getattr(self, "_kv_total", None) or self.pool.free_token_capacity()
-        self._kv_total = total
-        return 1.0 - self.pool.free_token_capacity() / total
-
     # -- forward helpers ---------------------------------------------------------------------------------------
     def forward(self, model: LlamaForCausalLM, pool: KVCachePool, slots: list[int], rows: list[list[int]]):
         """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H]."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..request import count_per_position
+
 
 @dataclass
 class EngineStats:
@@ -25,12 +27,7 @@ class EngineStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        while len(self.drafted_per_position) < num_draft:
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
-        for i in range(num_draft):
-            self.drafted_per_position[i] += 1
-            self.accepted_per_position[i] += i < num_accepted
+        count_per_position(self.drafted_per_position, self.accepted_per_position, num_draft, num_accepted)
 
     @property
     def acceptance_rate(self) -> float | None:
