@@ -92,6 +92,18 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """``all_ids()[start:end]`` without building the whole sequence (decode steps read only its tail)."""
+        n = len(self.prompt_ids)
+        end = self.num_tokens if end is None else min(end, self.num_tokens)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - n)]
+
     def append(self, token: int) -> bool:
         """Record one generated token; returns True if the request is now finished."""
         assert not self.finished, "append() after the request finished"

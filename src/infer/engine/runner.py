@@ -134,7 +134,7 @@ class ContinuousRunner:
         """Feed each request's next chunk; sample for the requests whose chunk reaches the end of the sequence."""
         if not prefill:
             return []
-        rows = [r.all_ids()[r.num_computed:r.num_computed + n] for r, n in prefill]
+        rows = [r.token_slice(r.num_computed, r.num_computed + n) for r, n in prefill]
         hidden = self.forward(self.model, self.pool, [r.slot for r, _ in prefill], rows)
         done_idx, done_reqs = [], []
         for i, (r, n) in enumerate(prefill):
@@ -154,7 +154,7 @@ class ContinuousRunner:
 
     def decode(self, decode: list[Request]) -> list[tuple[Request, StepOutput]]:
         """One token for each request: feed its unfed last token at its own position."""
-        hidden = self.forward(self.model, self.pool, [r.slot for r in decode], [[r.all_ids()[-1]] for r in decode])
+        hidden = self.forward(self.model, self.pool, [r.slot for r in decode], [[r.last_token] for r in decode])
         logits = self.model.compute_logits(hidden[:, -1])
         tokens = self.sample(decode, logits)
         outs = []

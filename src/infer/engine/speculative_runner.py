@@ -99,7 +99,7 @@ class SpeculativeRunner(ContinuousRunner):
 
         # verify: [g, t_1 .. t_k] per row in one target forward -> p_0 .. p_K
         lens = [r.num_tokens for r in decode]
-        rows = [[r.all_ids()[-1]] + drafts[b, :ks[b]].tolist() for b, r in enumerate(decode)]
+        rows = [[r.last_token] + drafts[b, :ks[b]].tolist() for b, r in enumerate(decode)]
         hidden = self.forward(self.model, self.pool, [r.slot for r in decode], rows)  # [B, K+1, H]
         logits = self.model.compute_logits(hidden)  # [B, K+1, V]
         nd = torch.tensor(ks, device=dev)
@@ -158,7 +158,7 @@ class SpeculativeRunner(ContinuousRunner):
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:
-                rows = [decode[b].all_ids()[self.draft_pool.seq_len(dslots[b]):] for b in idx]
+                rows = [decode[b].token_slice(self.draft_pool.seq_len(dslots[b])) for b in idx]
             else:
                 rows = [[int(t)] for t in drafts[idx, j - 1].tolist()]
             hidden = self.forward(self.drafter, self.draft_pool, [dslots[b] for b in idx], rows)

@@ -188,7 +188,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         finally:
             for c in choices:
                 c.stream.close()
-        return _final_body(rid, body.model, choices, chat, logprobs, speculative)
+        return _final_body(tok, rid, body.model, choices, chat, logprobs, speculative)
 
     async def stream_events(rid, model, choices, chat, include_usage, logprobs):
         created = P.now()
@@ -310,10 +310,10 @@ def _logprobs_payload(tok, outs, chat: bool) -> dict:
             "text_offset": offsets}
 
 
-def _final_body(rid, model, choices: list[_Choice], chat: bool, logprobs, speculative: bool) -> dict:
+def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, speculative: bool) -> dict:
     out_choices = []
     for c in choices:
-        lp = _logprobs_payload(c.stream.engine.engine.tokenizer, c.outputs, chat) if logprobs is not None else None
+        lp = _logprobs_payload(tok, c.outputs, chat) if logprobs is not None else None
         if chat:
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason})
