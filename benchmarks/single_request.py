@@ -11,7 +11,11 @@ Also measured: alpha (our per-position acceptance) and c (drafter step / target 
 predicted speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) next to the measured one, and per prompt the acceptance
 and the share of repeated 4-grams in the output (a looping model would inflate acceptance).
 
-    python benchmarks/single_request.py [--dtypes float32,bfloat16] [--new-tokens 128] [--repeats 3]
+    python benchmarks/single_request.py [--dtypes float32,bfloat16,bfloat16+float32] [--new-tokens 128] [--repeats 3]
+
+A dtype entry "T+D" loads the target in T and the drafter in D (e.g. bfloat16+float32: a bf16 target, whose
+K+1-token verify costs about one step on this CPU's AMX units, with a float32 drafter, whose tiny matmuls are
+cheaper in float32). Transformers gets the same pair of dtypes.
 """
 
 from __future__ import annotations
@@ -77,8 +81,8 @@ def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, d
         name = "ours EGAG" if egag else f"ours spec K={k}"
 
         def run(ids, s):
-            out, st = speculative_generate(target, drafter, ids, _seeded(params, s), gamma=k or 8, eos_token_ids=[],
-                                           use_egag=egag, gamma_min=1, gamma_max=8)
+            out, st = speculative_generate(target, drafter, ids, _seeded(params, s), gamma=k or a.egag_max,
+                                           eos_token_ids=[], use_egag=egag, gamma_min=1, gamma_max=a.egag_max)
             spec_stats.setdefault(name, []).append((out, st))
             return out.output_ids
         return name, run
@@ -142,7 +146,9 @@ def _prompt_acc(runs, i, n_prompts):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+float32",
+                    help="comma-separated; T+D = target in T, drafter in D")
+    ap.add_argument("--egag-max", type=int, default=6, help="EGAG's gamma_max (gamma_min is 1)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=3)
@@ -162,9 +168,11 @@ def main():
                "repeats": a.repeats, "prompts": [{"module": p["module"], "tokens": len(ids)}
                                                  for p, ids in zip(prompt_info, prompts)], "configs": []}
     for dtype in a.dtypes.split(","):
-        target, drafter = load_model(tdir, dtype), load_model(ddir, dtype)
-        hf_t = HF.from_pretrained(tdir, dtype=getattr(torch, dtype)).eval()
-        hf_d = HF.from_pretrained(ddir, dtype=getattr(torch, dtype)).eval()
+        t_dtype, _, d_dtype = dtype.partition("+")
+        d_dtype = d_dtype or t_dtype
+        target, drafter = load_model(tdir, t_dtype), load_model(ddir, d_dtype)
+        hf_t = HF.from_pretrained(tdir, dtype=getattr(torch, t_dtype)).eval()
+        hf_d = HF.from_pretrained(ddir, dtype=getattr(torch, d_dtype)).eval()
         for m in (hf_t, hf_d):
             m.generation_config.eos_token_id = None  # fixed-length runs, like ignore_eos on our side
         c = per_token_seconds(drafter, prompts[0], 32) / per_token_seconds(target, prompts[0], 32)
@@ -203,7 +211,8 @@ def write_doc(res, a):
         tps, ar, hf_ar = r["tokens_per_s"], r["tokens_per_s"]["ours AR"], r["tokens_per_s"]["HF generate"]
         best_k = max((v for v in r["speedup"] if v.startswith("ours spec")), key=lambda v: r["speedup"][v])
         best_hf = max((v for v in tps if v.startswith("HF assisted")), key=lambda v: tps[v])
-        lines += [f"### {r['dtype']}, temperature {r['temperature']:g} (c = {r['c']:.3f})", "",
+        label = r["dtype"] if "+" not in r["dtype"] else "target {} + drafter {}".format(*r["dtype"].split("+"))
+        lines += [f"### {label}, temperature {r['temperature']:g} (c = {r['c']:.3f})", "",
                   "| variant | tokens/s | vs ours AR | vs HF generate | alpha | predicted | measured / predicted |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for v, s in tps.items():

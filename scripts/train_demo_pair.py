@@ -233,7 +233,7 @@ def main():
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "infer" / "demo-train")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "src" / "infer" / "demo_models")
     ap.add_argument("--target-steps", type=int, default=900)
-    ap.add_argument("--drafter-steps", type=int, default=600)
+    ap.add_argument("--drafter-steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
