@@ -7,6 +7,8 @@ tokens is computed from the target's logits through the same sampling pipeline; 
 the lossy ``skip_sample_adjustment=True`` fails by a wide margin, so it can tell a lossy variant apart.
 """
 
+import copy
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -68,6 +70,15 @@ def test_speculative_joint_distribution_equals_target(models, name):
     target, drafter = models
     params = PARAMS[name]
     assert chi2_pvalue(sampled_joint(target, drafter, params), exact_joint(target, params)) > 0.001
+
+
+def test_joint_distribution_with_a_bfloat16_drafter(models):
+    """Drafter and target in different dtypes (the benchmark's bf16 + fp32 pairing): q and p are both float32
+    probabilities from the one pipeline, so the law stays the target's."""
+    target, drafter = models
+    drafter_bf16 = copy.deepcopy(drafter).to(torch.bfloat16)
+    params = PARAMS["temperature 1"]
+    assert chi2_pvalue(sampled_joint(target, drafter_bf16, params), exact_joint(target, params)) > 0.001
 
 
 @pytest.mark.parametrize("name", list(PARAMS))

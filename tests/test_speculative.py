@@ -31,6 +31,18 @@ def test_greedy_parity_weak_drafter(pair, k):
         assert out.output_ids == expected
 
 
+def test_greedy_parity_with_a_bfloat16_drafter(pair):
+    """A float32 target with a drafter in another dtype: the output is still the target's greedy output."""
+    target, _, d = pair
+    drafter = load_model(d, dtype="bfloat16")
+    for prompt in PROMPTS:
+        params = SamplingParams(temperature=0, max_tokens=25)
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        out, _ = speculative_generate(target, drafter, prompt, params, gamma=3, eos_token_ids=[])
+        assert out.output_ids == expected
+        assert out.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_parity_self_drafting_accepts_everything(pair, k):
     target, _, _ = pair

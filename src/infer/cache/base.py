@@ -83,6 +83,11 @@ class KVCachePool(ABC):
     def truncate_to(self, slot: int, new_len: int) -> None:
         """Roll ``slot`` back to ``new_len`` valid positions (``new_len`` <= current length). Copies nothing."""
 
+    def _check_truncate(self, slot: int, new_len: int) -> None:
+        """The shared precondition of ``truncate_to``: rollback only shortens."""
+        if not 0 <= new_len <= self.seq_len(slot):
+            raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self.seq_len(slot)} positions")
+
     @abstractmethod
     def free_token_capacity(self) -> int:
         """Positions that can still be written across the pool (a fresh pool returns its total capacity)."""

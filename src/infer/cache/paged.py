@@ -150,8 +150,7 @@ class PagedKVCachePool(KVCachePool):
         return self._lens[slot]
 
     def truncate_to(self, slot: int, new_len: int) -> None:
-        if not 0 <= new_len <= self._lens[slot]:
-            raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self._lens[slot]} positions")
+        self._check_truncate(slot, new_len)
         self._lens[slot] = new_len
         table = self._tables[slot]
         keep = _cdiv(new_len, self.block_size)  # a partial last block stays; its stale tail is overwritten later

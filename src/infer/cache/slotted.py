@@ -65,8 +65,7 @@ class SlottedKVCache(KVCachePool):
         return self._lens[slot]
 
     def truncate_to(self, slot: int, new_len: int) -> None:
-        if not 0 <= new_len <= self._lens[slot]:
-            raise ValueError(f"truncate_to({slot}, {new_len}): slot holds {self._lens[slot]} positions")
+        self._check_truncate(slot, new_len)
         self._lens[slot] = new_len
 
     def can_fit(self, demands: list[tuple[int | None, int]]) -> bool:
