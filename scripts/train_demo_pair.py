@@ -8,6 +8,7 @@ benchmarks. Stages, each resumable (its output or checkpoint is reused when pres
   2. tokens     every training file encoded, joined by <|end_of_text|>             -> WORK/train.u16, heldout.json
   3. target     next-token cross-entropy, bf16 autocast, AdamW + cosine schedule     -> WORK/target.pt
   4. drafter    distilled on the target's next-token distributions (forward KL)     -> WORK/drafter.pt
+  4b. refine    the same distillation continued on fresh batches, a second cosine   -> WORK/drafter_refine.pt
   5. export     Hugging Face format (bf16 safetensors, config, tokenizer, card)     -> OUT/target, OUT/drafter
 
 Fixed seeds everywhere; batches are drawn from a generator seeded by (seed, step), so a resumed run sees exactly
@@ -234,6 +235,9 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "src" / "infer" / "demo_models")
     ap.add_argument("--target-steps", type=int, default=900)
     ap.add_argument("--drafter-steps", type=int, default=1000)
+    ap.add_argument("--drafter-refine-steps", type=int, default=1000,
+                    help="stage 4b: continue distilling the drafter for this many steps (0 = skip)")
+    ap.add_argument("--drafter-refine-lr", type=float, default=1.5e-3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -255,6 +259,9 @@ def main():
     target = target.float().requires_grad_(False)
     drafter, dlog = train("drafter", make_model(DRAFTER, tok, a.seed + 1), data, a.work, a.drafter_steps, a.batch,
                           3e-3, a.seed + 1, distill_loss(target))
+    if a.drafter_refine_steps:  # starts from the stage-4 weights with a fresh optimizer and its own batches
+        drafter, dlog = train("drafter_refine", drafter, data, a.work, a.drafter_refine_steps, a.batch,
+                              a.drafter_refine_lr, a.seed + 2, distill_loss(target))
     if a.stop_after == "drafter":
         return
     prompt = read(held[0])[:1200]
@@ -263,6 +270,7 @@ def main():
     stats = {"target_params": sum(p.numel() for p in target.parameters()),
              "drafter_params": sum(p.numel() for p in drafter.parameters()),
              "training_tokens": int(len(data)), "target_steps": a.target_steps, "drafter_steps": a.drafter_steps,
+             "drafter_refine_steps": a.drafter_refine_steps, "drafter_refine_peak_lr": a.drafter_refine_lr,
              "batch_tokens": a.batch * SEQ, "target_final_train_loss": sum(l for _, l in tlog[-20:]) / 20,
              "drafter_final_kl": sum(l for _, l in dlog[-20:]) / 20,
              "target_heldout_loss": heldout_loss(target, tok, held), "drafter_heldout_loss": heldout_loss(drafter, tok, held),

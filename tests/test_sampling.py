@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, make_generator, sample, seen_mask
+from infer.sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
 
 P = torch.tensor([0.5, 0.25, 0.15, 0.1])
 LOGITS = P.log()[None]  # softmax(LOGITS) == P
@@ -71,6 +71,18 @@ def test_greedy_is_one_hot_on_penalised_argmax():
     assert close(probs(logits, temperature=0.0), [1, 0, 0, 0])
     seen = seen_mask([[0]], 4, "cpu")
     assert close(probs(logits, seen, temperature=0.0, repetition_penalty=2.0), [0, 1, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_takes_the_first_maximum_like_torch_argmax(dtype):
+    # Greedy parity rests on every path breaking ties the same way: many ties per row, vocab sizes around the
+    # vectorisation widths.
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 1), (1, 7), (3, 8192), (5, 8191), (9, 33), (2, 8193)]:
+        x = torch.randint(0, 3, (rows, vocab), generator=g).to(dtype)
+        assert torch.equal(argmax(x), x.argmax(-1))
+    x = torch.tensor([[0.0, 5.0, 5.0, 1.0], [7.0, 7.0, 7.0, 7.0]], dtype=dtype)
+    assert argmax(x).tolist() == [1, 0]
 
 
 def test_mixed_rows_in_one_batch():

@@ -9,7 +9,7 @@ import torch
 from .cache import KVCachePool, SlottedKVCache
 from .model.llama import LlamaForCausalLM
 from .request import Request
-from .sampling import SamplingBatch, SamplingParams, logits_to_probs, make_generator, sample, seen_mask
+from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
 from .tokenizer import Tokenizer
 
 
@@ -41,7 +41,7 @@ class TokenSampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> token [1]."""
         if self.greedy and self.seen is None:
-            return logits.argmax(-1)  # fast path: no probabilities needed
+            return argmax(logits)  # fast path: no probabilities needed
         return sample(self.probs(logits), [self.generator], [self.greedy])
 
     def observe(self, token: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from ..cache import KVCachePool, PagedKVCachePool, SlottedKVCache
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
-from ..sampling import SamplingBatch, logits_to_probs, sample, seen_mask
+from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
 from .config import EngineConfig
 from .stats import EngineStats
 
@@ -99,7 +99,7 @@ class ContinuousRunner:
         """logits [N, V] of each request's next token -> one token each (the pipeline of sampling.py)."""
         params = [r.params for r in reqs]
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            return logits.argmax(-1).tolist()
+            return argmax(logits).tolist()
         batch = SamplingBatch.from_params(params, self.vocab_size, self.device)
         seen = seen_mask([r.all_ids() for r in reqs], self.vocab_size, self.device) if batch.use_penalty else None
         probs = logits_to_probs(logits, batch, seen)

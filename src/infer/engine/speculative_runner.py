@@ -24,7 +24,7 @@ import torch
 
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
-from ..sampling import SamplingBatch, logits_to_probs, sample, seen_mask
+from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
 from ..spec.adaptive import EntropyAdaptiveGamma
 from ..spec.speculative import RoundRecord
 from ..spec.verify import greedy_verify, verify
@@ -104,10 +104,10 @@ class SpeculativeRunner(ContinuousRunner):
         logits = self.model.compute_logits(hidden)  # [B, K+1, V]
         nd = torch.tensor(ks, device=dev)
         if fast_greedy:
-            argmax = logits.argmax(-1)  # [B, K+1]
-            res = greedy_verify(drafts, argmax, nd)
+            top = argmax(logits)  # [B, K+1]
+            res = greedy_verify(drafts, top, nd)
             valid = torch.arange(K, device=dev)[None, :] < nd[:, None]
-            res.expected_accept = (argmax[:, :K] == drafts).float().masked_fill(~valid, float("nan"))
+            res.expected_accept = (top[:, :K] == drafts).float().masked_fill(~valid, float("nan"))
             res.p_draft, res.q_draft = res.expected_accept, torch.ones_like(res.expected_accept)
         else:
             p_seen = None
@@ -168,7 +168,7 @@ class SpeculativeRunner(ContinuousRunner):
             if draft_logits is not None:
                 draft_logits[rows_t, j] = logits
             if batch is None:  # greedy: argmax needs no probabilities
-                drafts[rows_t, j] = logits.argmax(-1)
+                drafts[rows_t, j] = argmax(logits)
                 continue
             sub = batch if len(idx) == B else SamplingBatch.from_params([batch.rows[b] for b in idx], V, dev)
             probs = logits_to_probs(logits, sub, None if ctx_seen is None else ctx_seen[rows_t])

@@ -24,10 +24,10 @@ from ..cache import SlottedKVCache
 from ..generate import check_fits
 from ..model.llama import LlamaForCausalLM
 from ..request import Request
-from ..sampling import SamplingBatch, SamplingParams, logits_to_probs, make_generator, sample, seen_mask
+from ..sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
 from ..tokenizer import Tokenizer
 from .adaptive import EntropyAdaptiveGamma
-from .verify import greedy_verify, verify
+from .verify import verify
 
 
 def check_compatible(target: LlamaForCausalLM, drafter: LlamaForCausalLM, target_name="target",
@@ -199,7 +199,7 @@ def speculative_generate(
             for _ in range(k):
                 logits = dft.feed(pending, 1)  # [1, V]
                 if fast_greedy:  # argmax needs no probabilities
-                    t = int(logits.argmax(-1))
+                    t = int(argmax(logits))
                 else:
                     q = logits_to_probs(logits, batch, ctx_seen)
                     t = int(sample(q, [generator], [params.greedy]))
@@ -213,14 +213,18 @@ def speculative_generate(
             # -- verify: one target forward over [unfed..., g, t_1..t_K] ------------------------------------
             p_logits = tgt.feed(seq[len(tgt.fed):] + drafts, k + 1)  # [K+1, V]
             req.num_target_forwards += 1
-            draft_t = torch.tensor([drafts], device=device)
             if fast_greedy:
-                argmax = p_logits.argmax(-1)  # [K+1]
-                res = greedy_verify(draft_t, argmax[None])
+                # One host sync for K+1 ints; then greedy_verify's rule (accept while the target's argmax equals
+                # the draft, then emit the target's argmax) costs less in Python than K tiny tensor ops.
+                top = argmax(p_logits).tolist()  # [K+1]
+                n = 0
+                while n < k and top[n] == drafts[n]:
+                    n += 1
+                new, bonus = drafts[:n] + [top[n]], n == k
                 # one-hot p and q: sum_x min(p, q) = p(t) = 1 exactly when the target's argmax is the draft
-                res.expected_accept = res.p_draft = (argmax[:k] == draft_t[0]).float()[None]
-                res.q_draft = torch.ones_like(res.p_draft)
+                expected, p_rej, q_rej = [float(a == d) for a, d in zip(top, drafts)], 0.0, 1.0
             else:
+                draft_t = torch.tensor([drafts], device=device)
                 p_seen = None
                 if seen is not None:  # position j sees the context plus t_1..t_j
                     grow = torch.zeros(k + 1, V, dtype=torch.bool, device=device)
@@ -229,16 +233,18 @@ def speculative_generate(
                 p = logits_to_probs(p_logits, batch.expand(k + 1), p_seen)
                 res = verify(draft_t, torch.stack(q_rows)[None], p[None], [generator], [params.greedy],
                              skip_sample_adjustment=skip_sample_adjustment)
-            n = int(res.num_accepted[0])
-            new = res.output_tokens[0, : n + 1].tolist()
+                n = int(res.num_accepted[0])
+                new, bonus = res.output_tokens[0, : n + 1].tolist(), bool(res.is_bonus[0])
+                expected = res.expected_accept[0].tolist()
+                p_rej, q_rej = (float(res.p_draft[0, n]), float(res.q_draft[0, n])) if n < k else (None, None)
             # -- rollback: keep g and the n accepted drafts in both caches ---------------------------------
             tgt.truncate(L + n)
             dft.truncate(min(L + n, len(dft.fed)))
             req.num_draft_tokens += k
             req.num_accepted_tokens += n
-            record = RoundRecord(k, drafts, n, emit(new), bool(res.is_bonus[0]), res.expected_accept[0].tolist())
+            record = RoundRecord(k, drafts, n, emit(new), bonus, expected)
             if n < k:
-                record.p_rejected, record.q_rejected = float(res.p_draft[0, n]), float(res.q_draft[0, n])
+                record.p_rejected, record.q_rejected = p_rej, q_rej
             if egag:
                 record.h_norm = egag.observe(torch.stack(draft_logits))
             stats.record(record)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import argmax
+
 PAD = -1
 
 
@@ -84,7 +86,7 @@ def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(1.0, generator=generators)
     else:
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(1.0, generator=g) for g in generators])
-    return (probs / noise.clamp_(min=1e-30)).argmax(-1)
+    return argmax(probs / noise.clamp_(min=1e-30))
 
 
 def draft_diagnostics(draft_tokens, q, p, num_draft=None):
@@ -149,13 +151,13 @@ def verify(draft_tokens, q, p, generators, greedy: list[bool] | torch.Tensor, nu
     greedy = torch.as_tensor(greedy, dtype=torch.bool, device=p.device)
     nd = _num_draft(num_draft, B, K, p.device)
     if bool(greedy.all()):
-        res = greedy_verify(draft_tokens, p.argmax(-1), nd)
+        res = greedy_verify(draft_tokens, argmax(p), nd)
     elif not bool(greedy.any()):
         res = rejection_sample(draft_tokens, q, p, generators, nd, skip_sample_adjustment)
     else:
         rows_g, rows_s = greedy.nonzero().squeeze(1), (~greedy).nonzero().squeeze(1)
         gens = [generators[i] for i in rows_s.tolist()] if isinstance(generators, (list, tuple)) else generators
-        rg = greedy_verify(draft_tokens[rows_g], p[rows_g].argmax(-1), nd[rows_g])
+        rg = greedy_verify(draft_tokens[rows_g], argmax(p[rows_g]), nd[rows_g])
         rs = rejection_sample(draft_tokens[rows_s], q[rows_s], p[rows_s], gens, nd[rows_s], skip_sample_adjustment)
         res = VerifyResult(torch.empty(B, K + 1, dtype=torch.long, device=p.device), torch.empty_like(nd),
                            torch.empty_like(greedy))
