@@ -21,36 +21,35 @@ def pair(gqa_dir, tmp_path_factory):
     return load_model(gqa_dir), load_model(d), d
 
 
+def assert_greedy_parity(target, drafter, prompts=PROMPTS, max_tokens=25, repetition_penalty=1.0, **kw):
+    """Speculative output == the target's own greedy output for every prompt; returns [(Request, SpecStats)]."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty)
+    runs = []
+    for prompt in prompts:
+        expected = autoregressive_generate(target, prompt, params, []).output_ids
+        out, stats = speculative_generate(target, drafter, prompt, params, eos_token_ids=[], **kw)
+        assert out.output_ids == expected
+        runs.append((out, stats))
+    return runs
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_parity_weak_drafter(pair, k):
     target, drafter, _ = pair
-    for prompt in PROMPTS:
-        params = SamplingParams(temperature=0, max_tokens=25)
-        expected = autoregressive_generate(target, prompt, params, []).output_ids
-        out, _ = speculative_generate(target, drafter, prompt, params, gamma=k, eos_token_ids=[])
-        assert out.output_ids == expected
+    assert_greedy_parity(target, drafter, gamma=k)
 
 
 def test_greedy_parity_with_a_bfloat16_drafter(pair):
     """A float32 target with a drafter in another dtype: the output is still the target's greedy output."""
     target, _, d = pair
-    drafter = load_model(d, dtype="bfloat16")
-    for prompt in PROMPTS:
-        params = SamplingParams(temperature=0, max_tokens=25)
-        expected = autoregressive_generate(target, prompt, params, []).output_ids
-        out, _ = speculative_generate(target, drafter, prompt, params, gamma=3, eos_token_ids=[])
-        assert out.output_ids == expected
+    for out, _ in assert_greedy_parity(target, load_model(d, dtype="bfloat16"), gamma=3):
         assert out.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_parity_self_drafting_accepts_everything(pair, k):
     target, _, _ = pair
-    for prompt in PROMPTS:
-        params = SamplingParams(temperature=0, max_tokens=25)
-        expected = autoregressive_generate(target, prompt, params, []).output_ids
-        out, stats = speculative_generate(target, target, prompt, params, gamma=k, eos_token_ids=[])
-        assert out.output_ids == expected
+    for out, stats in assert_greedy_parity(target, target, gamma=k):
         assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
         assert stats.realized_acceptance == 1.0
 
@@ -58,23 +57,15 @@ def test_greedy_parity_self_drafting_accepts_everything(pair, k):
 @pytest.mark.parametrize("use_cache,first_target", [(False, True), (True, False), (False, False)])
 def test_greedy_parity_without_cache_or_first_target(pair, use_cache, first_target):
     target, drafter, _ = pair
-    params = SamplingParams(temperature=0, max_tokens=15)
-    for prompt in PROMPTS[:3]:
-        expected = autoregressive_generate(target, prompt, params, []).output_ids
-        out, _ = speculative_generate(target, drafter, prompt, params, gamma=3, eos_token_ids=[],
-                                      use_cache=use_cache, first_target=first_target)
-        assert out.output_ids == expected
+    assert_greedy_parity(target, drafter, PROMPTS[:3], max_tokens=15, gamma=3, use_cache=use_cache,
+                         first_target=first_target)
 
 
 def test_greedy_parity_with_repetition_penalty(pair):
     """The penalty context grows with each accepted draft; verification must see exactly that context."""
     target, drafter, _ = pair
-    params = SamplingParams(temperature=0, max_tokens=25, repetition_penalty=1.5)
-    for prompt in PROMPTS:
-        expected = autoregressive_generate(target, prompt, params, []).output_ids
-        for d in (drafter, target):
-            out, _ = speculative_generate(target, d, prompt, params, gamma=4, eos_token_ids=[])
-            assert out.output_ids == expected
+    for d in (drafter, target):
+        assert_greedy_parity(target, d, gamma=4, repetition_penalty=1.5)
 
 
 def _self_draft_until(target, prompt, **kw):
