@@ -2,7 +2,9 @@
 
 Variants (interleaved within each repeat, medians over repeats):
   ours AR                     autoregressive_generate on the target
-  ours spec K=1..8, EGAG      speculative_generate with the distilled drafter
+  ours spec K=1..8, EGAG      speculative_generate with the distilled drafter scoring its draft vocabulary (the
+                              --draft-vocab most frequent tokens plus the prompt's; lossless, see spec.draft_vocab)
+  ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-k), for the A/B in one run
   HF generate                 transformers LlamaForCausalLM.generate on the same target weights
   HF assisted (default)       generate(assistant_model=drafter), its default (heuristic) draft-length schedule
   HF assisted K=k             the same with a constant schedule of k draft tokens
@@ -12,6 +14,7 @@ predicted speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) next to the measured one, an
 and the share of repeated 4-grams in the output (a looping model would inflate acceptance).
 
     python benchmarks/single_request.py [--dtypes float32,bfloat16,bfloat16+float32] [--new-tokens 128] [--repeats 3]
+                                        [--draft-vocab 2048] [--prompts 8]
 
 A dtype entry "T+D" loads the target in T and the drafter in D (e.g. bfloat16+float32: a bf16 target, whose
 K+1-token verify costs only 1.15-1.4x one step on this CPU's AMX units, with a float32 drafter, whose tiny matmuls are
@@ -33,8 +36,10 @@ from common import ROOT, machine, median, update_doc_section, write_json  # noqa
 from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
 from infer.generate import autoregressive_generate  # noqa: E402
 from infer.model import load_model  # noqa: E402
-from infer.sampling import SamplingParams  # noqa: E402
+from infer.sampling import SamplingParams, argmax  # noqa: E402
 from infer.spec import speculative_generate  # noqa: E402
+from infer.spec.draft_vocab import DraftVocab, load_ranking  # noqa: E402
+from infer.spec.speculative import _Stream  # noqa: E402
 from infer.spec.theory import walltime_improvement  # noqa: E402
 from infer.tokenizer import Tokenizer  # noqa: E402
 
@@ -46,22 +51,24 @@ def repeated_4gram_share(ids: list[int]) -> float:
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def per_token_seconds(model, ids, n) -> float:
-    """Median seconds per decode step of plain autoregressive decoding (for c)."""
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    autoregressive_generate(model, ids, params, [])
+@torch.inference_mode()
+def step_seconds(model, ids, n, head=None) -> float:
+    """Median seconds of one greedy decode step as the speculative loop runs it (one token in: forward, the head's
+    logits, argmax, one host sync), over n steps after the prompt, 3 repeats. Target and drafter are timed alike:
+    c = step_seconds(drafter, head=its draft-vocabulary head) / step_seconds(target)."""
     times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        autoregressive_generate(model, ids, params, [])
-        t1 = time.perf_counter()
-        autoregressive_generate(model, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), [])
-        t2 = time.perf_counter()
-        times.append(((t1 - t0) - (t2 - t1)) / (n - 1))  # subtract the prefill + first token
-    return median(times)
+    for _ in range(4):  # the first repeat warms up
+        s = _Stream(model, True, len(ids) + n + 1, head)
+        s.feed(ids, 1)
+        t, t0 = ids[-1], time.perf_counter()
+        for _ in range(n):
+            t = int(argmax(s.feed([t], 1)))
+        times.append((time.perf_counter() - t0) / n)
+        s.kv.free(s.slot)
+    return median(times[1:])
 
 
-def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, drafter) -> dict:
+def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, drafter, draft_vocab) -> dict:
     greedy = temperature == 0
     params = SamplingParams(temperature=temperature, max_tokens=a.new_tokens, ignore_eos=True)
     n = a.new_tokens
@@ -77,12 +84,14 @@ def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, d
     variants = {"ours AR": lambda ids, s: autoregressive_generate(target, ids, _seeded(params, s), []).output_ids}
     spec_stats: dict[str, list] = {}
 
-    def spec(k=None, egag=False):
-        name = "ours EGAG" if egag else f"ours spec K={k}"
+    def spec(k=None, egag=False, full_vocab=False):
+        name = "ours EGAG" if egag else f"ours spec K={k}" + (", full vocab" if full_vocab else "")
+        dv = None if full_vocab else draft_vocab
 
         def run(ids, s):
             out, st = speculative_generate(target, drafter, ids, _seeded(params, s), gamma=k or a.egag_max,
-                                           eos_token_ids=[], use_egag=egag, gamma_min=1, gamma_max=a.egag_max)
+                                           eos_token_ids=[], use_egag=egag, gamma_min=1, gamma_max=a.egag_max,
+                                           draft_vocab=dv)
             spec_stats.setdefault(name, []).append((out, st))
             return out.output_ids
         return name, run
@@ -92,6 +101,9 @@ def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, d
         variants[name] = fn
     name, fn = spec(egag=True)
     variants[name] = fn
+    if draft_vocab is not None and a.full_vocab_k:
+        name, fn = spec(a.full_vocab_k, full_vocab=True)
+        variants[name] = fn
     variants["HF generate"] = lambda ids, s: hf(ids)
     variants["HF assisted (default)"] = lambda ids, s: hf(ids, assistant_model=hf_d)
     for k in HF_CONST_KS:
@@ -151,7 +163,10 @@ def main():
     ap.add_argument("--egag-max", type=int, default=6, help="EGAG's gamma_max (gamma_min is 1)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="the first N held-out prompts (8 ship)")
+    ap.add_argument("--draft-vocab", type=int, default=2048,
+                    help="drafter scores this many most frequent tokens plus the prompt's (0: the full vocabulary)")
+    ap.add_argument("--full-vocab-k", type=int, default=6, help="also run this K with the full vocabulary (0: no)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="1,2,3,4,5,6,8")
     ap.add_argument("--threads", type=int, default=2)
@@ -165,6 +180,7 @@ def main():
     prompt_info = demo_prompts()[: a.prompts]
     prompts = [tok.encode(p["prompt"]) for p in prompt_info]
     results = {"benchmark": "single_request", "machine": machine(), "new_tokens": a.new_tokens,
+               "draft_vocab": a.draft_vocab or None, "full_vocab_k": a.full_vocab_k,
                "repeats": a.repeats, "prompts": [{"module": p["module"], "tokens": len(ids)}
                                                  for p, ids in zip(prompt_info, prompts)], "configs": []}
     for dtype in a.dtypes.split(","):
@@ -175,16 +191,22 @@ def main():
         hf_d = HF.from_pretrained(ddir, dtype=getattr(torch, d_dtype)).eval()
         for m in (hf_t, hf_d):
             m.generation_config.eos_token_id = None  # fixed-length runs, like ignore_eos on our side
-        c = per_token_seconds(drafter, prompts[0], 32) / per_token_seconds(target, prompts[0], 32)
+        dv = DraftVocab.from_ranking(drafter, load_ranking(ddir), a.draft_vocab) if a.draft_vocab else None
+        t_step = step_seconds(target, prompts[0], 32)
+        c_full = step_seconds(drafter, prompts[0], 32) / t_step
+        c = c_full if dv is None else step_seconds(drafter, prompts[0], 32, dv.including(prompts[0]).logits) / t_step
         for temp in (float(t) for t in a.temperatures.split(",")):
-            r = run_config(dtype, temp, prompts, a, hf_t, hf_d, target, drafter)
-            r["c"] = c
+            r = run_config(dtype, temp, prompts, a, hf_t, hf_d, target, drafter, dv)
+            r["c"], r["c_full_vocab"] = c, c_full
             ar = r["tokens_per_s"]["ours AR"]
             r["speedup"] = {v: s / ar for v, s in r["tokens_per_s"].items() if v.startswith("ours")}
             hf_ar = r["tokens_per_s"]["HF generate"]
             r["hf_speedup"] = {v: s / hf_ar for v, s in r["tokens_per_s"].items() if v.startswith("HF")}
-            r["predicted"] = {f"ours spec K={k}": walltime_improvement(min(r["acceptance"][f"ours spec K={k}"]["alpha"], 0.999999), k, c)
-                              for k in a.ks}
+            alpha = {v: min(acc["alpha"], 0.999999) for v, acc in r["acceptance"].items()}
+            r["predicted"] = {f"ours spec K={k}": walltime_improvement(alpha[f"ours spec K={k}"], k, c) for k in a.ks}
+            full = f"ours spec K={a.full_vocab_k}, full vocab"
+            if full in alpha:
+                r["predicted"][full] = walltime_improvement(alpha[full], a.full_vocab_k, c_full)
             results["configs"].append(r)
             print(f"{dtype} T={temp}: AR {ar:.1f} tok/s, c={c:.3f}, " + ", ".join(
                 f"{v} {s:.2f}x" for v, s in r["speedup"].items()), flush=True)
@@ -203,8 +225,11 @@ def write_doc(res, a):
         f"({', '.join(str(p['tokens']) for p in res['prompts'])} tokens), {res['new_tokens']} new tokens each (EOS "
         f"ignored), {res['repeats']} interleaved repeats after a warm-up, per-prompt medians. {m['cpu']}, "
         f"{m['torch_threads']} threads, torch {m['torch']}, {m['date']}. tokens/s = all prompts' tokens / sum of "
-        "median times. alpha = accepted / judged drafts (ours); c = drafter step / target step (our runtime); "
-        "predicted = Leviathan's (1 - a^(K+1)) / ((1 - a)(Kc + 1)).",
+        "median times. Our drafter scores " + (f"its {res['draft_vocab']} most frequent tokens plus the prompt's "
+        "(draft vocabulary, lossless; `full vocab` rows score all 8,192)" if res.get("draft_vocab") else
+        "the full vocabulary") + "; Hugging Face's always scores all. alpha = accepted / judged drafts (ours); "
+        "c = one drafter step / one target step, both timed alike in our runtime (forward, head, argmax; the "
+        "full-vocabulary c is in brackets); predicted = Leviathan's (1 - a^(K+1)) / ((1 - a)(Kc + 1)).",
         "",
     ]
     for r in res["configs"]:
@@ -212,7 +237,8 @@ def write_doc(res, a):
         best_k = max((v for v in r["speedup"] if v.startswith("ours spec")), key=lambda v: r["speedup"][v])
         best_hf = max((v for v in tps if v.startswith("HF assisted")), key=lambda v: tps[v])
         label = r["dtype"] if "+" not in r["dtype"] else "target {} + drafter {}".format(*r["dtype"].split("+"))
-        lines += [f"### {label}, temperature {r['temperature']:g} (c = {r['c']:.3f})", "",
+        c_full = f" [{r['c_full_vocab']:.3f}]" if r.get("c_full_vocab") not in (None, r["c"]) else ""
+        lines += [f"### {label}, temperature {r['temperature']:g} (c = {r['c']:.3f}{c_full})", "",
                   "| variant | tokens/s | vs ours AR | vs HF generate | alpha | predicted | measured / predicted |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for v, s in tps.items():

@@ -10,6 +10,7 @@ benchmarks. Stages, each resumable (its output or checkpoint is reused when pres
   4. drafter    distilled on the target's next-token distributions (forward KL)     -> WORK/drafter.pt
   4b. refine    the same distillation continued on fresh batches, a second cosine   -> WORK/drafter_refine.pt
   5. export     Hugging Face format (bf16 safetensors, config, tokenizer, card)     -> OUT/target, OUT/drafter
+                plus the drafter's token ranking by training-split frequency        -> OUT/drafter/draft_vocab.json
 
 Fixed seeds everywhere; batches are drawn from a generator seeded by (seed, step), so a resumed run sees exactly
 the batches an uninterrupted one would.
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from infer.config import ModelConfig, RopeConfig
 from infer.model.llama import LlamaForCausalLM
 from infer.model.loader import save_model
+from infer.spec.draft_vocab import write_ranking
 
 VOCAB = 8192
 SEQ = 512
@@ -278,6 +280,8 @@ def main():
     for name, model in (("target", target), ("drafter", drafter)):
         save_model(model, a.out / name, dtype="bfloat16")
         tok.save_pretrained(a.out / name)
+    write_ranking(a.out / "drafter", np.bincount(data, minlength=VOCAB).tolist(),
+                  "token counts of the demo pair's training split (stdlib source), scripts/train_demo_pair.py")
     (a.out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
     write_prompts(a.out)
     print(json.dumps({k: v for k, v in stats.items() if k != "heldout_modules"}, indent=2))

@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 
 from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs
 from infer.spec import speculative_generate
+from infer.spec.draft_vocab import DraftVocab
 from infer.testing import random_llama
 
 V = 8
@@ -37,12 +38,12 @@ def exact_joint(target, params) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-def sampled_joint(target, drafter, params, skip=False) -> torch.Tensor:
+def sampled_joint(target, drafter, params, skip=False, **kw) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     counts = torch.zeros(V, V)
     for _ in range(N):
         out, _ = speculative_generate(target, drafter, PROMPT, params, gamma=2, eos_token_ids=[], generator=g,
-                                      first_target=False, skip_sample_adjustment=skip)
+                                      first_target=False, skip_sample_adjustment=skip, **kw)
         x1, x2 = out.output_ids[:2]
         counts[x1, x2] += 1
     return counts
@@ -87,3 +88,14 @@ def test_lossy_variant_is_detected(models, name):
     target, drafter = models
     params = PARAMS[name]
     assert chi2_pvalue(sampled_joint(target, drafter, params, skip=True), exact_joint(target, params)) < 1e-4
+
+
+def test_joint_distribution_with_a_draft_vocabulary(models):
+    """The drafter scores only {0, 7} plus the prompt's {1, 2, 3}: q(x) = 0 for x in {4, 5, 6}, which reach the
+    output only through the residual norm(max(0, p - q)) at a rejection. The law is still the target's."""
+    target, drafter = models
+    params = PARAMS["temperature 0.7, top-k 5, top-p 0.9"]
+    dv = DraftVocab(drafter.lm_head_weight, [0, 7])
+    counts = sampled_joint(target, drafter, params, draft_vocab=dv)
+    assert counts[4].sum() > 0 and counts[:, 4].sum() > 0  # a token the drafter cannot propose still appears
+    assert chi2_pvalue(counts, exact_joint(target, params)) > 0.001

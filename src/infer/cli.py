@@ -41,7 +41,7 @@ def cmd_generate(a) -> int:
         raise ValueError("--debug shows speculative rounds: it needs --draft-model")
     t0 = time.perf_counter()
     llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
-              use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max)
+              draft_vocab_size=a.draft_vocab_size, use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max)
     load_s = time.perf_counter() - t0
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     t0 = time.perf_counter()
@@ -73,7 +73,8 @@ def cmd_make_tiny(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
-    run_demo(spec_length=a.spec_length, max_tokens=a.max_tokens, num_prompts=a.prompts, dtype=a.dtype)
+    run_demo(spec_length=a.spec_length, max_tokens=a.max_tokens, num_prompts=a.prompts, dtype=a.dtype,
+             draft_vocab_size=a.draft_vocab_size)
     return 0
 
 
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--draft-model", default=None, help="drafter checkpoint: turns speculative decoding on")
     g.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
     g.add_argument("--egag", action="store_true", help="entropy-adaptive K within [--gamma-min, --gamma-max]")
     g.add_argument("--gamma-min", type=int, default=1)
     g.add_argument("--gamma-max", type=int, default=None)
@@ -110,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--prompts", type=int, default=3)
     d.add_argument("--dtype", default="float32")
+    d.add_argument("--draft-vocab-size", type=int, default=2048,
+                   help="drafter scores its N most frequent tokens plus the prompt's (0: the full vocabulary)")
     d.set_defaults(func=cmd_demo)
     from .bench_serve import add_bench_args
     from .server.__main__ import add_serve_args

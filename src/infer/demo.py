@@ -29,7 +29,7 @@ def demo_prompts() -> list[dict]:
 
 
 def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, dtype: str = "float32",
-             out=sys.stdout) -> dict:
+             draft_vocab_size: int | None = 2048, out=sys.stdout) -> dict:
     import torch
 
     from .generate import autoregressive_generate
@@ -40,9 +40,11 @@ def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, 
 
     t_start = time.perf_counter()
     target_dir, drafter_dir = demo_model_paths()
+    vocab = f"drafter scores {draft_vocab_size} frequent tokens + the prompt's" if draft_vocab_size else "full vocab"
     print(f"infer demo: speculative decoding on the shipped pair ({DEMO_DIR}), K={spec_length}, greedy, {dtype}, "
-          f"CPU threads {torch.get_num_threads()}", file=out)
-    llm = LLM(target_dir, dtype=dtype, draft_model=drafter_dir, spec_length=spec_length)
+          f"{vocab}, CPU threads {torch.get_num_threads()}", file=out)
+    llm = LLM(target_dir, dtype=dtype, draft_model=drafter_dir, spec_length=spec_length,
+              draft_vocab_size=draft_vocab_size or None)
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (llm.model, llm.draft_model)]
     print(f"target {sizes[0]:.1f}M parameters, drafter {sizes[1]:.1f}M (a demo trained on the Python stdlib, "
           "not a language model)", file=out)
@@ -69,7 +71,7 @@ def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, 
         t_ar = time.perf_counter() - t0
         t0 = time.perf_counter()
         sp, _ = speculative_generate(llm.model, llm.draft_model, ids, params, gamma=spec_length,
-                                         eos_token_ids=llm.eos_token_ids)
+                                     eos_token_ids=llm.eos_token_ids, draft_vocab=llm.draft_vocab)
         t_sp = time.perf_counter() - t0
         rows.append({"module": p["module"], "tokens": len(sp.output_ids),
                      "ar_tok_s": len(ar.output_ids) / t_ar, "spec_tok_s": len(sp.output_ids) / t_sp,

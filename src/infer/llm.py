@@ -30,6 +30,7 @@ class LLM:
         self.model, self.draft_model, self.tokenizer = self.engine.model, self.engine.draft_model, self.engine.tokenizer
         self.model_path, self.eos_token_ids = self.engine.model_path, self.engine.eos_token_ids
         self.dtype, self.device, self.spec_length = self.engine.dtype, self.engine.device, spec_length
+        self.draft_vocab = getattr(self.engine.runner, "draft_vocab", None)  # set by draft_vocab_size
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -22,6 +22,9 @@ class EngineConfig:
     gamma_min: int = 1
     gamma_max: int | None = None
     egag_ema_beta: float = 0.0
+    # The drafter scores only this many of the most frequent tokens (ranking: draft_model/draft_vocab.json);
+    # None: the whole vocabulary. Lossless either way (spec.draft_vocab); it trades acceptance for cheaper drafts.
+    draft_vocab_size: int | None = None
     tokenizer: str | os.PathLike | None = None
     kv_cache_backend: str = "paged"  # "contiguous" | "paged"
     block_size: int = 16
@@ -63,6 +66,12 @@ class EngineConfig:
                 EntropyAdaptiveGamma(self.gamma_min, self.egag_gamma_max, self.egag_ema_beta)
             except ValueError as e:
                 bad(str(e))
+        if self.draft_vocab_size is not None:
+            if not self.use_speculative_decoding:
+                bad("draft_vocab_size restricts the drafter's vocabulary: it needs speculative decoding (a draft_model)")
+            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
+                    or self.draft_vocab_size < 1:
+                bad(f"draft_vocab_size must be an integer >= 1 or None, got {self.draft_vocab_size!r}")
         if self.kv_cache_backend not in BACKENDS:
             bad(f"kv_cache_backend must be one of {BACKENDS}, got {self.kv_cache_backend!r}")
         if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:

@@ -18,6 +18,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, resolve_model_path
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
+from ..spec.draft_vocab import DraftVocab, load_ranking
 from ..spec.speculative import check_compatible
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
@@ -33,9 +34,11 @@ class QueueFullError(RuntimeError):
 
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
-                 draft_model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None):
+                 draft_model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None,
+                 draft_vocab: DraftVocab | None = None):
         """Models load from ``config.model`` / ``config.draft_model``; tests may pass loaded ones instead (then
-        ``tokenizer`` may be None: no stop strings or text, EOS from the model's config)."""
+        ``tokenizer`` may be None: no stop strings or text, EOS from the model's config), and a ready
+        ``draft_vocab`` instead of ``config.draft_vocab_size`` (whose ranking is read beside the drafter)."""
         self.config = cfg = config
         self.dtype, self.device = parse_dtype(cfg.dtype), torch.device(cfg.device)
         if model is None:
@@ -56,7 +59,11 @@ class Engine:
                 self._check_draft_tokenizer()
             check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
             self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
-            self.runner = SpeculativeRunner(self.model, self.draft_model, cfg, self.max_seq_len, self.stats)
+            if draft_vocab is None and cfg.draft_vocab_size is not None:
+                ranking = load_ranking(resolve_model_path(cfg.draft_model))
+                draft_vocab = DraftVocab.from_ranking(self.draft_model, ranking, cfg.draft_vocab_size)
+            self.runner = SpeculativeRunner(self.model, self.draft_model, cfg, self.max_seq_len, self.stats,
+                                            draft_vocab)
         else:
             self.runner = ContinuousRunner(self.model, cfg, self.max_seq_len, self.stats)
         self.scheduler = Scheduler(cfg, self.runner)

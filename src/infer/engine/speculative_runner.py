@@ -26,6 +26,7 @@ from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
 from ..spec.adaptive import EntropyAdaptiveGamma
+from ..spec.draft_vocab import DraftVocab
 from ..spec.speculative import RoundRecord
 from ..spec.verify import greedy_verify, verify
 from .config import EngineConfig
@@ -35,9 +36,10 @@ from .stats import EngineStats
 
 class SpeculativeRunner(ContinuousRunner):
     def __init__(self, target: LlamaForCausalLM, drafter: LlamaForCausalLM, cfg: EngineConfig, max_seq_len: int,
-                 stats: EngineStats):
+                 stats: EngineStats, draft_vocab: DraftVocab | None = None):
         super().__init__(target, cfg, max_seq_len, stats)
         self.drafter = drafter
+        self.draft_vocab = draft_vocab  # one static subset for every row (the library loop adds the prompt's tokens)
         # same backend and the same number of blocks: the drafter needs a slot and room wherever the target does
         self.draft_pool = make_pool(drafter, cfg, max_seq_len, prefix_caching=False,
                                     num_blocks=getattr(self.pool, "num_blocks", None))
@@ -163,8 +165,16 @@ class SpeculativeRunner(ContinuousRunner):
                 rows = [[int(t)] for t in drafts[idx, j - 1].tolist()]
             hidden = self.forward(self.drafter, self.draft_pool, [dslots[b] for b in idx], rows)
             last = hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])]
-            logits = self.drafter.compute_logits(last)  # [n, V]
+            dv = self.draft_vocab
             rows_t = torch.tensor(idx, device=dev)
+            if dv is None:
+                logits = self.drafter.compute_logits(last)  # [n, V]
+            else:
+                sub = dv.logits(last)  # [n, N]
+                if batch is None and draft_logits is None:  # greedy: map the argmax within S, skip the scatter
+                    drafts[rows_t, j] = dv.token(argmax(sub))
+                    continue
+                logits = dv.expand(sub)  # [n, V], -inf outside S: q(x) = 0 there
             if draft_logits is not None:
                 draft_logits[rows_t, j] = logits
             if batch is None:  # greedy: argmax needs no probabilities

@@ -102,7 +102,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, attn_meta)
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection ``[vocab, hidden]`` (the embedding itself when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return F.linear(hidden, self.lm_head_weight).float()

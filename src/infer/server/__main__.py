@@ -11,6 +11,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="drafter checkpoint (turns speculative decoding on)")
     p.add_argument("--speculative-decoding", action="store_true", help="speculate (needs --draft-model)")
     p.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
     p.add_argument("--kv-cache-backend", default="paged", help="paged | contiguous")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -37,7 +39,7 @@ def engine_config(a):
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec_length=a.spec_length,
-                        kv_cache_backend=a.kv_cache_backend, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+                        draft_vocab_size=a.draft_vocab_size, kv_cache_backend=a.kv_cache_backend, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                         enable_prefix_caching=a.enable_prefix_caching, max_batch_size=a.max_batch_size,
                         max_seq_len=a.max_seq_len, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_waiting_requests=a.max_waiting_requests, dtype=a.dtype, device=a.device, seed=a.seed)

@@ -27,6 +27,7 @@ from ..request import Request
 from ..sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
 from ..tokenizer import Tokenizer
 from .adaptive import EntropyAdaptiveGamma
+from .draft_vocab import DraftVocab
 from .verify import verify
 
 
@@ -41,14 +42,15 @@ def check_compatible(target: LlamaForCausalLM, drafter: LlamaForCausalLM, target
 class _Stream:
     """One model's view of the sequence: how many tokens it has consumed, with or without a KV cache."""
 
-    def __init__(self, model: LlamaForCausalLM, use_cache: bool, capacity: int):
+    def __init__(self, model: LlamaForCausalLM, use_cache: bool, capacity: int, head=None):
         self.model, self.use_cache = model, use_cache
+        self.head = head or model.compute_logits  # hidden [T, H] -> float32 logits [T, V] (or [T, N] over a subset)
         self.kv = SlottedKVCache.for_model(model, capacity) if use_cache else None
         self.slot = self.kv.allocate() if use_cache else None
         self.fed: list[int] = []  # tokens whose K/V are (logically) cached
 
     def feed(self, tokens: list[int], last: int) -> torch.Tensor:
-        """Consume ``tokens``; return float32 logits [last, V] for the final ``last`` of them."""
+        """Consume ``tokens``; return float32 logits [last, V] (the head's width) for the final ``last`` of them."""
         device = self.model.device
         if self.use_cache:
             meta = self.kv.prepare([self.slot], [len(tokens)])
@@ -56,7 +58,7 @@ class _Stream:
         else:  # recompute everything (use_cache=False), as the reference design allows
             hidden = self.model(torch.tensor([self.fed + tokens], device=device))
         self.fed += tokens
-        return self.model.compute_logits(hidden[0, -last:])
+        return self.head(hidden[0, -last:])
 
     def truncate(self, n: int) -> None:
         del self.fed[n:]
@@ -134,6 +136,7 @@ def speculative_generate(
     gamma_max: int | None = None,
     egag_ema_beta: float = 0.0,
     request: Request | None = None,
+    draft_vocab: DraftVocab | None = None,
 ) -> tuple[Request, SpecStats]:
     """Decode one sequence speculatively; returns the finished Request (tokens, text, counters) and SpecStats.
 
@@ -142,6 +145,7 @@ def speculative_generate(
     design does) before drafting starts. ``skip_sample_adjustment`` is a LOSSY debug switch: at a rejection it
     samples from p instead of norm(max(0, p - q)), so outputs no longer follow the target's distribution.
     ``debug``: True prints each round (colours on a TTY); a callable receives (RoundRecord, Request).
+    ``draft_vocab``: the drafter scores only those tokens plus the prompt's (lossless; see spec.draft_vocab).
     """
     params = params or SamplingParams()
     if max_new_tokens is not None:
@@ -159,7 +163,9 @@ def speculative_generate(
     batch = SamplingBatch.from_params([params], V, device)
     seen = seen_mask([prompt_ids], V, device) if batch.use_penalty else None  # [1, V], grows with the output
     capacity = len(prompt_ids) + params.max_tokens + 1
-    tgt, dft = _Stream(target, use_cache, capacity), _Stream(drafter, use_cache, capacity)
+    dv = None if draft_vocab is None else draft_vocab.including(prompt_ids)
+    tgt = _Stream(target, use_cache, capacity)
+    dft = _Stream(drafter, use_cache, capacity, head=None if dv is None else dv.logits)
     stats = SpecStats()
     printer = _make_printer(debug, tokenizer)
     seq = list(prompt_ids)
@@ -197,16 +203,20 @@ def speculative_generate(
             ctx_seen = None if seen is None else seen.clone()
             pending = seq[len(dft.fed):]
             for _ in range(k):
-                logits = dft.feed(pending, 1)  # [1, V]
+                logits = dft.feed(pending, 1)  # [1, V], or [1, N] over the draft vocabulary
                 if fast_greedy:  # argmax needs no probabilities
-                    t = int(argmax(logits))
+                    t = int(argmax(logits)) if dv is None else dv.id_list[int(argmax(logits))]
+                    if egag:
+                        draft_logits.append(logits[0] if dv is None else dv.expand(logits[0]))
                 else:
+                    if dv is not None:
+                        logits = dv.expand(logits)  # [1, V], -inf outside: q(x) = 0 there
                     q = logits_to_probs(logits, batch, ctx_seen)
                     t = int(sample(q, [generator], [params.greedy]))
                     q_rows.append(q[0])
+                    if egag:
+                        draft_logits.append(logits[0])
                 drafts.append(t)
-                if egag:
-                    draft_logits.append(logits[0])
                 if ctx_seen is not None:
                     ctx_seen[0, t] = True
                 pending = [t]
