@@ -6,8 +6,12 @@ Variants (interleaved within each repeat, medians over repeats):
                               --draft-vocab most frequent tokens plus the prompt's; lossless, see spec.draft_vocab)
   ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-k), for the A/B in one run
   HF generate                 transformers LlamaForCausalLM.generate on the same target weights
-  HF assisted (default)       generate(assistant_model=drafter), its default (heuristic) draft-length schedule
-  HF assisted K=k             the same with a constant schedule of k draft tokens
+  HF assisted (default)       generate(assistant_model=drafter) as transformers ships it (5.x: up to 20 drafts,
+                              drafting stops early below the drafter's confidence 0.4)
+  HF assisted (heuristic)     the older default schedule: K starts at 5, +2 after a full accept, -1 otherwise
+  HF assisted K=k             a constant k drafts per round, no confidence stop
+Transformers reads these settings from the *assistant's* generation_config (generate() kwargs are ignored for
+them), so each HF assisted call sets that config first; every call starts from the same state.
   HF prompt lookup            generate(prompt_lookup_num_tokens=10)
 Also measured: alpha (our per-position acceptance) and c (drafter step / target step, our runtime), Leviathan's
 predicted speedup (1 - a^(K+1)) / ((1 - a)(Kc + 1)) next to the measured one, and per prompt the acceptance
@@ -101,14 +105,22 @@ def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, d
         variants[name] = fn
     name, fn = spec(egag=True)
     variants[name] = fn
-    if draft_vocab is not None and a.full_vocab_k:
-        name, fn = spec(a.full_vocab_k, full_vocab=True)
+    for k in a.full_vocab_ks if draft_vocab is not None else []:
+        name, fn = spec(k, full_vocab=True)
         variants[name] = fn
     variants["HF generate"] = lambda ids, s: hf(ids)
-    variants["HF assisted (default)"] = lambda ids, s: hf(ids, assistant_model=hf_d)
+    def assisted(**draft_cfg):
+        def run(ids, s):
+            gc = hf_d.generation_config  # None = transformers' default; the heuristic schedule writes K back here
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = (
+                draft_cfg.get("k"), draft_cfg.get("schedule"), draft_cfg.get("threshold"))
+            return hf(ids, assistant_model=hf_d)
+        return run
+
+    variants["HF assisted (default)"] = assisted()
+    variants["HF assisted (heuristic)"] = assisted(k=5, schedule="heuristic", threshold=0.0)
     for k in HF_CONST_KS:
-        variants[f"HF assisted K={k}"] = (lambda k: lambda ids, s: hf(ids, assistant_model=hf_d, num_assistant_tokens=k,
-                                                                     num_assistant_tokens_schedule="constant"))(k)
+        variants[f"HF assisted K={k}"] = assisted(k=k, schedule="constant", threshold=0.0)
     variants["HF prompt lookup"] = lambda ids, s: hf(ids, prompt_lookup_num_tokens=10)
 
     times = {v: [[] for _ in prompts] for v in variants}
@@ -166,12 +178,13 @@ def main():
     ap.add_argument("--prompts", type=int, default=8, help="the first N held-out prompts (8 ship)")
     ap.add_argument("--draft-vocab", type=int, default=2048,
                     help="drafter scores this many most frequent tokens plus the prompt's (0: the full vocabulary)")
-    ap.add_argument("--full-vocab-k", type=int, default=6, help="also run this K with the full vocabulary (0: no)")
+    ap.add_argument("--full-vocab-ks", default="2,6", help="also run these K with the full vocabulary ('': none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="1,2,3,4,5,6,8")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     a.ks = [int(k) for k in a.ks.split(",")]
+    a.full_vocab_ks = [int(k) for k in a.full_vocab_ks.split(",") if k]
     torch.set_num_threads(a.threads)
     from transformers import LlamaForCausalLM as HF
 
@@ -180,7 +193,7 @@ def main():
     prompt_info = demo_prompts()[: a.prompts]
     prompts = [tok.encode(p["prompt"]) for p in prompt_info]
     results = {"benchmark": "single_request", "machine": machine(), "new_tokens": a.new_tokens,
-               "draft_vocab": a.draft_vocab or None, "full_vocab_k": a.full_vocab_k,
+               "draft_vocab": a.draft_vocab or None, "full_vocab_ks": a.full_vocab_ks,
                "repeats": a.repeats, "prompts": [{"module": p["module"], "tokens": len(ids)}
                                                  for p, ids in zip(prompt_info, prompts)], "configs": []}
     for dtype in a.dtypes.split(","):
@@ -204,9 +217,10 @@ def main():
             r["hf_speedup"] = {v: s / hf_ar for v, s in r["tokens_per_s"].items() if v.startswith("HF")}
             alpha = {v: min(acc["alpha"], 0.999999) for v, acc in r["acceptance"].items()}
             r["predicted"] = {f"ours spec K={k}": walltime_improvement(alpha[f"ours spec K={k}"], k, c) for k in a.ks}
-            full = f"ours spec K={a.full_vocab_k}, full vocab"
-            if full in alpha:
-                r["predicted"][full] = walltime_improvement(alpha[full], a.full_vocab_k, c_full)
+            for k in a.full_vocab_ks:
+                full = f"ours spec K={k}, full vocab"
+                if full in alpha:
+                    r["predicted"][full] = walltime_improvement(alpha[full], k, c_full)
             results["configs"].append(r)
             print(f"{dtype} T={temp}: AR {ar:.1f} tok/s, c={c:.3f}, " + ", ".join(
                 f"{v} {s:.2f}x" for v, s in r["speedup"].items()), flush=True)
