@@ -4,7 +4,7 @@ Variants (interleaved within each repeat, medians over repeats):
   ours AR                     autoregressive_generate on the target
   ours spec K=1..8, EGAG      speculative_generate with the distilled drafter scoring its draft vocabulary (the
                               --draft-vocab most frequent tokens plus the prompt's; lossless, see spec.draft_vocab)
-  ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-k), for the A/B in one run
+  ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-ks), for the A/B in one run
   HF generate                 transformers LlamaForCausalLM.generate on the same target weights
   HF assisted (default)       generate(assistant_model=drafter) as transformers ships it (5.x: up to 20 drafts,
                               drafting stops early below the drafter's confidence 0.4)
@@ -66,7 +66,7 @@ def step_seconds(model, ids, n, head=None) -> float:
         s.feed(ids, 1)
         t, t0 = ids[-1], time.perf_counter()
         for _ in range(n):
-            t = int(argmax(s.feed([t], 1)))
+            t = int(argmax(s.feed([t], 1)))  # an index into the head's rows: any valid id times the same
         times.append((time.perf_counter() - t0) / n)
         s.kv.free(s.slot)
     return median(times[1:])

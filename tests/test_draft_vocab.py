@@ -10,6 +10,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.engine import EngineConfig
 from infer.model import load_model
+from infer.spec import speculative_generate
 from infer.spec.draft_vocab import RANKING_FILE, DraftVocab, load_ranking, write_ranking
 from infer.testing import make_tiny_llama
 
@@ -129,3 +130,7 @@ def test_bad_draft_vocab_input(gqa_dir, pair, tmp_path):
         LLM(gqa_dir, draft_model=no_ranking, draft_vocab_size=2)
     with pytest.raises(ValueError, match="at least one token"):
         DraftVocab(drafter.lm_head_weight, [])
+    other = DraftVocab(torch.zeros(V + 8, drafter.config.hidden_size), [0, 1])
+    with pytest.raises(ValueError, match=f"vocabulary of {V + 8} tokens"):
+        speculative_generate(load_model(gqa_dir), drafter, [0, 5], SamplingParams(temperature=0, max_tokens=3),
+                             draft_vocab=other)

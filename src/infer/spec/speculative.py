@@ -163,6 +163,9 @@ def speculative_generate(
     batch = SamplingBatch.from_params([params], V, device)
     seen = seen_mask([prompt_ids], V, device) if batch.use_penalty else None  # [1, V], grows with the output
     capacity = len(prompt_ids) + params.max_tokens + 1
+    if draft_vocab is not None and draft_vocab.vocab_size != drafter.config.vocab_size:
+        raise ValueError(f"draft_vocab was built for a vocabulary of {draft_vocab.vocab_size} tokens, the drafter "
+                         f"has {drafter.config.vocab_size}")
     dv = None if draft_vocab is None else draft_vocab.including(prompt_ids)
     tgt = _Stream(target, use_cache, capacity)
     dft = _Stream(drafter, use_cache, capacity, head=None if dv is None else dv.logits)
