@@ -7,10 +7,19 @@ import sys
 import time
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--dtype/--device, shared by ``infer generate`` and ``infer serve``."""
     p.add_argument("--model", required=True, help="checkpoint directory (or a hub id already in the local HF cache)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """The drafter flags shared by ``infer generate`` and ``infer serve``."""
+    p.add_argument("--draft-model", default=None, help="drafter checkpoint: turns speculative decoding on")
+    p.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,14 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt")
-    _add_model_args(g)
+    add_model_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    g.add_argument("--draft-model", default=None, help="drafter checkpoint: turns speculative decoding on")
-    g.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
-    g.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
+    add_draft_args(g)
     g.add_argument("--egag", action="store_true", help="entropy-adaptive K within [--gamma-min, --gamma-max]")
     g.add_argument("--gamma-min", type=int, default=1)
     g.add_argument("--gamma-max", type=int, default=None)

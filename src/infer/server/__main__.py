@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import add_draft_args, add_model_args
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (or a hub id already in the local HF cache)")
-    p.add_argument("--draft-model", default=None, help="drafter checkpoint (turns speculative decoding on)")
+    add_model_args(p)
+    add_draft_args(p)
     p.add_argument("--speculative-decoding", action="store_true", help="speculate (needs --draft-model)")
-    p.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
     p.add_argument("--kv-cache-backend", default="paged", help="paged | contiguous")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -21,8 +20,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting-requests", type=int, default=256, help="queue bound; more gets 503")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
