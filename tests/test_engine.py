@@ -121,6 +121,8 @@ def test_pool_exhaustion_preempts_and_every_request_completes(models, gqa_dir, b
     eng.run(reqs)
     ref = [autoregressive_generate(target, p, params).output_ids for p in prompts]
     assert [r.output_ids for r in reqs] == ref
+    # preempted or not, each request's clock reads arrival <= first token <= finish
+    assert all(r.arrival_time <= r.first_token_time <= r.finish_time for r in reqs)
     if backend == "paged":
         assert eng.stats.num_preemptions > 0  # 14 blocks cannot hold six 50-token sequences
     assert eng.free_kv_tokens() == eng.initial_free_kv_tokens

@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 from infer import LLM, SamplingParams
 from infer.generate import autoregressive_generate, beam_search_generate
 from infer.model import load_model
+from infer.request import Request
 
 PROMPTS = ["def fib", "The quick brown fox", "Hello world", "import os\nimport sys\n", "x", "Café 你好"]
 
@@ -103,6 +104,19 @@ def test_max_tokens_is_never_exceeded(gqa_dir):
     for n in (1, 2, 7):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=n, seed=1, ignore_eos=True))
         assert all(len(o.token_ids) == n and o.finish_reason == "length" for o in outs)
+
+
+def test_request_timestamps(gqa_dir):
+    """The library loops stamp time to first token and finish as the engine does (benchmarks time decoding by them)."""
+    model = load_model(gqa_dir)
+    req = autoregressive_generate(model, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), [])
+    assert req.arrival_time <= req.first_token_time < req.finish_time
+    fresh = Request([5], SamplingParams(max_tokens=2), [])
+    assert fresh.first_token_time is None and fresh.finish_time is None
+    fresh.append(9)
+    assert fresh.first_token_time is not None and fresh.finish_time is None
+    fresh.abort()
+    assert fresh.finish_time >= fresh.first_token_time
 
 
 def test_token_id_prompts_and_per_prompt_params(gqa_dir):

@@ -184,6 +184,10 @@ def test_theory_formulas():
     assert expected_tokens_per_round(1.0, 5) == 6.0
     assert expected_tokens_per_round(0.8, 10) == pytest.approx((1 - 0.8 ** 11) / 0.2)
     assert walltime_improvement(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
+    # a verify that costs 1.25 target steps: same tokens per round, a dearer round
+    assert walltime_improvement(0.8, 4, 0.1, verify_cost=1.25) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.65))
+    with pytest.raises(ValueError, match="verify_cost"):
+        walltime_improvement(0.8, 4, 0.1, verify_cost=0)
     # brute force: optimal_k maximises the improvement
     best = max(range(1, 65), key=lambda k: walltime_improvement(0.9, k, 0.05))
     assert optimal_k(0.9, 0.05) == best

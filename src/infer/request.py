@@ -77,8 +77,8 @@ class Request:
         self.num_computed = 0  # leading tokens of all_ids() whose K/V the target cache holds
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
+        self.first_token_time: float | None = None  # time.monotonic() at the first append (time to first token)
+        self.finish_time: float | None = None  # ... and when a finish reason was set
         self._streamed = 0  # characters of text already handed out by stream_text()
 
     @property
@@ -107,6 +107,8 @@ class Request:
     def append(self, token: int) -> bool:
         """Record one generated token; returns True if the request is now finished."""
         assert not self.finished, "append() after the request finished"
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_ids.append(token)
         if token in self.eos or token in self.stop_ids:
             self._finish("stop", token)  # the stop token is in output_ids, not in the text
@@ -134,6 +136,7 @@ class Request:
 
     def _finish(self, reason: str, stop_reason) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
+        self.finish_time = time.monotonic()
 
     def abort(self) -> None:
         if not self.finished:

@@ -9,7 +9,6 @@ Not thread-safe: one thread drives it (AsyncEngine runs it in a background threa
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -146,7 +145,6 @@ class Engine:
         return [o for _, o in outputs]
 
     def _count_finished(self, req: Request) -> None:
-        req.finish_time = time.monotonic()
         reason = req.finish_reason or "abort"
         self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
 

@@ -11,7 +11,6 @@ Cache invariant for a request: the target's cache holds ``all_ids()[:num_compute
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -110,9 +109,7 @@ class ContinuousRunner:
 
         ``logits`` [V]: the target's logits for this position, for requests that asked for logprobs.
         """
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        done = req.append(token)
+        done = req.append(token)  # stamps first_token_time
         self.stats.generation_tokens += 1
         out = StepOutput(req.request_id, token, req.stream_text(), done, req.finish_reason)
         if req.params.logprobs is not None and logits is not None:
