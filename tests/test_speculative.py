@@ -186,8 +186,9 @@ def test_theory_formulas():
     assert walltime_improvement(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.4))
     # a verify that costs 1.25 target steps: same tokens per round, a dearer round
     assert walltime_improvement(0.8, 4, 0.1, verify_cost=1.25) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.65))
-    with pytest.raises(ValueError, match="verify_cost"):
-        walltime_improvement(0.8, 4, 0.1, verify_cost=0)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="verify_cost"):
+            walltime_improvement(0.8, 4, 0.1, verify_cost=bad)
     # brute force: optimal_k maximises the improvement
     best = max(range(1, 65), key=lambda k: walltime_improvement(0.9, k, 0.05))
     assert optimal_k(0.9, 0.05) == best

@@ -9,7 +9,6 @@ Not thread-safe: one thread drives it (AsyncEngine runs it in a background threa
 
 from __future__ import annotations
 
-
 import torch
 
 from ..config import parse_dtype

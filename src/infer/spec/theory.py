@@ -31,7 +31,7 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
 def walltime_improvement(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     """Expected speedup over autoregressive decoding: (1 - alpha^(K+1)) / ((1 - alpha)(K c + v)), v = 1 in the paper."""
     _check(alpha, k, c)
-    if verify_cost <= 0:
+    if not verify_cost > 0:  # also refuses NaN
         raise ValueError(f"verify_cost must be > 0, got {verify_cost}")
     return expected_tokens_per_round(alpha, k) / (k * c + verify_cost)
 
