@@ -157,6 +157,7 @@ class SpeculativeRunner(ContinuousRunner):
         draft_logits = torch.zeros(B, K, V, device=dev) if keep_logits else None
         ctx_seen = None if seen is None else seen.clone()
         dslots = [self._draft_slots[r.request_id] for r in decode]
+        dv = self.draft_vocab
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:
@@ -165,16 +166,15 @@ class SpeculativeRunner(ContinuousRunner):
                 rows = [[int(t)] for t in drafts[idx, j - 1].tolist()]
             hidden = self.forward(self.drafter, self.draft_pool, [dslots[b] for b in idx], rows)
             last = hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])]
-            dv = self.draft_vocab
             rows_t = torch.tensor(idx, device=dev)
             if dv is None:
                 logits = self.drafter.compute_logits(last)  # [n, V]
             else:
-                sub = dv.logits(last)  # [n, N]
+                sub_logits = dv.logits(last)  # [n, N]
                 if batch is None and draft_logits is None:  # greedy: map the argmax within S, skip the scatter
-                    drafts[rows_t, j] = dv.token(argmax(sub))
+                    drafts[rows_t, j] = dv.token(argmax(sub_logits))
                     continue
-                logits = dv.expand(sub)  # [n, V], -inf outside S: q(x) = 0 there
+                logits = dv.expand(sub_logits)  # [n, V], -inf outside S: q(x) = 0 there
             if draft_logits is not None:
                 draft_logits[rows_t, j] = logits
             if batch is None:  # greedy: argmax needs no probabilities

@@ -36,7 +36,8 @@ def engine_config(a):
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     return EngineConfig(model=a.model, draft_model=a.draft_model, spec_length=a.spec_length,
-                        draft_vocab_size=a.draft_vocab_size, kv_cache_backend=a.kv_cache_backend, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+                        draft_vocab_size=a.draft_vocab_size, kv_cache_backend=a.kv_cache_backend,
+                        block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                         enable_prefix_caching=a.enable_prefix_caching, max_batch_size=a.max_batch_size,
                         max_seq_len=a.max_seq_len, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_waiting_requests=a.max_waiting_requests, dtype=a.dtype, device=a.device, seed=a.seed)
