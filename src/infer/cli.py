@@ -9,9 +9,16 @@ import time
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype/--device, shared by ``infer generate`` and ``infer serve``."""
-    p.add_argument("--model", required=True, help="checkpoint directory (or a hub id already in the local HF cache)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id "
+                        "already in the local HF cache")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the target (int8 per channel, int4 in groups of 32)")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager PyTorch only")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +57,8 @@ def cmd_generate(a) -> int:
         raise ValueError("--debug shows speculative rounds: it needs --draft-model")
     t0 = time.perf_counter()
     llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
-              draft_vocab_size=a.draft_vocab_size, use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max)
+              draft_vocab_size=a.draft_vocab_size, use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max,
+              quantization=a.quantization, compile=a.compile)
     load_s = time.perf_counter() - t0
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     t0 = time.perf_counter()
@@ -69,6 +77,16 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_chat(a) -> int:
+    from .chat import run_chat
+    from .llm import LLM
+
+    params = _sampling_params(a)
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
+              draft_vocab_size=a.draft_vocab_size, quantization=a.quantization, compile=a.compile)
+    return run_chat(llm, params, system=a.system)
+
+
 def cmd_make_tiny(a) -> int:
     from .testing import SHAPES, make_tiny_llama, param_count
 
@@ -83,7 +101,7 @@ def cmd_demo(a) -> int:
     from .demo import run_demo
 
     run_demo(spec_length=a.spec_length, max_tokens=a.max_tokens, num_prompts=a.prompts, dtype=a.dtype,
-             draft_vocab_size=a.draft_vocab_size)
+             draft_vocab_size=a.draft_vocab_size, real=not a.no_real)
     return 0
 
 
@@ -114,7 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma-max", type=int, default=None)
     g.add_argument("--debug", action="store_true", help="show every speculative round (accepted/rejected/bonus)")
     g.set_defaults(func=cmd_generate)
-    d = sub.add_parser("demo", help="speculative decoding on the shipped demo pair, vs autoregressive")
+    c = sub.add_parser("chat", help="interactive streaming chat with the model's chat template")
+    add_model_args(c)
+    _add_sampling_args(c)
+    add_draft_args(c)
+    c.add_argument("--system", default=None, help="a system message (default: the template's own, if any)")
+    c.set_defaults(func=cmd_chat, max_tokens=512, temperature=0.7)
+    d = sub.add_parser("demo", help="a real chat with SmolLM2-135M-Instruct (if installed), then speculative "
+                                    "decoding on the shipped demo pair vs autoregressive")
+    d.add_argument("--no-real", action="store_true", help="skip the SmolLM2 chat; only the shipped pair")
     d.add_argument("--spec-length", type=int, default=2)
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--prompts", type=int, default=3)

@@ -1,4 +1,4 @@
-"""Model configuration parsed from a Hugging Face ``config.json``.
+"""Model configuration parsed from a Hugging Face ``config.json`` (model/gguf.py builds one from GGUF metadata).
 
 Only the fields our Llama implementation reads are kept; anything the model cannot honour is refused here with
 a message that names it, so a checkpoint never loads into a silently different network.
@@ -92,7 +92,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -151,4 +151,10 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            d = json.load(f)
+        try:
+            return cls.from_dict(d)
+        except KeyError as e:
+            raise ValueError(f"{path}: missing required field {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None

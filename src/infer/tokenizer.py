@@ -3,28 +3,88 @@
 Encoding, decoding and chat templates are delegated to transformers' fast tokenizer loaded from the checkpoint
 directory (tokenizer.json + tokenizer_config.json; the chat template from either tokenizer_config.json or
 chat_template.jinja), so text round-trips exactly as with the checkpoint's tokenizer.
+
+A GGUF checkpoint carries its tokenizer as metadata (tokens, merges, special ids, chat template); transformers
+converts it (``gguf_file=``), which takes seconds for a real vocabulary, so the converted tokenizer is saved once
+under ``$XDG_CACHE_HOME/infer/tokenizers`` (default ~/.cache), keyed by the file's path, size and mtime and the
+transformers version. A directory holding a GGUF *and* tokenizer.json uses tokenizer.json.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 REPLACEMENT_CHAR = "\ufffd"
+_SIDECAR = "infer_gguf.json"  # beside the cached tokenizer: the source file and its EOS ids
+
+
+def tokenizer_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "infer" / "tokenizers"
+
+
+def _gguf_tokenizer(file: Path):
+    """(transformers tokenizer, EOS ids from the metadata) for a GGUF file, through the cache when possible."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    st = file.stat()
+    key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        eos = json.loads((cached / _SIDECAR).read_text())["eos_token_ids"]
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True), eos
+    except Exception:  # a miss, or a damaged entry (whatever it raises): convert again, overwriting it
+        pass
+    from .model.gguf import GGUFCheckpoint
+
+    meta = GGUFCheckpoint(file)
+    if meta.field("tokenizer.ggml.model") is None:
+        raise FileNotFoundError(f"{file}: the GGUF carries no tokenizer (no tokenizer.ggml.* metadata); "
+                                "pass a tokenizer directory")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: transformers cannot build a tokenizer from this GGUF ({e})") from None
+    if not getattr(hf, "chat_template", None) and meta.field("tokenizer.chat_template"):
+        hf.chat_template = meta.field("tokenizer.chat_template")  # older transformers drop it
+    eos = meta.eos_token_ids()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+    except OSError:
+        return hf, eos  # no writable cache: work uncached
+    try:  # write a temporary sibling, then rename: a concurrent reader never sees half an entry
+        hf.save_pretrained(str(tmp))
+        (tmp / _SIDECAR).write_text(json.dumps({"source": str(file.resolve()), "eos_token_ids": eos}))
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf, eos
 
 
 class Tokenizer:
     def __init__(self, path: str | os.PathLike, extra_eos_token_ids: list[int] | None = None):
         from transformers import AutoTokenizer
 
+        from .model.gguf import gguf_file_of
         from .model.loader import resolve_model_path
 
         root = resolve_model_path(path)
-        if not (root / "tokenizer.json").is_file() and not (root / "tokenizer_config.json").is_file():
-            raise FileNotFoundError(f"{root}: no tokenizer.json / tokenizer_config.json")
         self.path = Path(root)
-        self.hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
         eos = list(extra_eos_token_ids or [])
+        if root.is_dir() and ((root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file()):
+            self.hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        elif (gguf_file := gguf_file_of(root)) is not None:
+            self.hf, gguf_eos = _gguf_tokenizer(gguf_file)
+            eos += gguf_eos
+        else:
+            raise FileNotFoundError(f"{root}: no tokenizer.json / tokenizer_config.json (and no .gguf file)")
         if self.hf.eos_token_id is not None:
             eos.append(self.hf.eos_token_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("contiguous", "paged")
+COMPILE_AUTO_MIN_PARAMS = 50_000_000
 
 
 @dataclass
@@ -37,6 +38,13 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     dtype: str = "float32"
     device: str = "cpu"
+    # Weight-only quantization of the target ("int8" | "int4" | None): see infer.model.quant. Speculation stays
+    # lossless relative to the quantized target.
+    quantization: str | None = None
+    # torch.compile the decode/verify steps (infer.model.compile). None (auto): on for models of at least
+    # COMPILE_AUTO_MIN_PARAMS parameters, where the step is bound by memory bandwidth and compiling pays for its
+    # start-up; tiny models (tests, the demo pair) stay eager. False: never.
+    compile: bool | None = None
     seed: int | None = None  # seeds requests that bring no seed of their own
 
     def __post_init__(self):
@@ -84,6 +92,13 @@ class EngineConfig:
             if self.num_kv_blocks is not None or self.kv_cache_memory_mb is not None:
                 bad("num_kv_blocks / kv_cache_memory_mb size the paged backend; the contiguous one holds "
                     "max_batch_size x max_seq_len")
+        if self.quantization is not None:
+            from ..model.quant import QUANTIZATIONS
+
+            if self.quantization not in QUANTIZATIONS:
+                bad(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.compile not in (None, True, False):
+            bad(f"compile must be True, False or None (auto), got {self.compile!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer or None, got {self.seed!r}")
         if self.max_seq_len is not None and self.use_speculative_decoding and self.max_seq_len < 2:

@@ -13,13 +13,15 @@ import torch
 
 from ..config import parse_dtype
 from ..model.llama import LlamaForCausalLM
+from ..model.compile import compile_model
 from ..model.loader import load_model, resolve_model_path
+from ..model.quant import quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
 from ..spec.draft_vocab import DraftVocab, load_ranking
 from ..spec.speculative import check_compatible
 from ..tokenizer import Tokenizer
-from .config import EngineConfig
+from .config import COMPILE_AUTO_MIN_PARAMS, EngineConfig
 from .runner import ContinuousRunner
 from .scheduler import Scheduler
 from .speculative_runner import SpeculativeRunner
@@ -42,9 +44,11 @@ class Engine:
         if model is None:
             self.model_path = resolve_model_path(cfg.model)
             self.model = load_model(self.model_path, self.dtype, self.device)
+            quantize_model(self.model, cfg.quantization)
             tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
         else:
             self.model_path, self.model = str(cfg.model), model
+        self.compiled = self._maybe_compile(self.model)
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else list(self.model.config.eos_token_ids)
         self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
@@ -68,6 +72,16 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.runner.free_kv_tokens()
+
+    def _maybe_compile(self, model: LlamaForCausalLM) -> bool:
+        """Compile the target's decode/verify steps if ``config.compile`` says so (None: by model size)."""
+        want = self.config.compile
+        if want is None:
+            want = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()) \
+                >= COMPILE_AUTO_MIN_PARAMS
+        if want:
+            compile_model(model)
+        return bool(want)
 
     def _check_draft_tokenizer(self) -> None:
         draft_tok = Tokenizer(self.draft_path)

@@ -10,13 +10,17 @@ The model knows nothing of scheduling or speculation: the KV pool (``kv``) and t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+if TYPE_CHECKING:
+    from .compile import CompiledSteps
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
 
 
 class Attention(nn.Module):
@@ -26,8 +30,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         # q, k and v are one fused matmul; the loader concatenates the checkpoint's three weights.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x, cos, sin, kv: KVCachePool | None, meta: AttnMeta | None):
         B, T, _ = x.shape
@@ -72,7 +76,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None  # compute_logits reuses embed_tokens.weight
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.quantization: str | None = None  # set by infer.model.quant.quantize_model
+        # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
+        self.compiled: CompiledSteps | None = None
 
     @property
     def device(self) -> torch.device:
@@ -96,17 +103,34 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError("positions are required with a KV cache")
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         max_pos = attn_meta.kv_len - 1 if attn_meta is not None else input_ids.shape[1] - 1
+        self.rotary.reserve(max_pos, input_ids.device, self.dtype)
+        c = self.compiled
+        if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens:
+            return c.forward(input_ids, positions, kv, attn_meta)
+        return self._forward(input_ids, positions, kv, attn_meta)
+
+    def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
+        """The network itself (checked inputs, rotary tables reserved): what torch.compile traces."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, max_pos, x.dtype)
+        cos, sin = self.rotary(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, kv, attn_meta)
         return self.norm(x)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The output projection ``[vocab, hidden]`` (the embedding itself when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """The output projection ``[vocab, hidden]`` (the embedding itself when tied; dequantized if quantized)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return self.lm_head.dequantized_weight() if hasattr(self.lm_head, "dequantized_weight") else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        c = self.compiled
+        if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1]:
+            return c.logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return head.float()

@@ -1,6 +1,8 @@
-"""Load a Hugging Face Llama checkpoint (config.json + safetensors) into our LlamaForCausalLM.
+"""Load a Llama checkpoint into our LlamaForCausalLM: a Hugging Face directory (config.json + safetensors) or a
+llama.cpp GGUF file (gguf.py turns its metadata into the config and its tensors into HF-named float arrays).
 
-Never downloads: a path must be a local directory, or a hub id already present in the local HF cache.
+Both feed one path: HF-named tensors -> shape check against the config -> q/k/v and gate/up fusion -> load.
+Never downloads: a path must be a local directory or .gguf file, or a hub id already in the local HF cache.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig, parse_dtype
+from .gguf import GGUFCheckpoint, gguf_file_of
 from .llama import LlamaForCausalLM
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory, or a hub id resolved from the local HF cache only (no network, ever)."""
+    """A local directory or .gguf file, or a hub id resolved from the local HF cache only (no network, ever)."""
     p = Path(model).expanduser()
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix.lower() == ".gguf"):
         return p
     if p.exists():
-        raise FileNotFoundError(f"model path {str(p)!r} is a file; expected a checkpoint directory")
+        raise FileNotFoundError(f"model path {str(p)!r} is a file; expected a checkpoint directory or a .gguf file")
     name = str(model)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
         try:
@@ -39,9 +42,12 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 
 def load_config(path: Path) -> ModelConfig:
+    """The checkpoint's ModelConfig: from a GGUF's metadata, or from config.json (+ generation_config.json)."""
+    if (gguf_file := gguf_file_of(path)) is not None:
+        return GGUFCheckpoint(gguf_file).config
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
+        raise FileNotFoundError(f"{path}: no config.json and no .gguf file (is this a checkpoint directory?)")
     cfg = ModelConfig.from_file(cfg_file)
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # generation_config may list more EOS ids (Llama 3 instruct: <|eot_id|> too)
@@ -116,30 +122,39 @@ def _to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     return out
 
 
-def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Build our Llama from a checkpoint directory (or cached hub id) in ``dtype`` on ``device``."""
-    dtype = parse_dtype(dtype)
-    device = torch.device(device)
-    root = resolve_model_path(path)
-    cfg = load_config(root)
-    expected = expected_shapes(cfg)
-    tensors: dict[str, torch.Tensor] = {}
+def _safetensors_tensors(root: Path):
+    """(where, name, load) for every tensor of the checkpoint's safetensors files, read only when loaded."""
     for file in _weight_files(root):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # derived buffer some exporters save; we recompute it
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding is the head
-                if name not in expected:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a Llama of this config.json")
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
-                    raise ValueError(
-                        f"{file.name}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {expected[name]}"
-                    )
-                tensors[name] = t.to(dtype)
+                yield file.name, name, lambda n=name: f.get_tensor(n)
+
+
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build our Llama from a checkpoint directory, a .gguf file (or a directory holding one), or a cached hub id,
+    in ``dtype`` on ``device``. GGUF tensors are dequantized (to float32, then ``dtype``)."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    root = resolve_model_path(path)
+    if (gguf_file := gguf_file_of(root)) is not None:
+        ckpt = GGUFCheckpoint(gguf_file)
+        cfg, source, what = ckpt.config, ckpt.tensors(), "the GGUF metadata"
+    else:
+        cfg, source, what = load_config(root), _safetensors_tensors(root), "config.json"
+    expected = expected_shapes(cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for where, name, load in source:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # derived buffer some exporters save; we recompute it
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        if name not in expected:
+            raise ValueError(f"{where}: unexpected tensor {name!r} for a Llama of this {what}")
+        t = load()
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, {what} implies {expected[name]}")
+        tensors[name] = t.to(dtype)
     missing = [n for n in expected if n not in tensors]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")

@@ -40,7 +40,8 @@ def engine_config(a):
                         block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                         enable_prefix_caching=a.enable_prefix_caching, max_batch_size=a.max_batch_size,
                         max_seq_len=a.max_seq_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_waiting_requests=a.max_waiting_requests, dtype=a.dtype, device=a.device, seed=a.seed)
+                        max_waiting_requests=a.max_waiting_requests, dtype=a.dtype, device=a.device, seed=a.seed,
+                        quantization=a.quantization, compile=a.compile)
 
 
 def serve(a) -> int:

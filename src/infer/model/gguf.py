@@ -1,0 +1,220 @@
+"""Read a llama.cpp GGUF checkpoint: a ModelConfig from its metadata, its tensors dequantized under HF names.
+
+The loader (loader.py) does the rest exactly as for safetensors: shape check, q/k/v and gate/up fusion, load.
+Three things differ from a Hugging Face checkpoint and are undone here:
+
+* Shapes. GGUF lists dimensions in ggml order (fastest-varying first: a [out, in] weight is stored as
+  ``ne = [in, out]``); ``gguf.quants.dequantize`` already returns the row-major logical array ``[out, in]``.
+* Q/K rows. convert_hf_to_gguf.py reorders each head's rows from rotate-half pairing (i, i + D/2) to llama.cpp's
+  interleaved pairing (2i, 2i + 1): ``w.reshape(n_head, 2, D/2, in).swapaxes(1, 2)``. ``unpermute_qk`` inverts it.
+* Rope scaling. Llama 3.1-style scaling is stored as a per-frequency divisor table ``rope_freqs.weight``, not as
+  parameters; ``rope_from_freq_factors`` recovers parameters that reproduce the table (or refuses).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ..config import ModelConfig, RopeConfig
+
+_Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K,
+                   _Q.Q5_K, _Q.Q6_K)  # floats, legacy and K-quants (all tested); IQ*, TQ*, MXFP4 ... are refused
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def gguf_file_of(path: str | os.PathLike) -> Path | None:
+    """The GGUF file ``path`` denotes: itself if it is a .gguf file, or the one .gguf in a directory without a
+    config.json (several there is a ValueError); None for anything else (a Hugging Face checkpoint directory)."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        raise ValueError(f"{p}: several .gguf files ({', '.join(f.name for f in found)}); pass the one to load")
+    return found[0] if found else None
+
+
+def hf_name(name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face Llama name: 'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'
+    (None for any other name)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's reordering (convert_hf_to_gguf.py): per head, rows (i, i + D/2) become rows (2i, 2i + 1)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of ``permute_qk``: view rows as [head, D/2, 2] and swap back to [head, 2, D/2]."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_from_freq_factors(factors: np.ndarray, theta: float, head_dim: int,
+                           original_context: int | None = None) -> RopeConfig:
+    """Llama 3.1 rope parameters that reproduce llama.cpp's ``rope_freqs`` table (frequency i is divided by
+    factors[i]); a ValueError if no such parameters exist.
+
+    With u = 1 / wavelength, Llama 3.1 divides by ``factor`` below u_lo = low_freq_factor / original_context, by 1
+    above u_hi = high_freq_factor / original_context, and in between by 1 / ((1 - s) / factor + s) with s linear in
+    u, from 0 at u_lo to 1 at u_hi. Only u_lo and u_hi matter, so original_context is free: it is taken from the
+    metadata when given, otherwise chosen so that low_freq_factor = 1 (Llama 3's value).
+    """
+    from .layers import rope_inv_freq
+
+    ff = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if ff.shape != (head_dim // 2,) or not np.all(ff > 0):
+        raise ValueError(f"rope_freqs.weight has {ff.size} entries; head_dim {head_dim} needs {head_dim // 2} > 0")
+    if np.allclose(ff, 1.0, rtol=0, atol=1e-6):
+        return RopeConfig(theta=theta)  # an identity table: plain rope
+    u = (1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * math.pi)  # decreasing in i
+    factor = float(ff.max())
+    ones, full = np.abs(ff - 1) <= 1e-6, np.abs(ff - factor) <= 1e-6 * factor
+    mid = ~ones & ~full
+    s = (1 / ff[mid] - 1 / factor) / (1 - 1 / factor)
+    a = u[full].max() if full.any() else 0.0  # u_lo lies in [a, first mid point), u_hi in (last mid point, b]
+    b = u[ones].min() if ones.any() else 2 * u.max()
+    if mid.sum() >= 2:  # s = alpha * u + beta through the band's points
+        alpha, beta = np.polyfit(u[mid], s, 1)
+        u_lo, u_hi = (-beta / alpha, (1 - beta) / alpha) if alpha > 0 else (1.0, 0.0)  # (1, 0): refused below
+    elif mid.sum() == 1:  # one point: any line through it whose ends stay inside (a, b) reproduces the table
+        u0, s0 = u[mid][0], s[0]
+        t = min(u0 - a, (b - u0) * s0 / (1 - s0)) / 2
+        u_lo, u_hi = u0 - t, u0 + t * (1 - s0) / s0
+    else:  # a step: both ends anywhere between the last scaled and the first unscaled frequency
+        u_lo, u_hi = a + (b - a) / 3, a + 2 * (b - a) / 3
+    want = rope_inv_freq(head_dim, RopeConfig(theta=theta)).double() / torch.from_numpy(ff)
+    if u_hi > u_lo > 0:
+        orig = int(original_context or max(1, round(1 / u_lo)))
+        rope = RopeConfig(theta=theta, type="llama3", factor=factor, low_freq_factor=orig * u_lo,
+                          high_freq_factor=orig * u_hi, original_max_position_embeddings=orig)
+        if torch.allclose(rope_inv_freq(head_dim, rope).double(), want, rtol=1e-5, atol=0):
+            return rope
+    raise ValueError("rope_freqs.weight does not follow Llama 3.1's rope scaling; infer cannot apply an arbitrary "
+                     "per-frequency table")
+
+
+class GGUFCheckpoint:
+    """One .gguf file: ``config`` from the metadata (on first use), ``tensors()`` yields (where, HF name, load)."""
+
+    def __init__(self, file: str | os.PathLike):
+        self.file = Path(file)
+        try:
+            self.reader = gguf.GGUFReader(self.file)
+        except (ValueError, OSError, IndexError) as e:
+            raise ValueError(f"{self.file}: not a readable GGUF file ({e})") from None
+        self.by_name = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key: str, default=None):
+        """A scalar or string metadata value; arrays come back as their length."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        kind = f.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            return len(f.data)
+        if kind == gguf.GGUFValueType.STRING:
+            return bytes(f.parts[f.data[0]]).decode("utf-8")
+        return f.parts[f.data[0]][0].item()
+
+    def _required(self, key: str):
+        value = self.field(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {key!r}")
+        return value
+
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids: eos, plus eot / eom where given (llama.cpp stops generating on all of them)."""
+        ids = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        try:
+            return self._config()
+        except ValueError as e:  # name the file once, whichever check refused it
+            raise ValueError(f"{self.file.name}: {e}") from None
+
+    def _config(self) -> ModelConfig:
+        arch = self._required("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; infer implements llama")
+        a = lambda key: self.field(f"llama.{key}")  # noqa: E731
+        need = lambda key: self._required(f"llama.{key}")  # noqa: E731
+        if a("expert_count"):
+            raise ValueError(f"a mixture-of-experts llama ({a('expert_count')} experts) is not supported")
+        hidden, heads, ctx = need("embedding_length"), need("attention.head_count"), need("context_length")
+        head_dim = a("rope.dimension_count") or hidden // heads
+        if (a("attention.key_length") or head_dim) != head_dim:
+            raise ValueError(f"rope.dimension_count {head_dim} differs from attention.key_length "
+                             f"{a('attention.key_length')} (partial rotary is not supported)")
+        theta = float(a("rope.freq_base") or 10000.0)
+        scaling = a("rope.scaling.type") or "none"
+        if scaling != "none" and float(a("rope.scaling.factor") or 1.0) != 1.0:
+            raise ValueError(f"unsupported rope scaling type {scaling!r}; infer implements Llama 3.1 scaling "
+                             "(a rope_freqs.weight tensor) only")
+        rope = RopeConfig(theta=theta, original_max_position_embeddings=ctx)  # as config.json parsing defaults it
+        if "rope_freqs.weight" in self.by_name:
+            rope = rope_from_freq_factors(self.array("rope_freqs.weight"), theta, head_dim,
+                                          a("rope.scaling.original_context_length"))
+        vocab = a("vocab_size") or self.field("tokenizer.ggml.tokens")  # an array field: its length
+        if not vocab and "token_embd.weight" in self.by_name:
+            vocab = int(self.by_name["token_embd.weight"].shape[-1])  # ggml order: ne = [hidden, vocab]
+        return ModelConfig(
+            vocab_size=int(vocab or 0), hidden_size=hidden, intermediate_size=need("feed_forward_length"),
+            num_hidden_layers=need("block_count"), num_attention_heads=heads,
+            num_key_value_heads=a("attention.head_count_kv") or heads, head_dim=head_dim, max_position_embeddings=ctx,
+            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon") or 1e-5), rope=rope,
+            tie_word_embeddings="output.weight" not in self.by_name,  # llama.cpp omits the head when it is tied
+            attention_bias="blk.0.attn_q.bias" in self.by_name, mlp_bias="blk.0.ffn_up.bias" in self.by_name,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"), eos_token_ids=self.eos_token_ids(),
+        )
+
+    def array(self, name: str) -> np.ndarray:
+        """One tensor dequantized to float32, in row-major logical order ([out, in] for a weight)."""
+        t = self.by_name[name]
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise ValueError(f"tensor {name!r} is stored as {t.tensor_type.name}, which infer cannot dequantize "
+                             f"(supported: {names})")
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        return w if w.flags.writeable else w.copy()  # F32 comes back as a read-only view of the memory map
+
+    def _load(self, name: str) -> torch.Tensor:
+        try:
+            w = self.array(name)
+        except ValueError as e:
+            raise ValueError(f"{self.file.name}: {e}") from None
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if kind in ("attn_q", "attn_k"):  # undo llama.cpp's row order (biases were permuted the same way)
+            cfg = self.config
+            w = unpermute_qk(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+        return torch.from_numpy(np.ascontiguousarray(w))
+
+    def tensors(self) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
+        """(where, HF name, load) per tensor; an unknown GGUF name is passed through for the loader to refuse."""
+        for name in self.by_name:
+            if name == "rope_freqs.weight":
+                continue  # folded into config.rope
+            yield f"{self.file.name} ({name})", hf_name(name) or name, lambda n=name: self._load(n)

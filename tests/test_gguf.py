@@ -1,0 +1,299 @@
+"""GGUF checkpoints: tiny files written here the way llama.cpp's convert_hf_to_gguf.py writes a llama, then read
+by our loader and, independently, by transformers (``from_pretrained(dir, gguf_file=...)``)."""
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Mapping
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from infer.generate import autoregressive_generate
+from infer.model import load_model, resolve_model_path
+from infer.model.gguf import GGUFCheckpoint, permute_qk, rope_from_freq_factors, unpermute_qk
+from infer.model.layers import rope_inv_freq
+from infer.model.loader import to_hf_state_dict
+from infer.sampling import SamplingParams
+from infer.testing import CHAT_TEMPLATE, make_tiny_llama
+from infer.tokenizer import Tokenizer, tokenizer_cache_dir
+
+Q = gguf.GGMLQuantizationType
+TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}
+
+
+def llama3_factors(theta, head_dim, factor, low, high, orig):
+    """convert_hf_to_gguf.py's rope_freqs table for Llama 3.1 scaling."""
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * math.pi / freq
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = factor if wavelen > orig / low else 1 / ((1 - smooth) / factor + smooth)
+        out.append(1 if wavelen < orig / high else scaled)
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(src, out, qtype=Q.F32, arch="llama", skip=(), raw=None):
+    """HF checkpoint ``src`` -> ``out`` (.gguf): metadata, gpt2-style tokenizer, permuted q/k, 2-D weights in qtype.
+    ``skip``: metadata keys (without the arch prefix) or "tokenizer" to leave out; ``raw``: {gguf name: (bytes, type)}
+    tensors written as given instead."""
+    cfg, sd = json.loads((src / "config.json").read_text()), load_file(src / "model.safetensors")
+    tok = json.loads((src / "tokenizer.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, rope = cfg["head_dim"], cfg["rope_parameters"]
+    w = gguf.GGUFWriter(out, arch)
+    meta = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": head_dim,
+            "vocab_size": cfg["vocab_size"]}
+    for key, value in meta.items():
+        if key not in skip:
+            w.add_uint32(f"{arch}.{key}", value)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "tokenizer" not in skip:
+        tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+        specials = {t["content"] for t in tok["added_tokens"]}
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: CONTROL
+        w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+        eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+        w.add_bos_token_id(cfg["bos_token_id"])
+        w.add_eos_token_id(eos[0])
+        if len(eos) > 1:
+            w.add_eot_token_id(eos[1])
+        w.add_add_bos_token(True)
+        w.add_chat_template(CHAT_TEMPLATE)
+    if rope.get("rope_type") == "llama3":  # llama.cpp stores Llama 3.1 scaling as a per-frequency table
+        w.add_tensor("rope_freqs.weight", llama3_factors(rope["rope_theta"], head_dim, rope["factor"],
+                     rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]))
+    for name, t in sd.items():
+        parts = name.split(".")
+        g = TO_GGUF.get(name) or f"blk.{parts[2]}.{TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        a = t.float().numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            a = permute_qk(a, heads if ".q_proj." in name else kv)
+        if g in (raw or {}):
+            w.add_tensor(g, raw[g][0], raw_dtype=raw[g][1])
+        elif a.ndim == 1 or qtype == Q.F32:  # norms stay float32, as convert_hf_to_gguf.py keeps them
+            w.add_tensor(g, a)
+        elif qtype == Q.F16:
+            w.add_tensor(g, a.astype(np.float16))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """GQA with head_dim (32) != hidden / heads (16), every width a multiple of the 32-wide quant blocks."""
+    return make_tiny_llama(tmp_path_factory.mktemp("gqa64"), "gqa", hidden_size=64, intermediate_size=128, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def ggufs(src, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ggufs")
+    out = {}
+    for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        (d / q.name).mkdir()
+        out[q.name] = write_gguf(src, d / q.name / f"tiny-{q.name}.gguf", q)
+    return out
+
+
+def test_permutation_inverts_llama_cpp_and_matches_transformers():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    w = np.random.default_rng(0).standard_normal((4 * 16, 8)).astype(np.float32)
+    for n in (1, 2, 4):
+        p = permute_qk(w, n)
+        assert not np.array_equal(p, w)
+        assert np.array_equal(unpermute_qk(p, n), w)
+        assert np.array_equal(unpermute_qk(p, n), LlamaTensorProcessor()._reverse_permute_weights(p, n))
+    assert np.array_equal(unpermute_qk(permute_qk(w[:, 0], 4), 4), w[:, 0])  # biases: the same row order
+
+
+def test_config_from_metadata(src, ggufs):
+    from infer.model import load_config
+
+    ours, ref = load_config(ggufs["F32"]), load_config(src)
+    assert ours.head_dim == 32 and ours.num_key_value_heads == 2
+    assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)  # GGUF stores it as float32
+    assert dataclasses.replace(ours, rms_norm_eps=ref.rms_norm_eps) == ref  # every other field, rope and EOS too
+    assert load_config(ggufs["F32"].parent) == ours  # a directory holding one .gguf
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_weights_equal_dequantized_hf_weights(src, ggufs, qtype):
+    """Float32 round-trips exactly; a quantized type gives exactly gguf's dequantize(quantize(w)) of the HF weight
+    (quantization blocks run along rows, so permuting rows commutes with it), close to w itself."""
+    hf, got = load_file(src / "model.safetensors"), to_hf_state_dict(load_model(ggufs[qtype]))
+    assert got.keys() == hf.keys()
+    q = Q[qtype]
+    for name, w in hf.items():
+        a = w.numpy()
+        want = a if a.ndim == 1 or q == Q.F32 else gguf.quants.dequantize(gguf.quants.quantize(a, q), q)
+        assert np.array_equal(got[name].numpy(), want), name
+        rel = np.linalg.norm(got[name].numpy() - a) / np.linalg.norm(a)
+        assert rel < {"Q4_0": 0.15, "Q4_1": 0.15, "Q5_0": 0.08, "Q5_1": 0.08}.get(qtype, 0.01), (name, rel)
+
+
+def test_k_quants_dequantize_in_logical_order(tmp_path):
+    """gguf cannot quantize K-quants: write random blocks (with sane float16 scales) and compare with transformers'
+    own, independent dequantizer, reshaped to the logical [out, in]."""
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    rng, rows, cols = np.random.default_rng(1), 4, 512
+    scales = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}  # float16 offsets
+    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    blocks = {}
+    for q, offsets in scales.items():
+        size = gguf.GGML_QUANT_SIZES[q][1]
+        b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        for off in offsets:
+            b[..., off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        blocks[q] = b.reshape(rows, -1)
+        w.add_tensor(f"t.{q.name}", blocks[q], raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = GGUFCheckpoint(tmp_path / "k.gguf")
+    for q, b in blocks.items():
+        want = hf_dequantize(torch.from_numpy(b.reshape(-1)), int(q)).reshape(rows, cols)
+        got = torch.from_numpy(ckpt.array(f"t.{q.name}"))
+        assert got.shape == (rows, cols) and torch.allclose(got, want, rtol=1e-6, atol=1e-7), q.name
+
+
+def _greedy(model, ids, n=16):
+    return autoregressive_generate(model, ids, SamplingParams(max_tokens=n, temperature=0.0)).output_ids
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0"])
+def test_logits_and_greedy_match_transformers_reading_the_same_file(ggufs, qtype):
+    from transformers import AutoModelForCausalLM
+
+    file = ggufs[qtype]
+    ours = load_model(file)
+    ref = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.compute_logits(ours(ids)) - ref(ids).logits).abs().max() <= 1e-4
+        want = ref.generate(ids[:, :8], do_sample=False, max_new_tokens=16, min_new_tokens=16)[0, 8:].tolist()
+    assert _greedy(ours, ids[0, :8].tolist()) == want
+
+
+def test_llama3_rope_table_tied_head_and_eot(llama3_dir, tmp_path):
+    """Llama 3.1 scaling arrives as rope_freqs.weight; tied (no output.weight); eos + eot are both EOS ids.
+    The reference is the safetensors checkpoint: transformers (5.23) ignores rope_freqs.weight in a GGUF."""
+    file = write_gguf(llama3_dir, tmp_path / "l3.gguf")
+    ours, ref = load_model(file), load_model(llama3_dir)
+    cfg = ours.config
+    assert cfg.rope.type == "llama3" and cfg.tie_word_embeddings and cfg.eos_token_ids == ref.config.eos_token_ids
+    assert torch.allclose(rope_inv_freq(cfg.head_dim, cfg.rope), rope_inv_freq(cfg.head_dim, ref.config.rope),
+                          rtol=1e-6, atol=0)
+    ids = torch.arange(40)[None] % 300
+    with torch.no_grad():
+        assert (ours.compute_logits(ours(ids)) - ref.compute_logits(ref(ids))).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("theta,head_dim,factor", [(500000.0, 128, 8.0), (500000.0, 64, 32.0), (50000.0, 16, 8.0),
+                                                    (1e8, 4, 8.0)])  # 6, 3, 1 and 0 points in the smooth band
+def test_rope_parameters_recovered_from_table(theta, head_dim, factor):
+    table = llama3_factors(theta, head_dim, factor, 1.0, 4.0, 8192)
+    rope = rope_from_freq_factors(table, theta, head_dim)
+    assert rope.factor == pytest.approx(factor)
+    if head_dim >= 64:  # enough points in the smooth band to pin the original parameters down
+        assert rope.low_freq_factor == pytest.approx(1.0, rel=1e-4)
+        assert rope.high_freq_factor == pytest.approx(4.0, rel=1e-4)
+        assert rope.original_max_position_embeddings == 8192
+    with pytest.raises(ValueError, match="rope_freqs.weight does not follow"):  # high frequencies scaled: not 3.1's
+        rope_from_freq_factors(table[::-1].copy(), theta, head_dim)
+
+
+def test_clear_errors(src, ggufs, tmp_path):
+    with pytest.raises(ValueError, match="architecture 'falcon'"):
+        load_model(write_gguf(src, tmp_path / "falcon.gguf", arch="falcon"))
+    with pytest.raises(ValueError, match="'llama.block_count'"):
+        load_model(write_gguf(src, tmp_path / "nolayers.gguf", skip=("block_count",)))
+    iq = np.random.default_rng(0).integers(0, 256, (128, 2 * 18), dtype=np.uint8)  # IQ4_NL: 18-byte blocks of 32
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up\.weight' is stored as IQ4_NL"):
+        load_model(write_gguf(src, tmp_path / "iq.gguf", raw={"blk.1.ffn_up.weight": (iq, Q.IQ4_NL)}))
+    two = tmp_path / "two"
+    two.mkdir()
+    for q in ("F32", "Q8_0"):
+        shutil.copy(ggufs[q], two)
+    with pytest.raises(ValueError, match="several .gguf files.*tiny-F32.gguf, tiny-Q8_0.gguf"):
+        load_model(two)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model(tmp_path / "junk.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file; expected a checkpoint directory or a .gguf file"):
+        load_model(tmp_path / "weights.bin")
+    assert resolve_model_path(ggufs["F32"]) == ggufs["F32"]
+
+
+def test_tokenizer_from_gguf_matches_transformers_and_is_cached(src, ggufs, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    file = ggufs["Q8_0"]
+    ref = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    original = AutoTokenizer.from_pretrained(str(src))
+    first = Tokenizer(file)
+    entries = list(tokenizer_cache_dir().iterdir())
+    again = Tokenizer(file.parent)  # the directory holding it: served from the cache entry
+    assert list(tokenizer_cache_dir().iterdir()) == entries and len(entries) == 1
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    for tok in (first, again):
+        for text in ["def fib(n):\n    return n", "Café naïve über 你好 😀!", "  leading spaces"]:
+            assert tok.encode(text) == ref.encode(text) == original.encode(text)
+            assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+        for hf in (ref, original):
+            want = hf.apply_chat_template(msgs, add_generation_prompt=True)
+            assert tok.apply_chat_template(msgs) == (want["input_ids"] if isinstance(want, Mapping) else want)
+        assert tok.eos_token_ids == [1] and tok.bos_token_id == 0
+
+
+def test_tokenizer_works_without_a_writable_cache(ggufs, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # mkdir under a file fails
+    assert Tokenizer(ggufs["F32"]).encode("Hello world") == Tokenizer(ggufs["Q8_0"]).encode("Hello world")
+
+
+def test_gguf_without_tokenizer(src, tmp_path):
+    file = write_gguf(src, tmp_path / "bare.gguf", skip=("tokenizer", "vocab_size"))
+    assert load_model(file).config.vocab_size == 320  # from token_embd's shape
+    with pytest.raises(FileNotFoundError, match="carries no tokenizer"):
+        Tokenizer(file)
+
+
+def test_llm_end_to_end_on_a_gguf(ggufs):
+    from infer import LLM
+
+    file = ggufs["Q8_0"]
+    llm = LLM(model=str(file))
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and isinstance(out.text, str)
+    assert out.token_ids == _greedy(load_model(file), llm.tokenizer.encode("The quick brown fox"), 8)
