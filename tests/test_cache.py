@@ -32,10 +32,10 @@ def test_truncate_is_a_length_reset_and_keeps_prefix_data():
     meta = kv.prepare([s], [6])
     k = torch.arange(12.0).view(1, 1, 6, 2)
     kv.update(0, k, k, meta)
-    before = kv.k.data_ptr()
+    before = kv.k[0].data_ptr()
     kv.truncate_to(s, 3)
-    assert kv.seq_len(s) == 3 and kv.k.data_ptr() == before
-    assert torch.equal(kv.k[0, s, 0, :3], k[0, 0, :3])  # nothing moved
+    assert kv.seq_len(s) == 3 and kv.k[0].data_ptr() == before
+    assert torch.equal(kv.k[0][s, 0, :3], k[0, 0, :3])  # nothing moved
     meta = kv.prepare([s], [1])
     assert meta.start == [3] and meta.kv_len == 4  # the next write lands right after the kept prefix
     with pytest.raises(ValueError, match="holds 4"):
@@ -57,5 +57,5 @@ def test_padded_rows_write_to_scratch_not_over_valid_entries():
     k[1] = 7.0
     kv.update(0, k, k, meta)
     assert kv.seq_len(b) == 1
-    assert torch.equal(kv.k[0, b, 0, 0], torch.tensor([7.0, 7.0]))
-    assert torch.equal(kv.k[0, a, 0, :4], torch.ones(4, 2))  # row a untouched by b's pads
+    assert torch.equal(kv.k[0][b, 0, 0], torch.tensor([7.0, 7.0]))
+    assert torch.equal(kv.k[0][a, 0, :4], torch.ones(4, 2))  # row a untouched by b's pads

@@ -50,10 +50,11 @@ class PagedKVCachePool(KVCachePool):
         self.enable_prefix_caching = enable_prefix_caching
         self.device = torch.device(device)
         self.scratch = num_blocks * block_size
-        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
-        # zeros: masked keys still meet the matmul with weight 0, and 0 * NaN would poison the row
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
+        # zeros: masked keys still meet the matmul with weight 0, and 0 * NaN would poison the row.
+        # One tensor per layer (not views of one): compiled, writes into a tensor of its own stay in place.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._ref = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
@@ -208,9 +209,9 @@ class PagedKVCachePool(KVCachePool):
     def update(self, layer, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [rows, Hkv, D]
         if meta.row0 is not None:
-            lo, T = meta.row0 + meta.start[0], k.shape[2]
-            kc[lo:lo + T] = k[0].transpose(0, 1)
-            vc[lo:lo + T] = v[0].transpose(0, 1)
+            rows = meta.row0 + meta.positions[0]  # [T] storage rows of the new tokens (index_put_: in place)
+            kc[rows] = k[0].transpose(0, 1)
+            vc[rows] = v[0].transpose(0, 1)
             end = meta.row0 + meta.kv_len
             return kc[meta.row0:end].transpose(0, 1)[None], vc[meta.row0:end].transpose(0, 1)[None]
         kc[meta.write_pos] = k.transpose(1, 2)  # [B, T, Hkv, D] scattered to their rows

@@ -27,11 +27,13 @@ class SlottedKVCache(KVCachePool):
             raise ValueError(f"max_seq_len and max_slots must be > 0, got {max_seq_len}, {max_slots}")
         self.num_layers, self.max_seq_len, self.max_slots = num_layers, max_seq_len, max_slots
         self.device = torch.device(device)
-        shape = (num_layers, max_slots, num_kv_heads, max_seq_len + 1, head_dim)
+        shape = (max_slots, num_kv_heads, max_seq_len + 1, head_dim)
         # Zeros, not empty: masked keys still enter the attention matmul with weight 0, and 0 * NaN from
         # uninitialised memory would be NaN. Stale entries written by the model are always finite.
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # One tensor per layer, not views of one: under torch.compile a write into a view of a larger input is
+        # functionalised into a copy of the whole base; a write into a tensor of its own is done in place.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._lens = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._used: set[int] = set()
@@ -85,8 +87,8 @@ class SlottedKVCache(KVCachePool):
             return
         si = torch.tensor(src, dtype=torch.long, device=self.device)
         di = torch.tensor(dst, dtype=torch.long, device=self.device)
-        self.k[:, di] = self.k[:, si]
-        self.v[:, di] = self.v[:, si]
+        for kc, vc in zip(self.k, self.v):
+            kc[di], vc[di] = kc[si], vc[si]
         lens = [self._lens[s] for s in src]
         for d, n in zip(dst, lens):
             self._lens[d] = n
@@ -116,14 +118,14 @@ class SlottedKVCache(KVCachePool):
                         mask=mask, is_causal=is_causal)
 
     def update(self, layer, k, v, meta):
-        kc, vc = self.k[layer], self.v[layer]  # [S, Hkv, L+1, D] views
-        if meta.single:
-            s, p0, T = meta.slots[0], meta.start[0], k.shape[2]
-            kc[s, :, p0:p0 + T] = k[0]
-            vc[s, :, p0:p0 + T] = v[0]
-            return kc[s:s + 1, :, :meta.kv_len], vc[s:s + 1, :, :meta.kv_len]
+        kc, vc = self.k[layer], self.v[layer]  # [S, Hkv, L+1, D]
+        # Writes are index_put_ on the layer's own tensor (compiled, it stays in place; a slice assignment with a
+        # symbolic start would be functionalised into a copy of the whole layer).
         # Advanced indices around a slice put the indexed dims first: kc[slot, :, pos] is [B, T, Hkv, D].
         rows = meta.slot_index[:, None]
         kc[rows, :, meta.write_pos] = k.transpose(1, 2)
         vc[rows, :, meta.write_pos] = v.transpose(1, 2)
+        if meta.single:  # one slot: attend to a slice of it, no gather
+            s = meta.slots[0]
+            return kc[s:s + 1, :, :meta.kv_len], vc[s:s + 1, :, :meta.kv_len]
         return kc[meta.slot_index, :, :meta.kv_len], vc[meta.slot_index, :, :meta.kv_len]

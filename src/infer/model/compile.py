@@ -11,9 +11,11 @@ What is compiled and what is not:
 - ``model._forward`` (embedding -> layers -> norm) when a KV cache is given and T <= ``max_tokens``; prefill
   chunks stay eager (compute-bound already, and every chunk length would be another graph).
 - ``model._logits`` for up to ``max_tokens`` rows.
-- ``dynamic=True``: sequence lengths, slots and batch sizes are symbolic, so one graph serves every cache
-  length instead of one compile per length (no recompilation storm). A few graphs remain: one per
-  structurally different step (single-row decode, a masked multi-token verify, a gathered paged batch).
+- Automatic dynamic shapes (``dynamic=None``): the first call of a step compiles with its exact sizes; the first
+  size that changes (the cache length, at the second token) recompiles once with that size symbolic, and that
+  graph then serves every length (no recompilation storm). Sizes that never change stay static, which gives
+  inductor better kernels than ``dynamic=True`` (SmolLM2 bf16 decode: 9.3 vs 10.1 ms a step). A few graphs
+  remain: one per structurally different step (single-row decode, a masked multi-token verify, a batch).
 - Inductor's compiled artifacts persist on disk (``cache_dir``, default ``~/.cache/infer/inductor``): a second
   start replays them and pays only Dynamo's tracing.
 
@@ -66,8 +68,8 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
         # Each structural variant (decode, masked verify, paged gather, ...) is one graph; allow a few more than
         # the default 8 before dynamo gives up and runs eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        model.compiled = CompiledSteps(torch.compile(model._forward, dynamic=True, options=INDUCTOR_OPTIONS),
-                                       torch.compile(model._logits, dynamic=True, options=INDUCTOR_OPTIONS),
+        model.compiled = CompiledSteps(torch.compile(model._forward, dynamic=None, options=INDUCTOR_OPTIONS),
+                                       torch.compile(model._logits, dynamic=None, options=INDUCTOR_OPTIONS),
                                        max_tokens)
     model.compiled.max_tokens = max_tokens
     return model
