@@ -33,3 +33,16 @@ def test_speculative_generate_with_debug_view(gqa_dir):
     assert "acceptance 1.00" in r.stderr
     r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--debug")
     assert r.returncode == 2 and "needs --draft-model" in r.stderr
+
+
+def test_chat_streams_replies_and_resets(gqa_dir):
+    """`infer chat` on piped input: two turns, /reset, an unknown command; each reply ends with its figures."""
+    r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
+                        "--max-tokens", "6", "--draft-model", str(gqa_dir), "--spec-length", "2"],
+                       input="hello there\n/nope\n/reset\nsecond turn\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tokens,") == 2 and r.stdout.count("drafts accepted") == 2
+    assert "[conversation reset]" in r.stdout and "unknown command '/nope'" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--quantization", "int9"],
+                       input="", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "int9" in r.stderr and "Traceback" not in r.stderr

@@ -127,3 +127,30 @@ def test_speculative_self_drafting_equals_greedy(tokenizers, greedy, ours):
     req, _ = speculative_generate(ours, ours, ids, params, gamma=3, eos_token_ids=tokenizers[1].eos_token_ids)
     assert req.output_ids == want[:16]
     assert req.num_accepted_tokens > 0
+
+
+def test_server_answers_chat_with_the_real_template(tokenizers, greedy):
+    """`infer serve`'s app on SmolLM2 through the official openai client: the chat template transformers applies
+    (prompt_tokens), and the reply is our greedy continuation."""
+    import openai
+
+    from infer.engine import EngineConfig
+    from infer.engine.async_engine import AsyncEngine
+    from infer.server.app import build_app
+    from infer.server.thread import ServerThread
+
+    hf = tokenizers[0].hf
+    question = CHATS[0]
+    expected_ids = hf.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    expected_ids = expected_ids["input_ids"] if isinstance(expected_ids, Mapping) else expected_ids
+    engine = AsyncEngine(EngineConfig(model=FILE, compile=False, max_batch_size=2))
+    try:
+        with ServerThread(build_app(engine, "smollm2")) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                               max_tokens=16, temperature=0)
+    finally:
+        engine.shutdown()
+    assert r.usage.prompt_tokens == len(expected_ids)
+    _, ours_greedy = greedy(question)
+    assert r.choices[0].message.content == hf.decode(ours_greedy[:16], skip_special_tokens=True)

@@ -38,8 +38,10 @@ def write_ranking(out_dir: str | os.PathLike, counts: Sequence[int], source: str
 
 
 def load_ranking(drafter_dir: str | os.PathLike) -> list[int]:
-    """The ranked token ids of ``drafter_dir/draft_vocab.json``; a clear error if it is missing or malformed."""
-    path = Path(drafter_dir) / RANKING_FILE
+    """The ranked token ids of ``drafter_dir/draft_vocab.json`` (beside the file for a .gguf drafter); a clear error
+    if it is missing or malformed."""
+    root = Path(drafter_dir)
+    path = (root.parent if root.is_file() else root) / RANKING_FILE
     if not path.is_file():
         raise ValueError(f"draft_vocab_size needs a token ranking {path}: none found (write one with "
                          "infer.spec.draft_vocab.write_ranking from token counts of a corpus)")
