@@ -219,7 +219,8 @@ def main():
            "notes": "ours: decode phase (first token to last) through LLM/engine, compiled; transformers: end to "
                     "end generate; llama.cpp: llama-bench tg (-p 0 -n N -t threads)"}
     write_json("real_model", res)
-    md = [f"SmolLM2-135M-Instruct ({path.name}), one request, {a.new_tokens} greedy tokens, {a.threads} threads, "
+    md = ["## SmolLM2-135M-Instruct: plain decoding vs llama.cpp and transformers (issue 14)", "",
+          f"SmolLM2-135M-Instruct ({path.name}), one request, {a.new_tokens} greedy tokens, {a.threads} threads, "
           f"{machine()['cpu']}, torch {torch.__version__}, llama.cpp {llama_version or 'not run'}; "
           f"{a.repeats} interleaved rounds x {len(prompts)} prompts (ours, transformers), medians [q1-q3]. "
           f"Memory bandwidth measured here: {bw:.1f} GB/s. `python benchmarks/real_model.py`.", "",

@@ -67,7 +67,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (Tried: under compile, one row as (q.float() @ x) * s, inductor's fused dequantizing reduction. 31 GB/s
         # on the weights alone, but 1.4-1.7x slower than this kernel inside the model's graph.)
-        y = int8_mm(x.reshape(-1, self.in_features).to(self.scale.dtype), self.qweight, self.scale)
+        x2 = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        if self.qweight.device.type == "cpu":
+            y = int8_mm(x2, self.qweight, self.scale)
+        else:  # CUDA has no _weight_int8pack_mm: dequantize in the matmul (under torch.compile this fuses, gpt-fast)
+            y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
