@@ -48,13 +48,21 @@ class CompiledSteps:
 
 
 def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Point inductor's on-disk caches at ``cache_dir`` (unless the user already set TORCHINDUCTOR_CACHE_DIR)."""
-    path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir or DEFAULT_CACHE_DIR)
+    """Point inductor's on-disk caches at ``cache_dir`` (default ``~/.cache/infer/inductor``), unless the user chose
+    a directory with TORCHINDUCTOR_CACHE_DIR. Inductor's own default lives in the temp directory, which a reboot
+    may empty; it also writes that default into the environment when torch._inductor is imported, so a value equal
+    to the default counts as not chosen."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return Path(current)
+    path = Path(cache_dir or DEFAULT_CACHE_DIR)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
-    except OSError:  # read-only home: inductor falls back to its temp-dir default
-        pass
+    except OSError:  # read-only home: keep inductor's default
+        return Path(current or default_cache_dir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     torch._inductor.config.fx_graph_cache = True
     return path
 
