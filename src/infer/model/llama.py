@@ -18,9 +18,10 @@ from torch import nn
 
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
+
 if TYPE_CHECKING:
     from .compile import CompiledSteps
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
 
 
 class Attention(nn.Module):
