@@ -49,7 +49,22 @@ def _(x, qweight, group_size, scales_and_zeros):
     return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
 
-class Int8Linear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """The shared ends of a weight-only linear: inputs flattened to the kernel's dtype, outputs reshaped back."""
+
+    bias: nn.Parameter | None
+    in_features: int
+    out_features: int
+
+    def _kernel_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.reshape(-1, self.in_features).to(dtype)  # [N, in]
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_WeightOnlyLinear):
     """y = x @ (q * s).T (+ b): q int8 ``[out, in]``, s ``[out]``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype):
@@ -67,18 +82,16 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (Tried: under compile, one row as (q.float() @ x) * s, inductor's fused dequantizing reduction. 31 GB/s
         # on the weights alone, but 1.4-1.7x slower than this kernel inside the model's graph.)
-        x2 = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        x2 = self._kernel_input(x, self.scale.dtype)
         if self.qweight.device.type == "cpu":
             y = int8_mm(x2, self.qweight, self.scale)
         else:  # CUDA has no _weight_int8pack_mm: dequantize in the matmul (under torch.compile this fuses, gpt-fast)
             y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._output(y, x)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_WeightOnlyLinear):
     """y = x @ W.T (+ b) with W in int4 groups of ``group_size`` along the input dimension."""
-
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
                  group_size: int = 32):
@@ -111,9 +124,7 @@ class Int4Linear(nn.Module):
         return int4_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype))
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._output(self._mm(self._kernel_input(x, self.scales_and_zeros.dtype)), x)
 
 
 def _compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
