@@ -45,3 +45,21 @@ def test_compiled_quantized_target_equals_eager(gqa_dir):
     eager = LLM(gqa_dir, quantization="int8", compile=False, max_batch_size=1)
     compiled = LLM(gqa_dir, quantization="int8", compile=True, max_batch_size=1)
     assert _ids(compiled.generate(PROMPTS, GREEDY)) == _ids(eager.generate(PROMPTS, GREEDY))
+
+
+def test_compiled_models_in_one_process_keep_their_own_graphs(ckpt_dirs):
+    """Compiled steps skip the guards on model state (compile.step_guards): two models, of different shapes and
+    precisions, compiled in one process must never run each other's graphs."""
+    models = [(ckpt_dirs["gqa"], None), (ckpt_dirs["gqa"], "int8"), (ckpt_dirs["mha"], None)]
+    eager = [_ids(LLM(d, quantization=q, compile=False, max_batch_size=1).generate(PROMPTS, GREEDY)) for d, q in models]
+    compiled = [LLM(d, quantization=q, compile=True, max_batch_size=1) for d, q in models]
+    for _ in range(2):  # interleaved: each call finds the others' graphs already built
+        assert [_ids(llm.generate(PROMPTS, GREEDY)) for llm in compiled] == eager
+
+
+def test_quantizing_a_compiled_model_is_refused(gqa_dir):
+    from infer.model.quant import quantize_model
+
+    llm = LLM(gqa_dir, compile=True, max_batch_size=1)
+    with pytest.raises(ValueError, match="before compiling"):
+        quantize_model(llm.model, "int8")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..config import parse_dtype
 from ..model.llama import LlamaForCausalLM
 from ..model.compile import compile_model
@@ -47,6 +48,8 @@ class Engine:
             tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
         else:
             self.model_path, self.model = str(cfg.model), model
+        if self.device.type == "cpu":
+            kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         if cfg.quantization and self.model.quantization != cfg.quantization:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         self.compiled = self._maybe_compile(self.model)

@@ -1,9 +1,10 @@
 """torch.compile (inductor) for the few-token steps: decode (1 token per row) and verify (K+1 per row).
 
 Decoding a small model on CPU is bound by two things eager PyTorch does badly: the Python and dispatch cost of
-~20 ops per layer, and one-row ``F.linear`` calls that stream weights at half the memory bandwidth. Compiling
-the forward removes the first (inductor fuses the norms, rotary and elementwise work into a few C++ kernels)
-and, with ``layers.linear``'s matrix-vector form, the second.
+~20 ops per layer, and one-row ``F.linear`` calls that stream weights at a third to a half of the memory bandwidth.
+The products go to infer's own CPU kernels (infer.kernels: ``infer::linear``, ``infer::attention``), which inductor
+calls as opaque ops; compiling the forward removes the rest (inductor fuses the norms, rotary and elementwise work
+into a few C++ loops) and, with the guard filter below, most of Dynamo's per-call cost.
 
     compile_model(model)          # model.forward / compute_logits now use the compiled twins for <= max_tokens
 
@@ -14,8 +15,12 @@ What is compiled and what is not:
 - Automatic dynamic shapes (``dynamic=None``): the first call of a step compiles with its exact sizes; the first
   size that changes (the cache length, at the second token) recompiles once with that size symbolic, and that
   graph then serves every length (no recompilation storm). Sizes that never change stay static, which gives
-  inductor better kernels than ``dynamic=True`` (SmolLM2 bf16 decode: 9.3 vs 10.1 ms a step). A few graphs
-  remain: one per structurally different step (single-row decode, a masked multi-token verify, a batch).
+  inductor better kernels than ``dynamic=True``. A few graphs remain: one per structurally different step
+  (single-row decode, a masked multi-token verify, a batch).
+- Guards: Dynamo re-checks every tensor a graph reads before each call (~370 for SmolLM2, ~0.5 ms). ``step_guards``
+  keeps only those that can tell one step from another; the model's weights are fixed once it is compiled
+  (``quantize_model`` refuses a compiled model), and each model gets its own copy of the step's code object, so
+  two models never share graphs.
 - Inductor's compiled artifacts persist on disk (``cache_dir``, default ``~/.cache/infer/inductor``): a second
   start replays them and pays only Dynamo's tracing.
 
@@ -25,6 +30,8 @@ The eager path stays the reference: ``compile=False`` (``--no-compile``) never t
 from __future__ import annotations
 
 import os
+import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +45,23 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"
 # products. Inductor splits any loop over >= 512 elements across threads; at that size the OpenMP fork/join costs
 # more than the work (SmolLM2 bf16: 63 -> 73 tok/s with this threshold). The products stay parallel.
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384}
+# On the CPU the graph's wrapper (the code that calls those kernels and allocates their buffers) is C++ rather than
+# Python: ~1 ms less a step for SmolLM2 int8 (~8 ms). Built as its own library, which keeps the first compile near
+# the Python wrapper's (89 s vs 67 s for the demo's steps; 184 s otherwise); warm starts are the same.
+CPU_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+# Dynamo guards every tensor a graph reads: ~370 for SmolLM2 (weights, 60 KV tensors, rotary tables) plus the module
+# tree, ~0.5 ms a call. Once compiled, the model's weights and modules never change shape (quantize_model refuses a
+# compiled model) and a pool's layers all share one shape, so only these guards tell one step's graph from another:
+# the inputs, the plan (attn_meta), the pool's type and first layer, and the rotary tables (they grow).
+_KV_LAYER_GUARD = re.compile(r"kv\.[kv]\[[1-9]")
+
+
+def step_guards(entries) -> list[bool]:
+    """torch.compile's guard_filter_fn: keep a guard unless it is on the model's own state or on a KV layer > 0."""
+    return [not ((e.name.startswith("self") and "rotary" not in e.name) or _KV_LAYER_GUARD.match(e.name))
+            for e in entries]
 
 
 @dataclass
@@ -67,6 +91,21 @@ def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def _compile_method(model, name: str) -> Callable:
+    """torch.compile ``model.<name>`` with graphs of its own.
+
+    Dynamo keeps its compiled graphs on the function's code object, shared by every instance of the class; with the
+    guards on the model's state filtered out (``step_guards``), another model would match this one's graphs. A copy
+    of the code object per model gives each model its own cache.
+    """
+    fn = getattr(type(model), name)
+    code = fn.__code__.replace(co_name=f"{name}_{id(model):x}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    options = {**(CPU_INDUCTOR_OPTIONS if model.device.type == "cpu" else INDUCTOR_OPTIONS),
+               "guard_filter_fn": step_guards}
+    return torch.compile(types.MethodType(own, model), dynamic=None, options=options)
+
+
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
     """Attach compiled decode/verify steps to ``model`` (in place; returns it). Idempotent."""
     if max_tokens < 1:
@@ -76,8 +115,6 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
         # Each structural variant (decode, masked verify, paged gather, ...) is one graph; allow a few more than
         # the default 8 before dynamo gives up and runs eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        model.compiled = CompiledSteps(torch.compile(model._forward, dynamic=None, options=INDUCTOR_OPTIONS),
-                                       torch.compile(model._logits, dynamic=None, options=INDUCTOR_OPTIONS),
-                                       max_tokens)
+        model.compiled = CompiledSteps(_compile_method(model, "_forward"), _compile_method(model, "_logits"), max_tokens)
     model.compiled.max_tokens = max_tokens
     return model

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import RopeConfig
 
 
@@ -83,14 +84,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[..., in]`` @ weight ``[out, in]``.T (+ bias).
 
-    Decoding one token streams every weight once per step, so its speed is memory bandwidth. Under torch.compile
-    a single input row is written as a matrix-vector product: inductor lowers ``W @ x`` to its own vectorised,
-    threaded reduction (~2x the bandwidth of the external GEMM it calls for ``F.linear`` on one row here).
+    Decoding streams every weight once per step, so its speed is memory bandwidth. A few-row product on the CPU
+    (decode, speculative verify) goes to ``infer::linear`` (infer.kernels), which reads the weights at the
+    bandwidth and gives each row the same result whatever else shares the call. Without those kernels, under
+    torch.compile a single row is written as ``W @ x``, which inductor lowers to its own reduction (~2x the
+    bandwidth of ATen's one-row GEMM here). Everything else is ATen's GEMM.
     """
+    if few_rows_on_cpu(x):
+        y = torch.ops.infer.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
     if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
         y = (weight @ x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def few_rows_on_cpu(x: torch.Tensor) -> bool:
+    """Whether ``infer::linear`` takes this product: a CPU step of at most kernels.MAX_ROWS rows."""
+    return (x.device.type == "cpu" and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and x.dtype in KERNEL_DTYPES
+            and kernels.available())
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Linear(nn.Linear):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, linear
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, few_rows_on_cpu, linear
 
 if TYPE_CHECKING:
     from .compile import CompiledSteps
@@ -48,8 +48,11 @@ class Attention(nn.Module):
         else:
             k, v = kv.update(self.layer_idx, k, v, meta)  # [B, Hkv, kv_len, D]
             mask, causal = meta.mask, meta.is_causal
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        if not causal and few_rows_on_cpu(x):  # decode / verify over the cache: infer's kernel, batch-invariant
+            o = torch.ops.infer.attention(q, k, v, mask)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
 
 

@@ -1,15 +1,18 @@
 """Weight-only quantization for CPU decoding: int8 per output channel, int4 in groups, on torch's own kernels.
 
 Decoding streams every weight once per token, so bytes per weight set the speed. Weights stay quantized in
-memory and the matmuls run on ATen's weight-only kernels, which dequantize inside the GEMM:
+memory and the matmuls dequantize inside the kernel:
 
 - int8: ``w = q * s`` with q in [-127, 127] and one scale per output row (symmetric, absmax / 127);
   ``aten._weight_int8pack_mm(x, q, s)``.
 - int4: groups of ``group_size`` input columns, ``w = (q - 8) * s + z`` with q in [0, 15] (asymmetric, the
   min/max of each group, gpt-fast's scheme); ``aten._weight_int4pack_mm_for_cpu`` on the packed layout.
 
-The kernels take bfloat16 (or float16/float32) activations; float32 activations are cast to bfloat16 for the
-product (float32 int8 kernels run at a third of the speed here) and the result cast back, so the network
+Few-row steps on the CPU (decode, speculative verify) run int8 on infer's own kernel (``infer::linear``,
+infer.kernels): it widens each int8 weight in registers, multiplies in the activations' dtype and streams the
+weights at the memory bandwidth, ~2.5x ATen's int8 kernel here. Prefill, int4, and every step without those kernels
+use ATen's kernels, which take bfloat16 (or float16/float32) activations; float32 activations are cast to bfloat16
+for them (ATen's float32 int8 kernel runs at a third of the speed here) and the result cast back, so the network
 around the matmuls (norms, rotary, attention, residual stream) keeps the model's dtype.
 
 Quantization changes the target: speculative decoding stays exactly lossless *relative to the quantized model*
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import Linear
+from .layers import Linear, few_rows_on_cpu
 
 QUANTIZATIONS = ("int8", "int4")
 
@@ -65,28 +68,31 @@ class _WeightOnlyLinear(nn.Module):
 
 
 class Int8Linear(_WeightOnlyLinear):
-    """y = x @ (q * s).T (+ b): q int8 ``[out, in]``, s ``[out]``."""
+    """y = x @ (q * s).T (+ b): q int8 ``[out, in]``, s ``[out]`` float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype):
         super().__init__()
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(compute_dtype))
+        self.register_buffer("scale", scale)
+        self.compute_dtype = compute_dtype  # of ATen's kernel (prefill, or without infer's kernels)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+        return (self.qweight.float() * self.scale[:, None]).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (Tried: under compile, one row as (q.float() @ x) * s, inductor's fused dequantizing reduction. 31 GB/s
-        # on the weights alone, but 1.4-1.7x slower than this kernel inside the model's graph.)
-        x2 = self._kernel_input(x, self.scale.dtype)
+        if few_rows_on_cpu(x):
+            # decode/verify: infer's kernel widens each int8 weight in registers and keeps x's dtype
+            y = torch.ops.infer.linear(x.reshape(-1, self.in_features), self.qweight, self.scale)
+            return self._output(y, x)
+        x2 = self._kernel_input(x, self.compute_dtype)
         if self.qweight.device.type == "cpu":
-            y = int8_mm(x2, self.qweight, self.scale)
+            y = int8_mm(x2, self.qweight, self.scale.to(self.compute_dtype))
         else:  # CUDA has no _weight_int8pack_mm: dequantize in the matmul (under torch.compile this fuses, gpt-fast)
-            y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale
+            y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale.to(x2.dtype)
         return self._output(y, x)
 
 
@@ -143,6 +149,10 @@ def quantize_model(model, quantization: str | None, group_size: int = 32):
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization}); load it again to quantize it "
                          f"as {quantization}")
+    if getattr(model, "compiled", None) is not None:
+        # compiled steps do not re-check the model's weights (infer.model.compile.step_guards): swapping them
+        # under a compiled graph would run the old float layers' code on the new int8 buffers
+        raise ValueError("quantize the model before compiling it (compile_model); this one is already compiled")
     if model.device.type != "cpu" and quantization == "int4":
         raise ValueError("quantization='int4' uses aten's CPU int4 kernel; on CUDA use int8 or None")
     cdt = _compute_dtype(model.dtype)

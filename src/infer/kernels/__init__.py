@@ -1,0 +1,90 @@
+"""Hand-written CPU kernels, compiled from C++ on first use and cached on disk (as inductor caches its own).
+
+    from infer import kernels
+    if kernels.available():
+        y = torch.ops.infer.linear(x, weight, scale)     # x [M, K] float32/bf16; weight [N, K] f32/bf16/int8
+
+``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
+bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
+result does not depend on how many rows share the call. ATen has no kernel that does both on this CPU: its one-row
+products run at a third to a half of the bandwidth, and its int8 weight-only kernel slower still
+(docs/benchmarks.md, "Where a SmolLM2 decode step goes").
+
+Building needs a C++ compiler (the one torch.compile's CPU backend uses) and ninja (a dependency); the first build takes
+~30 s, later processes load the cached library in milliseconds. If the build fails, ``available()`` is False, a
+warning says why, and every caller falls back to ATen. ``INFER_CPU_KERNELS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "linear.cpp", HERE / "attention.cpp"]
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infer" / "kernels"
+MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
+
+_loaded: bool | None = None
+
+
+def _flags() -> list[str]:
+    # no FMA contraction: the scalar tails must round the same way in every instantiation (batch invariance)
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]  # the last: ATen's vec headers use AVX2
+    return flags
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    try:  # the `ninja` wheel (a dependency) puts its binary beside the interpreter, which may not be on PATH
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass  # a system ninja, if any, is found on PATH
+    flags = _flags()
+    # One build per source text, flags, torch and Python: a cache shared by machines or versions never mixes them.
+    key = hashlib.sha256()
+    for src in sorted(HERE.glob("*.[ch]*")):
+        key.update(src.read_bytes())
+    key.update(" ".join(flags + [torch.__version__, str(os.sys.version_info[:2])]).encode())
+    name = f"infer_kernels_{key.hexdigest()[:12]}"
+    build_dir = CACHE_DIR / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(build_dir), is_python_module=False, verbose=False)
+
+    @torch.library.register_fake("infer::linear")
+    def _(x, weight, scale=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("infer::attention")
+    def _(q, k, v, mask=None):  # [B, H, T, D], stored as [B, T, H, D]
+        B, H, T, D = q.shape
+        return q.new_empty(B, T, H, D).transpose(1, 2)
+
+
+def available() -> bool:
+    """True once the kernels are built and loaded (built on the first call; False, with a warning, if they cannot)."""
+    global _loaded
+    if _loaded is None:
+        if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+            _loaded = False
+        else:
+            try:
+                _build()
+                _loaded = True
+            except Exception as e:  # no compiler, no ninja, a read-only cache, ...: ATen serves every call
+                why = str(e).strip().splitlines()[-1] if str(e).strip() else ""  # the compiler's log is long
+                warnings.warn(f"infer's CPU kernels could not be built ({type(e).__name__}: {why}); "
+                              "falling back to ATen's (slower) matrix products", RuntimeWarning, stacklevel=2)
+                _loaded = False
+    return _loaded

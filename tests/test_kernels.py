@@ -1,0 +1,146 @@
+"""infer's CPU kernels (infer.kernels): right answers against ATen, batch invariance (a row's result does not depend on
+the rows beside it, so decode and verify agree bit for bit), clear errors, and the fallback when they cannot build."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ toolchain to build infer's kernels")
+
+WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def _weight(wdt, n, k, gen):
+    if wdt == torch.int8:
+        return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 50
+    return torch.randn(n, k, generator=gen).to(wdt), None
+
+
+@pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 100, 37, 7])  # 7 and 37: no full 8-lane block / a scalar tail
+def test_linear_matches_reference(wdt, xdt, k):
+    gen = torch.Generator().manual_seed(k)
+    w, scale = _weight(wdt, 67, k, gen)
+    x = torch.randn(kernels.MAX_ROWS, k, generator=gen).to(xdt)
+    y = torch.ops.infer.linear(x, w, scale)
+    assert y.dtype == xdt and y.shape == (kernels.MAX_ROWS, 67)
+    ref = x.double() @ w.double().t() * (1 if scale is None else scale.double())
+    tol = 1e-5 if xdt == torch.float32 else 1e-2  # bf16: the output's own rounding
+    assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
+def test_linear_is_batch_invariant(wdt):
+    """Row i alone, among the first m rows, or among all rows: bit-identical (decode == speculative verify)."""
+    gen = torch.Generator().manual_seed(0)
+    w, scale = _weight(wdt, 300, 136, gen)
+    x = torch.randn(kernels.MAX_ROWS, 136, generator=gen).to(torch.bfloat16 if wdt != torch.float32 else wdt)
+    full = torch.ops.infer.linear(x, w, scale)
+    for m in (1, 2, 3, 4, 5, 9):
+        assert torch.equal(torch.ops.infer.linear(x[:m], w, scale), full[:m])
+    for i in range(kernels.MAX_ROWS):
+        assert torch.equal(torch.ops.infer.linear(x[i:i + 1], w, scale), full[i:i + 1])
+
+
+def test_linear_rejects_bad_input():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.infer.linear(x, w.to(torch.int8))  # int8 without its scales
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.infer.linear(x, w, torch.ones(4))  # a scale on float weights
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infer.linear(x.double(), w)
+    with pytest.raises(RuntimeError):
+        torch.ops.infer.linear(x, torch.randn(4, 9))  # K mismatch
+
+
+def _qkv(dt, B=2, H=6, Hkv=2, T=4, L=29, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen).to(dt).transpose(1, 2)  # the model's layout: [B, H, T, D] view
+    cache = torch.randn(2, B, L + 7, Hkv, D, generator=gen).to(dt)  # a pool larger than the live length
+    k, v = (c[:, :L].transpose(1, 2) for c in cache)  # strided [B, Hkv, L, D] views, as the slotted pool hands out
+    return q, k, v
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_attention_matches_sdpa(dt):
+    q, k, v = _qkv(dt)
+    B, T, L = q.shape[0], q.shape[2], k.shape[2]
+    pos = torch.tensor([[20, 21, 22, 23], [5, 6, 7, 7]])
+    mask = torch.arange(L)[None, None, None, :] <= pos[:, None, :, None]  # [B, 1, T, L] causal over a cache
+    mask[1, 0, 2, 3] = False  # a hole before the last visible key (padding, trees)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    for m in (mask, None):
+        o = torch.ops.infer.attention(q, k, v, m)
+        assert o.shape == q.shape and o.dtype == dt
+        assert (o.double() - _sdpa(q, k, v, m)).abs().max() < tol
+    assert o.transpose(1, 2).is_contiguous()  # stored [B, T, H, D]: the reshape to [B, T, H*D] is a view
+
+
+def test_attention_decode_equals_verify():
+    """A query's output alone (decode: keys up to its position, no mask) equals its row in a masked verify step."""
+    q, k, v = _qkv(torch.float32)
+    pos = torch.tensor([[20, 21, 22, 23], [9, 10, 11, 12]])
+    mask = torch.arange(k.shape[2])[None, None, None, :] <= pos[:, None, :, None]
+    verify = torch.ops.infer.attention(q, k, v, mask)
+    for b in range(2):
+        for t in range(4):
+            p = int(pos[b, t])
+            alone = torch.ops.infer.attention(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1], None)
+            assert torch.equal(alone[0, :, 0], verify[b, :, t])
+
+
+def test_attention_query_that_sees_nothing_is_zero_not_nan():
+    q, k, v = _qkv(torch.float32, B=1, T=2)
+    mask = torch.zeros(1, 1, 2, k.shape[2], dtype=torch.bool)
+    mask[0, 0, 1, :3] = True
+    o = torch.ops.infer.attention(q, k, v, mask)
+    assert torch.equal(o[0, :, 0], torch.zeros_like(o[0, :, 0]))
+    assert torch.isfinite(o).all()
+
+
+def test_attention_rejects_bad_shapes():
+    q, k, v = _qkv(torch.float32, H=5, Hkv=2)  # 5 query heads cannot share 2 KV heads
+    with pytest.raises(RuntimeError):
+        torch.ops.infer.attention(q, k, v, None)
+
+
+def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):
+    """The same greedy tokens with the kernels and with INFER_CPU_KERNELS=0 (ATen), on a float32 tiny model."""
+    script = ("import sys, json, torch; torch.set_num_threads(1)\n"
+              "from infer import LLM, SamplingParams, kernels\n"
+              "out = LLM(sys.argv[1], compile=False).generate(['def f(x):', 'The cat'], "
+              "SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))\n"
+              "print(json.dumps([kernels.available(), [o.token_ids for o in out]]))\n")
+    runs = {}
+    for flag in ("1", "0"):
+        env = {**__import__("os").environ, "INFER_CPU_KERNELS": flag}
+        res = subprocess.run([sys.executable, "-c", script, str(gqa_dir)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr
+        runs[flag] = __import__("json").loads(res.stdout.strip().splitlines()[-1])
+    assert runs["1"][0] is True and runs["0"][0] is False
+    assert runs["1"][1] == runs["0"][1]
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch):
+    def broken():
+        raise RuntimeError("c++: not found")
+
+    monkeypatch.setattr(kernels, "_build", broken)
+    monkeypatch.setattr(kernels, "_loaded", None)
+    with pytest.warns(RuntimeWarning, match="could not be built.*c\\+\\+: not found"):
+        assert kernels.available() is False
+    from infer.model.layers import few_rows_on_cpu
+
+    assert not few_rows_on_cpu(torch.randn(1, 8))  # every product goes to ATen
