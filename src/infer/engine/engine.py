@@ -16,6 +16,7 @@ from ..config import parse_dtype
 from ..model.llama import LlamaForCausalLM
 from ..model.compile import compile_model
 from ..model.loader import load_model, resolve_model_path
+from ..model.hugepages import place_on_hugepages
 from ..model.quant import quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
@@ -52,6 +53,8 @@ class Engine:
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         if cfg.quantization and self.model.quantization != cfg.quantization:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
+        if self.device.type == "cpu":
+            place_on_hugepages(self.model)  # decode streams the weights: 2 MiB pages read them ~5-10% faster
         self.compiled = self._maybe_compile(self.model)
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else list(self.model.config.eos_token_ids)

@@ -1,0 +1,42 @@
+"""Weights moved onto huge pages (model/hugepages.py): same values, tied weights still tied, same outputs."""
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.model import load_model
+from infer.model.hugepages import HUGE_PAGE, hugepages_supported, place_on_hugepages
+from infer.model.quant import quantize_model
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_place_on_hugepages_keeps_every_value_and_tie(ckpt_dirs, quantization):
+    model = quantize_model(load_model(ckpt_dirs["tied"], torch.float32), quantization)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, model.config.vocab_size, (1, 9))
+    logits = model.compute_logits(model(x))
+    moved = place_on_hugepages(model)
+    if not hugepages_supported():
+        assert moved == 0
+        return
+    assert moved == sum(t.nbytes for t in before.values())  # every weight once (a tied head has no tensor of its own)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    first = next(iter(model.parameters()))
+    assert first.data_ptr() % HUGE_PAGE == 0  # the arena starts on a 2 MiB boundary
+    if quantization is None:
+        assert model.lm_head is None  # tied: compute_logits still reads the (moved) embedding
+    assert torch.equal(model.compute_logits(model(x)), logits)
+
+
+def test_engine_places_cpu_weights_and_generates_the_same(gqa_dir):
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(gqa_dir, compile=False)
+    if hugepages_supported():
+        assert next(iter(llm.model.parameters())).data_ptr() % HUGE_PAGE == 0
+    ref = load_model(gqa_dir, torch.float32)
+    ids = [[5, 7, 11, 13]]
+    out = llm.generate(ids, p)[0].token_ids
+    x = torch.tensor(ids)
+    assert torch.equal(llm.model.compute_logits(llm.model(x)), ref.compute_logits(ref(x)))
+    assert len(out) == 12
