@@ -9,9 +9,12 @@ per token, hence its physical ceiling (bandwidth / bytes) and its share of it; a
 llama.cpp is never built or installed by this script (nor by the package or the tests). To include it:
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp
-    cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-bench -j 2
+    cmake -B build -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON
+    cmake --build build --target llama-bench -j 2                                   # ~20 min on 2 cores
     python -c "from infer.model import load_model, save_model; from infer.demo import real_model_path as p; \
-               save_model(load_model(p()), 'smollm2-hf', dtype='float32')"     # + the tokenizer, see docs
+               from transformers import AutoTokenizer; save_model(load_model(p()), 'smollm2-hf', dtype='float32'); \
+               AutoTokenizer.from_pretrained(str(p().parent), gguf_file=p().name).save_pretrained('smollm2-hf')"
+    pip install sentencepiece gguf        # what convert_hf_to_gguf.py imports (run it with PYTHONPATH=gguf-py)
     for t in f32 bf16 q8_0; do python convert_hf_to_gguf.py smollm2-hf --outtype $t --outfile smollm2-$t.gguf; done
 then: python benchmarks/real_model.py --llama-bench build/bin/llama-bench --gguf-dir DIR_WITH_THE_THREE_FILES
 
