@@ -1,6 +1,8 @@
 """infer's CPU kernels (infer.kernels): right answers against ATen, batch invariance (a row's result does not depend on
 the rows beside it, so decode and verify agree bit for bit), clear errors, and the fallback when they cannot build."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -124,11 +126,11 @@ def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):
               "print(json.dumps([kernels.available(), [o.token_ids for o in out]]))\n")
     runs = {}
     for flag in ("1", "0"):
-        env = {**__import__("os").environ, "INFER_CPU_KERNELS": flag}
+        env = {**os.environ, "INFER_CPU_KERNELS": flag}
         res = subprocess.run([sys.executable, "-c", script, str(gqa_dir)], env=env, capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 0, res.stderr
-        runs[flag] = __import__("json").loads(res.stdout.strip().splitlines()[-1])
+        runs[flag] = json.loads(res.stdout.strip().splitlines()[-1])
     assert runs["1"][0] is True and runs["0"][0] is False
     assert runs["1"][1] == runs["0"][1]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def _build() -> None:
     key = hashlib.sha256()
     for src in sorted(HERE.glob("*.[ch]*")):
         key.update(src.read_bytes())
-    key.update(" ".join(flags + [torch.__version__, str(os.sys.version_info[:2])]).encode())
+    key.update(" ".join(flags + [torch.__version__, str(sys.version_info[:2])]).encode())
     name = f"infer_kernels_{key.hexdigest()[:12]}"
     build_dir = CACHE_DIR / name
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -89,7 +89,7 @@ void attend_one(const float* qf, const T* kp, const T* vp, int64_t kstride, int6
       if (!visible(j)) continue;
       const V8 p = set8(sc[j]);
       const T* vr = vp + j * vstride + d0;
-      if (nv == 8) {
+      if (nv == 8) {  // the usual D = 64/128 block: a constant trip count keeps a[0..7] in registers
         for (int i = 0; i < 8; ++i) a[i] = fma8(p, load8(vr + 8 * i), a[i]);
       } else {
         for (int i = 0; i < nv; ++i) a[i] = fma8(p, load8(vr + 8 * i), a[i]);

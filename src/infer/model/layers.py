@@ -81,6 +81,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations infer::linear takes
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[..., in]`` @ weight ``[out, in]``.T (+ bias).
 
@@ -103,9 +106,6 @@ def few_rows_on_cpu(x: torch.Tensor) -> bool:
     """Whether ``infer::linear`` takes this product: a CPU step of at most kernels.MAX_ROWS rows."""
     return (x.device.type == "cpu" and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and x.dtype in KERNEL_DTYPES
             and kernels.available())
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Linear(nn.Linear):

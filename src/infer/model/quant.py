@@ -75,8 +75,10 @@ class Int8Linear(_WeightOnlyLinear):
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale)
-        self.compute_dtype = compute_dtype  # of ATen's kernel (prefill, or without infer's kernels)
+        self.register_buffer("scale", scale)  # float32: what infer::linear multiplies by
+        # the same scales in the dtype of ATen's kernel (prefill, CUDA, or no infer kernels): cast once, not per call
+        self.register_buffer("scale_compute", scale.to(compute_dtype), persistent=False)
+        self.compute_dtype = compute_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
 
@@ -90,9 +92,9 @@ class Int8Linear(_WeightOnlyLinear):
             return self._output(y, x)
         x2 = self._kernel_input(x, self.compute_dtype)
         if self.qweight.device.type == "cpu":
-            y = int8_mm(x2, self.qweight, self.scale.to(self.compute_dtype))
+            y = int8_mm(x2, self.qweight, self.scale_compute)
         else:  # CUDA has no _weight_int8pack_mm: dequantize in the matmul (under torch.compile this fuses, gpt-fast)
-            y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale.to(x2.dtype)
+            y = (x2 @ self.qweight.to(x2.dtype).t()) * self.scale_compute
         return self._output(y, x)
 
 
