@@ -3,7 +3,7 @@
 Variants (interleaved within each repeat, medians over repeats):
   ours AR                     autoregressive_generate on the target
   ours spec K=1..8, EGAG      speculative_generate with the distilled drafter scoring its draft vocabulary (the
-                              --draft-vocab most frequent tokens plus the prompt's; lossless, see spec.draft_vocab)
+                              --draft-vocab most frequent tokens plus the prompt's; lossless, see spec_decode.draft_vocab)
   ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-ks), for the A/B in one run
   HF generate                 transformers LlamaForCausalLM.generate on the same target weights
   HF assisted (default)       generate(assistant_model=drafter) as transformers ships it (5.x: up to 20 drafts,
@@ -43,10 +43,10 @@ from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
 from infer.generate import autoregressive_generate  # noqa: E402
 from infer.model import load_model  # noqa: E402
 from infer.sampling import SamplingParams, argmax  # noqa: E402
-from infer.spec import speculative_generate  # noqa: E402
-from infer.spec.draft_vocab import DraftVocab, load_ranking  # noqa: E402
-from infer.spec.speculative import _Stream  # noqa: E402
-from infer.spec.theory import walltime_improvement  # noqa: E402
+from infer.spec_decode import speculative_generate  # noqa: E402
+from infer.spec_decode.draft_vocab import DraftVocab, load_ranking  # noqa: E402
+from infer.cache import SlottedKVCache  # noqa: E402
+from infer.spec_decode.theory import walltime_improvement  # noqa: E402
 from infer.tokenizer import Tokenizer  # noqa: E402
 
 HF_CONST_KS = (2, 4, 6, 8)
@@ -64,17 +64,24 @@ def step_seconds(model, ids, n, head=None, width=1) -> float:
     at the first draft), over n forwards after the prompt, 3 repeats. width=1 is a decode step: target and drafter
     are timed alike, c = step_seconds(drafter, head=its draft-vocabulary head) / step_seconds(target). width=K+1
     is a verify: v = step_seconds(target, width=K+1) / step_seconds(target) is what it costs in target steps."""
+    head = head or model.compute_logits
     times = []
     for _ in range(4):  # the first repeat warms up
-        s = _Stream(model, True, len(ids) + n + width + 1, head)
-        s.feed(ids, 1)
+        kv = SlottedKVCache.for_model(model, len(ids) + n + width + 1)
+        slot = kv.allocate()
+
+        def feed(tokens, last):
+            meta = kv.prepare([slot], [len(tokens)])
+            return head(model(torch.tensor([tokens], device=model.device), meta.positions, kv, meta)[0, -last:])
+
+        feed(ids, 1)
         t, t0 = ids[-1], time.perf_counter()
         for _ in range(n):
-            top = argmax(s.feed([t] * width, width)).tolist()  # indices into the head's rows: any valid id times the same
-            s.truncate(len(s.fed) - width + 1)
+            top = argmax(feed([t] * width, width)).tolist()  # indices into the head's rows: any valid id times the same
+            kv.truncate_to(slot, kv.seq_len(slot) - width + 1)
             t = top[0]
         times.append((time.perf_counter() - t0) / n)
-        s.kv.free(s.slot)
+        kv.free(slot)
     return median(times[1:])
 
 
@@ -105,9 +112,9 @@ def run_config(dtype: str, temperature: float, prompts, a, hf_t, hf_d, target, d
         dv = None if full_vocab else draft_vocab
 
         def run(ids, s, i):
-            out, st = speculative_generate(target, drafter, ids, _seeded(params, s), gamma=k or a.egag_max,
-                                           eos_token_ids=[], use_egag=egag, gamma_min=1, gamma_max=a.egag_max,
-                                           draft_vocab=dv)
+            out, st = speculative_generate(target, drafter, ids, _seeded(params, s),
+                                           spec_length="egag" if egag else k, eos_token_ids=[], spec_length_min=1,
+                                           spec_length_max=a.egag_max, draft_vocab=dv)
             spec_stats.setdefault(name, []).append((out, st))
             return timed(name, out, i)
         return name, run
@@ -190,7 +197,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16+float32",
                     help="comma-separated; T+D = target in T, drafter in D")
-    ap.add_argument("--egag-max", type=int, default=6, help="EGAG's gamma_max (gamma_min is 1)")
+    ap.add_argument("--egag-max", type=int, default=6, help="EGAG's spec_length_max (spec_length_min is 1)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="the first N held-out prompts (8 ship)")

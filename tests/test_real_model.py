@@ -121,11 +121,11 @@ def test_48_greedy_tokens_identical_to_transformers(tokenizers, greedy, ref, pro
 
 def test_speculative_self_drafting_equals_greedy(tokenizers, greedy, ours):
     """SmolLM2 drafting for itself (one model object as both, each with its own KV cache) emits plain greedy."""
-    from infer.spec.speculative import speculative_generate
+    from infer.spec_decode import speculative_generate
 
     ids, want = greedy(CHATS[0])
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    req, _ = speculative_generate(ours, ours, ids, params, gamma=3, eos_token_ids=tokenizers[1].eos_token_ids)
+    req, _ = speculative_generate(ours, ours, ids, params, spec_length=3, eos_token_ids=tokenizers[1].eos_token_ids)
     assert req.output_ids == want[:16]
     assert req.num_accepted_tokens > 0
 

@@ -210,9 +210,9 @@ def test_many_concurrent_streaming_clients(server):
 
 
 def test_serve_rejects_bad_flags_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--speculative-decoding"],
+    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--proposer", "hybrid"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--draft-model" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs a draft_model" in r.stderr
     r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--kv-cache-backend", "ring"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "kv_cache_backend" in r.stderr and r.stderr.strip().count("\n") == 0

@@ -6,9 +6,9 @@ import torch
 from infer import LLM, SamplingParams
 from infer.generate import autoregressive_generate
 from infer.model import load_model
-from infer.spec import speculative_generate
-from infer.spec.adaptive import EntropyAdaptiveGamma
-from infer.spec.theory import expected_tokens_per_round, optimal_k, walltime_improvement
+from infer.spec_decode import speculative_generate
+from infer.spec_decode.adaptive import EntropyAdaptiveGamma
+from infer.spec_decode.theory import expected_tokens_per_round, optimal_k, walltime_improvement
 from infer.testing import make_tiny_llama, random_llama
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], [0, 100, 101, 102, 103], [0, 42, 17, 250, 3, 8, 99], [0, 200, 201]]
@@ -36,41 +36,34 @@ def assert_greedy_parity(target, drafter, prompts=PROMPTS, max_tokens=25, repeti
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_parity_weak_drafter(pair, k):
     target, drafter, _ = pair
-    assert_greedy_parity(target, drafter, gamma=k)
+    assert_greedy_parity(target, drafter, spec_length=k)
 
 
 def test_greedy_parity_with_a_bfloat16_drafter(pair):
     """A float32 target with a drafter in another dtype: the output is still the target's greedy output."""
     target, _, d = pair
-    for out, _ in assert_greedy_parity(target, load_model(d, dtype="bfloat16"), gamma=3):
+    for out, _ in assert_greedy_parity(target, load_model(d, dtype="bfloat16"), spec_length=3):
         assert out.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_parity_self_drafting_accepts_everything(pair, k):
     target, _, _ = pair
-    for out, stats in assert_greedy_parity(target, target, gamma=k):
+    for out, stats in assert_greedy_parity(target, target, spec_length=k):
         assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
         assert stats.realized_acceptance == 1.0
-
-
-@pytest.mark.parametrize("use_cache,first_target", [(False, True), (True, False), (False, False)])
-def test_greedy_parity_without_cache_or_first_target(pair, use_cache, first_target):
-    target, drafter, _ = pair
-    assert_greedy_parity(target, drafter, PROMPTS[:3], max_tokens=15, gamma=3, use_cache=use_cache,
-                         first_target=first_target)
 
 
 def test_greedy_parity_with_repetition_penalty(pair):
     """The penalty context grows with each accepted draft; verification must see exactly that context."""
     target, drafter, _ = pair
     for d in (drafter, target):
-        assert_greedy_parity(target, d, gamma=4, repetition_penalty=1.5)
+        assert_greedy_parity(target, d, spec_length=4, repetition_penalty=1.5)
 
 
 def _self_draft_until(target, prompt, **kw):
     params = SamplingParams(temperature=0, max_tokens=25, **{k: v for k, v in kw.items() if k != "eos"})
-    return speculative_generate(target, target, prompt, params, gamma=8, eos_token_ids=kw.get("eos", []))[0]
+    return speculative_generate(target, target, prompt, params, spec_length=8, eos_token_ids=kw.get("eos", []))[0]
 
 
 def test_eos_inside_an_accepted_run_ends_exactly_there(pair):
@@ -105,15 +98,15 @@ def test_max_tokens_never_exceeded(pair, k):
     for n in (1, 2, 3, 9):
         for d in (drafter, target):
             out, _ = speculative_generate(target, d, PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=n, seed=0),
-                                          gamma=k, eos_token_ids=[])
+                                          spec_length=k, eos_token_ids=[])
             assert len(out.output_ids) == n and out.finish_reason == "length"
 
 
 def test_seeded_sampling_is_reproducible(pair):
     target, drafter, _ = pair
     params = SamplingParams(temperature=1.0, max_tokens=20, seed=5)
-    a = speculative_generate(target, drafter, PROMPTS[0], params, gamma=3, eos_token_ids=[])[0].output_ids
-    b = speculative_generate(target, drafter, PROMPTS[0], params, gamma=3, eos_token_ids=[])[0].output_ids
+    a = speculative_generate(target, drafter, PROMPTS[0], params, spec_length=3, eos_token_ids=[])[0].output_ids
+    b = speculative_generate(target, drafter, PROMPTS[0], params, spec_length=3, eos_token_ids=[])[0].output_ids
     assert a == b
 
 
@@ -142,7 +135,7 @@ def test_expected_acceptance_matches_realized():
     g = torch.Generator().manual_seed(0)
     for i in range(60):
         _, st = speculative_generate(target, drafter, [1, 2, 3, i % 8], SamplingParams(temperature=1.0, max_tokens=12),
-                                     gamma=3, eos_token_ids=[], generator=g)
+                                     spec_length=3, eos_token_ids=[], generator=g)
         acc += sum(r.num_accepted for r in st.rounds)
         expected += [v for r in st.rounds for v in r.expected_accept[: r.tested]]
         assert st.realized_acceptance is not None and st.expected_acceptance is not None
@@ -157,12 +150,12 @@ def test_expected_acceptance_matches_realized():
 def test_egag_adapts_k_within_bounds_and_records_it(pair):
     target, drafter, _ = pair
     out, stats = speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=40),
-                                      gamma=6, eos_token_ids=[], use_egag=True, gamma_min=2, gamma_max=6)
+                                      eos_token_ids=[], spec_length="egag", spec_length_min=2, spec_length_max=6)
     expected = autoregressive_generate(target, PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), []).output_ids
     assert out.output_ids == expected  # any K schedule is lossless
     ks = [r.k for r in stats.rounds]
     assert all(1 <= k <= 6 for k in ks) and all(r.h_norm is not None for r in stats.rounds)
-    assert all(k >= 2 for k in ks[:-2])  # only the max_tokens cap may go below gamma_min at the end
+    assert all(k >= 2 for k in ks[:-2])  # only the max_tokens cap may go below spec_length_min at the end
 
 
 def test_egag_maps_entropy_to_gamma():
@@ -199,14 +192,14 @@ def test_theory_formulas():
 
 def test_bad_input(gqa_dir, pair, tmp_path):
     target, drafter, _ = pair
-    with pytest.raises(ValueError, match="gamma"):
-        speculative_generate(target, drafter, [1, 2], gamma=0)
-    with pytest.raises(ValueError, match="gamma_min"):
-        speculative_generate(target, drafter, [1, 2], gamma=4, use_egag=True, gamma_min=5, gamma_max=3)
+    with pytest.raises(ValueError, match="spec_length"):
+        speculative_generate(target, drafter, [1, 2], spec_length=0)
+    with pytest.raises(ValueError, match="spec_length_min"):
+        speculative_generate(target, drafter, [1, 2], spec_length="egag", spec_length_min=5, spec_length_max=3)
     with pytest.raises(ValueError, match="spec_length"):
         LLM(gqa_dir, draft_model=gqa_dir, spec_length=0)
-    with pytest.raises(ValueError, match="gamma_min"):
-        LLM(gqa_dir, draft_model=gqa_dir, use_egag=True, gamma_min=4, gamma_max=2)
+    with pytest.raises(ValueError, match="spec_length_min"):
+        LLM(gqa_dir, draft_model=gqa_dir, spec_length="egag", spec_length_min=4, spec_length_max=2)
     other = make_tiny_llama(tmp_path / "big_vocab", "gqa", vocab_size=400)
     with pytest.raises(ValueError, match=r"vocab_size 400 .* 320"):
         LLM(gqa_dir, draft_model=other)
@@ -234,7 +227,7 @@ def test_debug_view_plain_text(pair, capsys):
     from infer.tokenizer import Tokenizer
 
     target, drafter, d = pair
-    speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), gamma=3,
+    speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), spec_length=3,
                          eos_token_ids=[], tokenizer=Tokenizer(d), debug=True)
     out = capsys.readouterr().out
     assert "round   1 K=3" in out and "\033[" not in out  # not a TTY: no colour codes

@@ -1,15 +1,17 @@
-"""spec/verify.py on constructed p and q: the output distribution is p, acceptance is sum_x min(p, q)."""
+"""spec_decode/verify.py on constructed p and q: the output distribution is p, acceptance is sum_x min(p, q); the
+same for deterministic drafts (q=None); the lossy acceptance rules are detectably lossy."""
 
 import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-from infer.spec.verify import PAD, greedy_verify, rejection_sample, verify
+from infer.spec_decode.acceptance import LenientAcceptance, SkipAdjustment, TypicalAcceptance
+from infer.spec_decode.verify import PAD, greedy_verify, rejection_sample, verify
 
 N = 40000  # rows = independent trials, one batched call
 
 
-def run_k1(p_vec, q_vec, skip=False, seed=0):
+def run_k1(p_vec, q_vec, policy=None, seed=0):
     """One-draft speculative sampling N times: draft t ~ q, verify against p. Returns (tokens, accepted)."""
     g = torch.Generator().manual_seed(seed)
     V = len(p_vec)
@@ -17,7 +19,7 @@ def run_k1(p_vec, q_vec, skip=False, seed=0):
     q = torch.tensor(q_vec, dtype=torch.float32)
     drafts = torch.multinomial(q.expand(N, V), 1, replacement=True, generator=g)  # [N, 1]
     P = torch.stack([p, p])[None].expand(N, 2, V)  # bonus distribution = p as well
-    res = rejection_sample(drafts, q[None, None].expand(N, 1, V), P, g, skip_sample_adjustment=skip)
+    res = rejection_sample(drafts, q[None, None].expand(N, 1, V), P, g, policy=policy)
     return res.output_tokens[:, 0], res.num_accepted
 
 
@@ -53,12 +55,41 @@ def test_acceptance_frequency_is_sum_min_p_q(case):
         assert binomtest(k, N, alpha).pvalue > 0.001
 
 
-def test_the_lossy_switch_is_detectably_lossy():
-    """skip_sample_adjustment resamples from p at a rejection: the output is then NOT p (the check above catches it)."""
+@pytest.mark.parametrize("policy", [SkipAdjustment(), LenientAcceptance(0.5), TypicalAcceptance()],
+                         ids=lambda p: p.name)
+def test_the_lossy_rules_are_detectably_lossy(policy):
+    """Each lossy rule, on the same check that passes the exact rule: the output is NOT p. Lenience and typical
+    acceptance also accept more than sum_x min(p, q) (what they are for)."""
     p, q = CASES["overlapping"]
-    tokens, _ = run_k1(p, q, skip=True)
+    tokens, accepted = run_k1(p, q, policy=policy)
     counts = torch.bincount(tokens, minlength=4).float()
     assert chisquare(counts.numpy(), (torch.tensor(p) * N).numpy()).pvalue < 1e-6
+    alpha = torch.minimum(torch.tensor(p), torch.tensor(q)).sum().item()
+    if not isinstance(policy, SkipAdjustment):
+        assert accepted.float().mean() > alpha + 0.05
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deterministic_drafts_without_q(case):
+    """q=None (an n-gram's guess t, fixed): accept with probability p(t), else sample p without t. Output is p, and
+    the acceptance frequency is p(t)."""
+    p_vec, _ = CASES[case]
+    V, t = len(p_vec), 1
+    p = torch.tensor(p_vec)
+    g = torch.Generator().manual_seed(2)
+    drafts = torch.full((N, 1), t)
+    res = rejection_sample(drafts, None, torch.stack([p, p])[None].expand(N, 2, V), g)
+    counts = torch.bincount(res.output_tokens[:, 0], minlength=V).float()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * N).numpy()).pvalue > 0.001
+    k = int(res.num_accepted.sum())
+    assert k == round(p_vec[t] * N) if p_vec[t] in (0.0, 1.0) else binomtest(k, N, p_vec[t]).pvalue > 0.001
+    # the same guess as an explicit one-hot q gives the same law (and the same draws: one uniform, V exponentials)
+    g2 = torch.Generator().manual_seed(2)
+    one_hot = torch.nn.functional.one_hot(drafts, V).float()
+    again = rejection_sample(drafts, one_hot, torch.stack([p, p])[None].expand(N, 2, V), g2)
+    assert torch.equal(again.output_tokens, res.output_tokens)
 
 
 def test_multi_position_chain_and_bonus():

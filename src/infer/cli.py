@@ -6,59 +6,20 @@ import argparse
 import sys
 import time
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--dtype/--device, shared by ``infer generate`` and ``infer serve``."""
-    p.add_argument("--model", required=True,
-                   help="checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id "
-                        "already in the local HF cache")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the target (int8 per channel, int4 in groups of 32)")
-    p.add_argument("--compile", dest="compile", action="store_true", default=None,
-                   help="torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager PyTorch only")
-
-
-def add_draft_args(p: argparse.ArgumentParser) -> None:
-    """The drafter flags shared by ``infer generate`` and ``infer serve``."""
-    p.add_argument("--draft-model", default=None, help="drafter checkpoint: turns speculative decoding on")
-    p.add_argument("--spec-length", type=int, default=5, help="K, draft tokens per round")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="drafter scores only its N most frequent tokens (needs draft_vocab.json beside the drafter)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-
-
-def _sampling_params(a):
-    from .sampling import SamplingParams
-
-    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                          repetition_penalty=a.repetition_penalty, max_tokens=a.max_tokens, stop=a.stop,
-                          seed=a.seed, ignore_eos=a.ignore_eos)
+from .cli_args import (add_dataclass_args, add_model_args, add_sampling_args, add_spec_args, config_kwargs,
+                       sampling_params)
+from .engine.config import EngineConfig
 
 
 def cmd_generate(a) -> int:
     from .llm import LLM
 
-    params = _sampling_params(a)  # validate before the (slower) model load
-    if a.debug and a.draft_model is None:
-        raise ValueError("--debug shows speculative rounds: it needs --draft-model")
+    params = sampling_params(a)  # validate before the (slower) model load
+    cfg = config_kwargs(a, EngineConfig)
+    if a.debug and not EngineConfig(**cfg).use_speculative_decoding:
+        raise ValueError("--debug shows speculative rounds: it needs --draft-model (or --speculative-decoding)")
     t0 = time.perf_counter()
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
-              draft_vocab_size=a.draft_vocab_size, use_egag=a.egag, gamma_min=a.gamma_min, gamma_max=a.gamma_max,
-              quantization=a.quantization, compile=a.compile)
+    llm = LLM(**cfg)
     load_s = time.perf_counter() - t0
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     t0 = time.perf_counter()
@@ -81,9 +42,8 @@ def cmd_chat(a) -> int:
     from .chat import run_chat
     from .llm import LLM
 
-    params = _sampling_params(a)
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, draft_model=a.draft_model, spec_length=a.spec_length,
-              draft_vocab_size=a.draft_vocab_size, quantization=a.quantization, compile=a.compile)
+    params = sampling_params(a)
+    llm = LLM(**config_kwargs(a, EngineConfig))
     return run_chat(llm, params, system=a.system)
 
 
@@ -100,8 +60,8 @@ def cmd_make_tiny(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
-    run_demo(spec_length=a.spec_length, max_tokens=a.max_tokens, num_prompts=a.prompts, dtype=a.dtype,
-             draft_vocab_size=a.draft_vocab_size, real=not a.no_real)
+    run_demo(max_tokens=a.max_tokens, num_prompts=a.prompts, real=not a.no_real,
+             **config_kwargs(a, EngineConfig, ("spec_length", "dtype", "draft_vocab_size", "proposer")))
     return 0
 
 
@@ -123,30 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt")
     add_model_args(g)
-    _add_sampling_args(g)
+    add_sampling_args(g, max_tokens=64)  # a command line wants more than the library's 16 tokens
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    add_draft_args(g)
-    g.add_argument("--egag", action="store_true", help="entropy-adaptive K within [--gamma-min, --gamma-max]")
-    g.add_argument("--gamma-min", type=int, default=1)
-    g.add_argument("--gamma-max", type=int, default=None)
+    add_spec_args(g)
     g.add_argument("--debug", action="store_true", help="show every speculative round (accepted/rejected/bonus)")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive streaming chat with the model's chat template")
     add_model_args(c)
-    _add_sampling_args(c)
-    add_draft_args(c)
+    add_sampling_args(c, max_tokens=512, temperature=0.7)  # a conversation: long replies, some variety
+    add_spec_args(c)
     c.add_argument("--system", default=None, help="a system message (default: the template's own, if any)")
-    c.set_defaults(func=cmd_chat, max_tokens=512, temperature=0.7)
+    c.set_defaults(func=cmd_chat)
     d = sub.add_parser("demo", help="a real chat with SmolLM2-135M-Instruct (if installed), then speculative "
                                     "decoding on the shipped demo pair vs autoregressive")
     d.add_argument("--no-real", action="store_true", help="skip the SmolLM2 chat; only the shipped pair")
-    d.add_argument("--spec-length", type=int, default=2)
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--prompts", type=int, default=3)
-    d.add_argument("--dtype", default="float32")
-    d.add_argument("--draft-vocab-size", type=int, default=2048,
-                   help="drafter scores its N most frequent tokens plus the prompt's (0: the full vocabulary)")
+    add_dataclass_args(d, EngineConfig, ("dtype", "proposer", "spec_length", "draft_vocab_size"))
     d.set_defaults(func=cmd_demo)
     from .bench_serve import add_bench_args
     from .server.__main__ import add_serve_args

@@ -14,23 +14,22 @@ from .sampling import SamplingParams
 class LLM:
     """Load a Llama checkpoint (and optionally a drafter) once; generate for many prompts, batched.
 
-    ``model`` is a checkpoint directory or a hub id already in the local Hugging Face cache (nothing is ever
-    downloaded). Passing ``draft_model`` turns speculative decoding on. Any other EngineConfig field
-    (``kv_cache_backend``, ``max_batch_size``, ``enable_prefix_caching``, ...) can be given as a keyword.
+    ``model`` is a checkpoint directory, a .gguf file or a hub id already in the local Hugging Face cache (nothing
+    is ever downloaded). Passing ``draft_model`` turns speculative decoding on, with the defaults that are fastest
+    here: the checkpoint's dtype, K chosen per request per round ("auto"), the drafter's draft vocabulary when a
+    ranking ships beside it. Any other EngineConfig field (``proposer``, ``spec_length``, ``kv_cache_backend``,
+    ``max_batch_size``, ``enable_prefix_caching``, ...) can be given as a keyword.
     """
 
-    def __init__(self, model: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 tokenizer: str | os.PathLike | None = None, seed: int | None = None,
-                 draft_model: str | os.PathLike | None = None, spec_length: int = 5, **engine_kwargs):
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-        self.config = EngineConfig(model=model, draft_model=draft_model, spec_length=spec_length, dtype=dtype,
-                                   device=device, tokenizer=tokenizer, seed=seed, **engine_kwargs)
+    def __init__(self, model: str | os.PathLike, draft_model: str | os.PathLike | None = None, **engine_kwargs):
+        if isinstance(engine_kwargs.get("dtype"), torch.dtype):
+            engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
+        self.config = EngineConfig(model=model, draft_model=draft_model, **engine_kwargs)
         self.engine = Engine(self.config)
         self.model, self.draft_model, self.tokenizer = self.engine.model, self.engine.draft_model, self.engine.tokenizer
         self.model_path, self.eos_token_ids = self.engine.model_path, self.engine.eos_token_ids
-        self.dtype, self.device, self.spec_length = self.engine.dtype, self.engine.device, spec_length
-        self.draft_vocab = getattr(self.engine.runner, "draft_vocab", None)  # set by draft_vocab_size
+        self.dtype, self.device = self.engine.dtype, self.engine.device
+        self.draft_vocab = self.engine.draft_vocab
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -65,19 +64,19 @@ class LLM:
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """
-        if debug and self.draft_model is None:
-            raise ValueError("debug shows speculative rounds: it needs a draft_model")
-        runner = self.engine.runner
+        decoder = self.engine.decoder
+        if debug and decoder is None:
+            raise ValueError("debug shows speculative rounds: it needs speculative decoding (a draft_model)")
         if debug:
-            from .spec.debug import RoundPrinter
+            from .spec_decode.debug import RoundPrinter
 
-            runner.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
+            decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
             reqs = self.engine.run(self.make_requests(prompts, sampling_params))
         finally:
             if debug:
-                runner.on_round = None
-        spec = self.draft_model is not None
+                decoder.on_round = None
+        spec = decoder is not None
         return [RequestOutput.from_request(r, speculative=spec) for r in reqs]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("contiguous", "paged")
+PROPOSERS = ("draft", "ngram", "hybrid")
+SPEC_LENGTHS = ("auto", "egag")
 COMPILE_AUTO_MIN_PARAMS = 50_000_000
 
 
@@ -13,19 +15,34 @@ COMPILE_AUTO_MIN_PARAMS = 50_000_000
 class EngineConfig:
     model: str | os.PathLike
     draft_model: str | os.PathLike | None = None
-    use_speculative_decoding: bool | None = None  # None: on exactly when a draft_model is given
-    spec_length: int = 5  # K: drafts per round
-    # Speculation only pays while the target's K+1-token verify is cheap next to a decode step; at large batch
-    # sizes the target is no longer weight-bound and plain decode wins. Rounds run while the decode batch has at
-    # most this many requests (None: always). Lossless either way: the drafter just catches up later.
-    spec_max_batch_size: int | None = None
-    use_egag: bool = False  # entropy-adaptive K per request, within [gamma_min, gamma_max] (default spec_length)
-    gamma_min: int = 1
-    gamma_max: int | None = None
+    # Speculative decoding: None (default) turns it on exactly when a draft_model or a proposer is given; True
+    # without a draft_model speculates with prompt lookup (proposer "ngram").
+    use_speculative_decoding: bool | None = None
+    # Who drafts: "draft" (the draft model), "ngram" (prompt lookup over the request's own tokens), "hybrid" (n-gram
+    # where the context matches, else the draft model). None: "draft" with a draft_model, else "ngram".
+    proposer: str | None = None
+    # K, drafts per round: "auto" picks per request per round the K in 0..spec_length_max that maximises expected
+    # tokens per second from measured costs (spec_decode.spec_length); "egag" follows the drafter's entropy within
+    # [spec_length_min, spec_length_max]; an integer pins K.
+    spec_length: int | str = "auto"
+    spec_length_min: int = 1
+    spec_length_max: int = 8
     egag_ema_beta: float = 0.0
-    # The drafter scores only this many of the most frequent tokens (ranking: draft_model/draft_vocab.json);
-    # None: the whole vocabulary. Lossless either way (spec.draft_vocab); it trades acceptance for cheaper drafts.
-    draft_vocab_size: int | None = None
+    # A hard cap on top of "auto": rounds run only while the decode batch has at most this many requests (None: the
+    # cost model alone decides).
+    spec_max_batch_size: int | None = None
+    prompt_lookup_min: int = 2  # n-gram sizes the "ngram" / "hybrid" proposers match, longest first
+    prompt_lookup_max: int = 4
+    # Verification of sampled rows: "exact" (lossless). "typical" and "lenient" are LOSSY opt-ins that accept more
+    # drafts at the price of the output distribution (spec_decode.acceptance).
+    acceptance: str = "exact"
+    lenience: float = 0.5
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    # The drafter scores only this many of the most frequent tokens (ranking: draft_model/draft_vocab.json).
+    # "auto": the ranking's recommended size when a ranking ships beside the drafter, else the whole vocabulary;
+    # None: the whole vocabulary. Lossless either way (spec_decode.draft_vocab).
+    draft_vocab_size: int | str | None = "auto"
     tokenizer: str | os.PathLike | None = None
     kv_cache_backend: str = "paged"  # "contiguous" | "paged"
     block_size: int = 16
@@ -36,7 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step: decode tokens first, the rest goes to prefill chunks
     max_waiting_requests: int | None = None  # None: unbounded queue
     enable_prefix_caching: bool = False
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's own (config.json torch_dtype; float32 for GGUF), or a dtype name
     device: str = "cpu"
     # Weight-only quantization of the target ("int8" | "int4" | None): see infer.model.quant. Speculation stays
     # lossless relative to the quantized target.
@@ -52,34 +69,52 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: {msg}")
 
         if self.use_speculative_decoding is None:
-            self.use_speculative_decoding = self.draft_model is not None
-        if self.use_speculative_decoding and self.draft_model is None:
-            bad("use_speculative_decoding=True requires draft_model")
+            self.use_speculative_decoding = self.draft_model is not None or self.proposer is not None
         if not self.use_speculative_decoding and self.draft_model is not None:
             bad("draft_model is given but use_speculative_decoding=False: drop one of them")
-        for name in ("spec_length", "block_size", "max_batch_size", "max_num_batched_tokens"):
+        if self.proposer is None and self.use_speculative_decoding:
+            self.proposer = "draft" if self.draft_model is not None else "ngram"
+        if self.proposer is not None:
+            if not self.use_speculative_decoding:
+                bad(f"proposer={self.proposer!r} needs use_speculative_decoding=True")
+            if self.proposer not in PROPOSERS:
+                bad(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+            if self.proposer in ("draft", "hybrid") and self.draft_model is None:
+                bad(f"proposer={self.proposer!r} needs a draft_model")
+            if self.proposer == "ngram" and self.draft_model is not None:
+                bad("proposer='ngram' drafts without a model: drop draft_model (or use proposer='hybrid')")
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "spec_length_min", "spec_length_max",
+                     "prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f"{name} must be an integer >= 1, got {v!r}")
+        if self.spec_length not in SPEC_LENGTHS and (
+                not isinstance(self.spec_length, int) or isinstance(self.spec_length, bool) or self.spec_length < 1):
+            bad(f"spec_length must be an integer >= 1 (K pinned), 'auto' or 'egag', got {self.spec_length!r}")
+        if self.spec_length_min > self.spec_length_max:
+            bad(f"spec_length_min ({self.spec_length_min}) must be <= spec_length_max ({self.spec_length_max})")
+        if not 0.0 <= self.egag_ema_beta < 1.0:
+            bad(f"egag_ema_beta must be in [0, 1), got {self.egag_ema_beta!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
         for name in ("num_kv_blocks", "max_seq_len", "spec_max_batch_size", "max_waiting_requests"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 bad(f"{name} must be an integer >= 1 or None, got {v!r}")
-        if self.use_egag:
-            if not self.use_speculative_decoding:
-                bad("use_egag adapts the draft length: it needs speculative decoding (a draft_model)")
-            from ..spec.adaptive import EntropyAdaptiveGamma
+        from ..spec_decode.acceptance import make_policy
 
-            try:
-                EntropyAdaptiveGamma(self.gamma_min, self.egag_gamma_max, self.egag_ema_beta)
-            except ValueError as e:
-                bad(str(e))
-        if self.draft_vocab_size is not None:
-            if not self.use_speculative_decoding:
-                bad("draft_vocab_size restricts the drafter's vocabulary: it needs speculative decoding (a draft_model)")
+        try:
+            make_policy(self.acceptance, self.lenience, self.typical_epsilon, self.typical_delta)
+        except ValueError as e:
+            bad(str(e))
+        if self.draft_vocab_size == "auto":
+            self.draft_vocab_size = "auto" if self.proposer in ("draft", "hybrid") else None
+        elif self.draft_vocab_size is not None:
+            if self.proposer not in ("draft", "hybrid"):
+                bad("draft_vocab_size restricts the drafter's vocabulary: it needs a draft_model")
             if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
                     or self.draft_vocab_size < 1:
-                bad(f"draft_vocab_size must be an integer >= 1 or None, got {self.draft_vocab_size!r}")
+                bad(f"draft_vocab_size must be an integer >= 1, 'auto' or None, got {self.draft_vocab_size!r}")
         if self.kv_cache_backend not in BACKENDS:
             bad(f"kv_cache_backend must be one of {BACKENDS}, got {self.kv_cache_backend!r}")
         if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:
@@ -105,10 +140,8 @@ class EngineConfig:
             bad("max_seq_len must be >= 2 with speculative decoding")
 
     @property
-    def egag_gamma_max(self) -> int:
-        return self.spec_length if self.gamma_max is None else self.gamma_max
-
-    @property
-    def max_draft(self) -> int:
-        """The most drafts any round can hold (sizes KV lookahead)."""
-        return max(self.spec_length, self.egag_gamma_max) if self.use_egag else self.spec_length
+    def max_spec_length(self) -> int:
+        """The most drafts any round can hold (the KV lookahead); 0 without speculation."""
+        if not self.use_speculative_decoding:
+            return 0
+        return self.spec_length if isinstance(self.spec_length, int) else self.spec_length_max

@@ -13,20 +13,20 @@ import torch
 
 from .. import kernels
 from ..config import parse_dtype
-from ..model.llama import LlamaForCausalLM
 from ..model.compile import compile_model
-from ..model.loader import load_model, resolve_model_path
 from ..model.hugepages import place_on_hugepages
+from ..model.llama import LlamaForCausalLM
+from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
 from ..model.quant import quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
-from ..spec.draft_vocab import DraftVocab, load_ranking
-from ..spec.speculative import check_compatible
+from ..spec_decode.draft_vocab import DraftVocab
+from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
 from .config import COMPILE_AUTO_MIN_PARAMS, EngineConfig
-from .runner import ContinuousRunner
+from .kv_manager import KVManager
+from .runner import ModelRunner
 from .scheduler import Scheduler
-from .speculative_runner import SpeculativeRunner
 from .stats import EngineStats
 
 
@@ -42,13 +42,14 @@ class Engine:
         ``tokenizer`` may be None: no stop strings or text, EOS from the model's config), and a ready
         ``draft_vocab`` instead of ``config.draft_vocab_size`` (whose ranking is read beside the drafter)."""
         self.config = cfg = config
-        self.dtype, self.device = parse_dtype(cfg.dtype), torch.device(cfg.device)
+        self.device = torch.device(cfg.device)
         if model is None:
             self.model_path = resolve_model_path(cfg.model)
+            self.dtype = checkpoint_dtype(self.model_path) if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
             self.model = load_model(self.model_path, self.dtype, self.device)
             tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
         else:
-            self.model_path, self.model = str(cfg.model), model
+            self.model_path, self.model, self.dtype = str(cfg.model), model, model.dtype
         if cfg.quantization and self.model.quantization != cfg.quantization:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         if self.device.type == "cpu":
@@ -60,24 +61,30 @@ class Engine:
         self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
         self.stats = EngineStats()
         self.draft_model = draft_model
-        if cfg.use_speculative_decoding:
+        if cfg.proposer in ("draft", "hybrid"):
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
-                self.draft_model = load_model(self.draft_path, self.dtype, self.device)
+                self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
                 self._check_draft_tokenizer()
             check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
             self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
-            if draft_vocab is None and cfg.draft_vocab_size is not None:
-                ranking = load_ranking(resolve_model_path(cfg.draft_model))
-                draft_vocab = DraftVocab.from_ranking(self.draft_model, ranking, cfg.draft_vocab_size)
-            self.runner = SpeculativeRunner(self.model, self.draft_model, cfg, self.max_seq_len, self.stats,
-                                            draft_vocab)
-        else:
-            self.runner = ContinuousRunner(self.model, cfg, self.max_seq_len, self.stats)
-        self.scheduler = Scheduler(cfg, self.runner)
+            if draft_vocab is None:  # "auto" looks beside a drafter loaded here; a passed-in one brings its own
+                size = None if draft_model is not None and cfg.draft_vocab_size == "auto" else cfg.draft_vocab_size
+                draft_vocab = draft_vocab_for(self.draft_model, cfg.draft_model, size)
+            elif draft_vocab.vocab_size != self.draft_model.config.vocab_size:
+                raise ValueError(f"draft_vocab was built for a vocabulary of {draft_vocab.vocab_size} tokens, the "
+                                 f"drafter has {self.draft_model.config.vocab_size}")
+        self.draft_vocab = draft_vocab
+        # the story of a step: the scheduler asks the KV manager what fits, the runner executes the models, and the
+        # speculative decoder (when on) replaces the runner's decode step with a propose/verify round
+        self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, self.draft_model, cfg.max_spec_length)
+        self.runner = ModelRunner(self.model, self.kv, self.stats)
+        self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab) \
+            if cfg.use_speculative_decoding else None
+        self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
-        self._initial_free_kv = self.runner.free_kv_tokens()
+        self._initial_free_kv = self.kv.free_kv_tokens()
 
     def _maybe_compile(self, model: LlamaForCausalLM) -> bool:
         """Compile the target's decode/verify steps if ``config.compile`` says so (None: by model size)."""
@@ -112,13 +119,16 @@ class Engine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"exceeds the maximum sequence length {self.max_seq_len} (max_seq_len, capped by the model's "
                              f"max_position_embeddings {self.model.config.max_position_embeddings})")
-        lookahead = self.config.max_draft if self.draft_model is not None else 0
+        lookahead = self.config.max_spec_length
         if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt: str | None = None) -> Request:
+                    request_id: str | None = None, prompt: str | None = None,
+                    generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None) -> Request:
+        """Queue one request. ``generator`` / ``eos_token_ids`` override the request's own RNG (from params.seed)
+        and the engine's EOS ids (library calls on loaded models use them)."""
         params = params or SamplingParams()
         self.check_request(prompt_ids, params)
         if request_id is not None and request_id in self.requests:
@@ -126,8 +136,10 @@ class Engine:
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
-        req = Request(prompt_ids, params, self.eos_token_ids, self.tokenizer, self._generator(params),
-                      request_id=request_id, prompt=prompt)
+        if generator is None:
+            generator = self._generator(params)
+        eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
+        req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -155,7 +167,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one batched forward (or one speculative round), retire what finished."""
         plan = self.scheduler.schedule()
-        outputs = self.runner.step(plan.prefill, plan.decode) if not plan.empty else []
+        outputs = self.runner.prefill(plan.prefill)
+        if plan.decode:
+            outputs += (self.decoder or self.runner).decode(plan.decode)
         for req in self.scheduler.retire():
             self.requests.pop(req.request_id, None)
             self._count_finished(req)
@@ -183,7 +197,7 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def free_kv_tokens(self) -> int:
-        return self.runner.free_kv_tokens()
+        return self.kv.free_kv_tokens()
 
     @property
     def initial_free_kv_tokens(self) -> int:

@@ -1,5 +1,5 @@
-"""Scheduler: which requests run this step, and with how many tokens. It knows nothing of speculation: the runner
-answers the KV questions (``can_fit``, ``decode_tokens``) and does the allocation (``admit``, ``free``).
+"""Scheduler: which requests run this step, and with how many tokens. It knows nothing of speculation: the KV
+manager answers the KV questions (``can_fit``, ``decode_tokens``) and does the allocation (``admit``, ``free``).
 
 Each step, in order:
   1. decode every running request that has finished its prefill, oldest first; if their KV growth does not fit,
@@ -36,8 +36,8 @@ def is_prefilling(req: Request) -> bool:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, runner):
-        self.cfg, self.runner = cfg, runner
+    def __init__(self, cfg: EngineConfig, kv):
+        self.cfg, self.kv = cfg, kv  # the KV manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
@@ -56,7 +56,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.runner.free(req)
+        self.kv.free(req)
         req.abort()
         req.status = RequestStatus.FINISHED
 
@@ -65,13 +65,13 @@ class Scheduler:
         done = [r for r in self.running if r.finished]
         for r in done:
             self.running.remove(r)
-            self.runner.free(r)
+            self.kv.free(r)
             r.status = RequestStatus.FINISHED
         return done
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.runner.free(req)  # recompute later: prompt + output so far are prefilled again
+        self.kv.free(req)  # recompute later: prompt + output so far are prefilled again
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -89,32 +89,32 @@ class Scheduler:
     def _try_schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         decode = [r for r in self.running if not is_prefilling(r)]
-        while decode and not self.runner.can_fit(decode, []):
+        while decode and not self.kv.can_fit(decode, []):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim in decode:
                 decode.remove(victim)
         out.decode = decode
-        budget = self.cfg.max_num_batched_tokens - self.runner.decode_tokens(len(decode))
+        budget = self.cfg.max_num_batched_tokens - self.kv.decode_tokens(len(decode))
         for r in self.running:
             if budget <= 0:
                 break
             if is_prefilling(r):
                 chunk = min(r.num_tokens - r.num_computed, budget)
-                if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
+                if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                     break
                 out.prefill.append((r, chunk))
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
             r = self.waiting[0]
             chunk = min(r.num_tokens, budget)
-            if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
+            if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                 break
-            self.runner.admit(r)  # may start past a cached prefix, whose blocks it now holds
+            self.kv.admit(r)  # may start past a cached prefix, whose blocks it now holds
             if is_prefilling(r):
                 chunk = min(r.num_tokens - r.num_computed, budget)
-                if not self.runner.can_fit(decode, out.prefill + [(r, chunk)]):
-                    self.runner.free(r)  # the hit blocks cost capacity too: undo, retry next step
+                if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
+                    self.kv.free(r)  # the hit blocks cost capacity too: undo, retry next step
                     break
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
@@ -123,7 +123,7 @@ class Scheduler:
             if is_prefilling(r):
                 out.prefill.append((r, chunk))
                 budget -= chunk
-            elif self.runner.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
+            elif self.kv.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
                 out.decode.append(r)
-                budget -= self.runner.decode_tokens(1)
+                budget -= self.kv.decode_tokens(1)
         return out

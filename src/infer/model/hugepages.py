@@ -39,9 +39,9 @@ def place_on_hugepages(model: nn.Module) -> int:
     """Move ``model``'s CPU parameters and buffers onto huge pages, in place; returns the bytes moved (0: nothing).
 
     Tied weights stay tied (a parameter shared by two modules is one tensor, moved once). The mapping lives as long
-    as any tensor in it does (each holds a reference to it).
+    as any tensor in it does (each holds a reference to it). A model already placed is left as it is (0).
     """
-    if not hugepages_supported():
+    if not hugepages_supported() or getattr(model, "_on_hugepages", False):
         return 0
     params = {id(p): p for p in model.parameters() if p.device.type == "cpu"}
     buffers = {id(b): b for b in model.buffers() if b.device.type == "cpu"}
@@ -73,4 +73,5 @@ def place_on_hugepages(model: nn.Module) -> int:
             for name, b in module._buffers.items():
                 if b is not None and id(b) in moved:
                     module._buffers[name] = moved[id(b)]
+    model._on_hugepages = True
     return sum(t.nbytes for t in tensors)

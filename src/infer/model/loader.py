@@ -130,11 +130,28 @@ def _safetensors_tensors(root: Path):
                 yield file.name, name, lambda n=name: f.get_tensor(n)
 
 
+def checkpoint_dtype(path: str | os.PathLike) -> torch.dtype:
+    """The dtype a checkpoint was saved in (what ``dtype="auto"`` loads, as vLLM and transformers do): config.json's
+    ``torch_dtype`` (or ``dtype``); float32 where it names none, and for GGUF (its quantized blocks dequantize
+    exactly into float32)."""
+    root = resolve_model_path(path)
+    cfg_file = root / "config.json"
+    if gguf_file_of(root) is not None or not cfg_file.is_file():
+        return torch.float32
+    raw = json.loads(cfg_file.read_text())
+    name = raw.get("torch_dtype") or raw.get("dtype")
+    try:
+        return parse_dtype(name) if name else torch.float32
+    except ValueError:  # e.g. "float64": not a compute dtype here
+        return torch.float32
+
+
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """Build our Llama from a checkpoint directory, a .gguf file (or a directory holding one), or a cached hub id,
-    in ``dtype`` on ``device``. GGUF tensors are dequantized (to float32, then ``dtype``)."""
-    dtype = parse_dtype(dtype)
+    in ``dtype`` ("auto": the checkpoint's, see checkpoint_dtype) on ``device``. GGUF tensors are dequantized (to
+    float32, then ``dtype``)."""
+    dtype = checkpoint_dtype(path) if dtype == "auto" else parse_dtype(dtype)
     device = torch.device(device)
     root = resolve_model_path(path)
     if (gguf_file := gguf_file_of(root)) is not None:

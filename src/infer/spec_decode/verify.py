@@ -12,6 +12,13 @@ Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): acc
 min(1, p(t)/q(t)); at the first rejection sample from norm(max(0, p - q)). Then every emitted token is
 distributed exactly as p. Greedy rows (temperature 0) accept while the target's argmax equals the draft and
 need no randomness. Randomness comes only from each row's own ``torch.Generator``.
+
+Deterministic drafts (an n-gram proposer has no q: ``q=None``) are the case q = one-hot(t): accept t with
+probability p(t); at a rejection sample from p with t removed and renormalised. Still exact.
+
+``policy`` picks the acceptance rule for sampled rows. ``ExactAcceptance`` (the default) is the lossless rule
+above; ``TypicalAcceptance`` and ``LenientAcceptance`` are LOSSY opt-ins that accept more drafts and no longer
+reproduce p (tests/test_spec_distribution.py shows the chi-square test rejecting them).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .acceptance import AcceptancePolicy, ExactAcceptance
 
 from ..sampling import argmax
 
@@ -98,6 +107,8 @@ def draft_diagnostics(draft_tokens, q, p, num_draft=None):
     valid = torch.arange(K, device=p.device)[None, :] < _num_draft(num_draft, B, K, p.device)[:, None]
     idx = draft_tokens.clamp(min=0)[..., None]
     p_t = p[:, :K].gather(2, idx).squeeze(2)
+    if q is None:  # deterministic drafts: q is one-hot on t, so sum_x min(p, q) = p(t)
+        return p_t, torch.ones_like(p_t), p_t.masked_fill(~valid, float("nan"))
     q_t = q.gather(2, idx).squeeze(2)
     expected = torch.minimum(p[:, :K], q).sum(-1).masked_fill(~valid, float("nan"))
     return p_t, q_t, expected
@@ -105,44 +116,42 @@ def draft_diagnostics(draft_tokens, q, p, num_draft=None):
 
 def rejection_sample(
     draft_tokens: torch.Tensor,  # [B, K]
-    q: torch.Tensor,  # [B, K, V] drafter's probabilities (after the sampling pipeline)
+    q: torch.Tensor | None,  # [B, K, V] drafter's probabilities (after the sampling pipeline); None: one-hot drafts
     p: torch.Tensor,  # [B, K+1, V] target's probabilities (same pipeline)
     generators: list[torch.Generator] | torch.Generator | None,
     num_draft=None,  # [B] drafts per row (default K)
-    skip_sample_adjustment: bool = False,
+    policy: AcceptancePolicy | None = None,
 ) -> VerifyResult:
-    """Speculative sampling over a batch. Every emitted token is distributed exactly as p (unless the lossy
-    ``skip_sample_adjustment`` debug switch replaces the residual by p itself).
+    """Speculative sampling over a batch. With the default ``ExactAcceptance`` every emitted token is distributed
+    exactly as p.
 
     Edge cases are exact: p(t) = 0 always rejects; p == q never rejects (and if rounding makes it reject, the
     residual is 0 everywhere and we sample p, which equals it in exact arithmetic); zero-probability tokens of
     truncated supports (top-k / top-p / min-p) are never drawn from a residual, since max(0, 0 - q) = 0.
     Random draws per row, in order: num_draft[b] uniforms, then V exponentials for the final token.
     """
+    policy = policy or ExactAcceptance()
     B, K = draft_tokens.shape
     device = p.device
     nd = _num_draft(num_draft, B, K, device)
     valid = torch.arange(K, device=device)[None, :] < nd[:, None]  # [B, K]
     p_t, q_t, expected = draft_diagnostics(draft_tokens, q, p, nd)  # [B, K] each
     u = _uniforms(generators, B, K, device, nd)
-    # u < p/q  <=>  u * q < p  (q(t) > 0 because t was drawn from q); p/q >= 1 always accepts since u < 1.
-    n = _first_rejection((u * q_t < p_t) & valid)
+    n = _first_rejection(policy.accept(u, p_t, q_t, p[:, :K]) & valid)
     bonus = n == nd
     p_n = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]
-    if skip_sample_adjustment:
-        final_dist = p_n  # LOSSY (debug only): ignores that q already proposed here
+    if q is None:  # q_n = one-hot(t_n): the residual max(0, p - q) is p with t_n removed
+        t_n = draft_tokens.gather(1, n.clamp(max=K - 1)[:, None]).clamp(min=0)  # [B, 1]
+        q_n = torch.zeros_like(p_n).scatter_(1, t_n, 1.0)
     else:
         q_n = q.gather(1, n.clamp(max=K - 1)[:, None, None].expand(B, 1, q.shape[-1])).squeeze(1)
-        residual = (p_n - q_n).clamp_(min=0.0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-38), p_n)
-        final_dist = torch.where(bonus[:, None], p_n, residual)
+    final_dist = torch.where(bonus[:, None], p_n, policy.residual(p_n, q_n))
     final = _sample_rows(final_dist, generators)
     return VerifyResult(_assemble(draft_tokens, n, final), n, bonus, expected, p_t, q_t)
 
 
 def verify(draft_tokens, q, p, generators, greedy: list[bool] | torch.Tensor, num_draft=None,
-           skip_sample_adjustment: bool = False) -> VerifyResult:
+           policy: AcceptancePolicy | None = None) -> VerifyResult:
     """Route each row: greedy rows by argmax match (no randomness), the rest by rejection sampling.
 
     Returns the combined VerifyResult with the diagnostics (p_draft, q_draft, expected_accept) filled in.
@@ -153,12 +162,13 @@ def verify(draft_tokens, q, p, generators, greedy: list[bool] | torch.Tensor, nu
     if bool(greedy.all()):
         res = greedy_verify(draft_tokens, argmax(p), nd)
     elif not bool(greedy.any()):
-        res = rejection_sample(draft_tokens, q, p, generators, nd, skip_sample_adjustment)
+        res = rejection_sample(draft_tokens, q, p, generators, nd, policy)
     else:
         rows_g, rows_s = greedy.nonzero().squeeze(1), (~greedy).nonzero().squeeze(1)
         gens = [generators[i] for i in rows_s.tolist()] if isinstance(generators, (list, tuple)) else generators
         rg = greedy_verify(draft_tokens[rows_g], argmax(p[rows_g]), nd[rows_g])
-        rs = rejection_sample(draft_tokens[rows_s], q[rows_s], p[rows_s], gens, nd[rows_s], skip_sample_adjustment)
+        rs = rejection_sample(draft_tokens[rows_s], None if q is None else q[rows_s], p[rows_s], gens, nd[rows_s],
+                              policy)
         res = VerifyResult(torch.empty(B, K + 1, dtype=torch.long, device=p.device), torch.empty_like(nd),
                            torch.empty_like(greedy))
         for rows, r in ((rows_g, rg), (rows_s, rs)):

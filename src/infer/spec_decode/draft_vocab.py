@@ -28,23 +28,49 @@ import torch.nn.functional as F
 RANKING_FILE = "draft_vocab.json"
 
 
-def write_ranking(out_dir: str | os.PathLike, counts: Sequence[int], source: str) -> Path:
-    """Write ``draft_vocab.json``: every token id ordered by descending corpus count (ties: lower id first)."""
+def write_ranking(out_dir: str | os.PathLike, counts: Sequence[int], source: str,
+                  recommended_size: int | None = None) -> Path:
+    """Write ``draft_vocab.json``: every token id ordered by descending corpus count (ties: lower id first), and
+    the size ``draft_vocab_size="auto"`` uses (measure it: benchmarks/draft_vocab.py)."""
     order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
     path = Path(out_dir) / RANKING_FILE
-    path.write_text(json.dumps({"source": source, "vocab_size": len(counts), "ranked_token_ids": order,
-                                "counts": [int(counts[i]) for i in order]}) + "\n")
+    body = {"source": source, "vocab_size": len(counts), "ranked_token_ids": order,
+            "counts": [int(counts[i]) for i in order]}
+    if recommended_size is not None:
+        body["recommended_size"] = int(recommended_size)
+    path.write_text(json.dumps(body) + "\n")
     return path
+
+
+def _ranking_file(drafter_dir: str | os.PathLike) -> Path:
+    root = Path(drafter_dir)
+    return (root.parent if root.is_file() else root) / RANKING_FILE
+
+
+def recommended_size(drafter_dir: str | os.PathLike) -> int | None:
+    """The ranking's ``recommended_size`` (else the fewest tokens covering 90% of its corpus); None without a
+    ranking beside the drafter."""
+    path = _ranking_file(drafter_dir)
+    if not path.is_file():
+        return None
+    body = json.loads(path.read_text())
+    if isinstance(body.get("recommended_size"), int):
+        return body["recommended_size"]
+    counts, seen = body.get("counts") or [], 0
+    for i, c in enumerate(counts):
+        seen += c
+        if seen >= 0.9 * sum(counts):
+            return i + 1
+    return None
 
 
 def load_ranking(drafter_dir: str | os.PathLike) -> list[int]:
     """The ranked token ids of ``drafter_dir/draft_vocab.json`` (beside the file for a .gguf drafter); a clear error
     if it is missing or malformed."""
-    root = Path(drafter_dir)
-    path = (root.parent if root.is_file() else root) / RANKING_FILE
+    path = _ranking_file(drafter_dir)
     if not path.is_file():
         raise ValueError(f"draft_vocab_size needs a token ranking {path}: none found (write one with "
-                         "infer.spec.draft_vocab.write_ranking from token counts of a corpus)")
+                         "infer.spec_decode.draft_vocab.write_ranking from token counts of a corpus)")
     try:
         ranked = json.loads(path.read_text())["ranked_token_ids"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:

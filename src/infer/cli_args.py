@@ -1,0 +1,127 @@
+"""Command-line flags read from the config dataclasses: one flag per field, the field's own default.
+
+``add_dataclass_args(parser, EngineConfig, fields)`` adds ``--field-name`` for each named field. Flags default to
+*unset* (argparse.SUPPRESS), so an omitted flag leaves the dataclass default in force: no default is written twice,
+and ``config_kwargs(args, EngineConfig)`` passes on exactly the flags that were given. Help texts say what the
+field does and show the dataclass's default. Shared by ``infer generate/chat`` (cli.py) and ``infer serve``
+(server/__main__.py), which import this module and not each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from .engine.config import EngineConfig
+from .sampling import SamplingParams
+
+HELP = {
+    "model": "checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id already in the "
+             "local HF cache",
+    "draft_model": "drafter checkpoint: turns speculative decoding on",
+    "use_speculative_decoding": "speculate; alone (no --draft-model) it drafts by prompt lookup (n-gram)",
+    "proposer": "who drafts: draft (the draft model) | ngram (prompt lookup) | hybrid (n-gram where it matches, "
+                "else the draft model)",
+    "spec_length": "K, drafts per round: auto (goodput-optimal per request per round, 0 allowed) | egag | an integer",
+    "spec_length_min": "EGAG's smallest K",
+    "spec_length_max": "the largest K of auto and egag (and the KV lookahead)",
+    "spec_max_batch_size": "speculate only while the decode batch is at most this large",
+    "prompt_lookup_min": "smallest n-gram the prompt-lookup proposer matches",
+    "prompt_lookup_max": "largest n-gram the prompt-lookup proposer matches",
+    "acceptance": "verification of sampled rows: exact (lossless) | typical | lenient (LOSSY opt-ins)",
+    "lenience": "lenient acceptance's l in (0, 1] (LOSSY below 1)",
+    "draft_vocab_size": "drafter scores only its N most frequent tokens (auto: the size the ranking beside the "
+                        "drafter recommends; none: the whole vocabulary)",
+    "dtype": "auto (the checkpoint's) | float32 | bfloat16 | float16",
+    "device": "cpu | cuda | cuda:N",
+    "quantization": "weight-only quantization of the target: int8 (per channel) | int4 (groups of 32)",
+    "compile": "torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)",
+    "kv_cache_backend": "paged | contiguous",
+    "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
+    "enable_prefix_caching": "share the K/V of common prompt prefixes (paged backend)",
+    "max_batch_size": "concurrent running requests",
+    "max_num_batched_tokens": "tokens per step",
+    "max_waiting_requests": "queue bound; more gets 503 from the server",
+    "EngineConfig.seed": "seed for requests that bring none",
+    "SamplingParams.seed": "the request's sampling seed (same seed, same output)",
+    "temperature": "0 = greedy",
+    "top_k": "<= 0: off",
+    "stop": "stop string (repeatable)",
+}
+
+FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' name for the flag
+
+MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile")
+SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
+               "spec_length_max", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
+               "draft_vocab_size")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
+                   "ignore_eos")
+
+
+def _parser_for(tp):
+    """A string -> value parser for a field annotation (None / "none" for optional fields, words for str unions)."""
+    args = set(typing.get_args(tp)) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union \
+        else {tp}
+    optional = type(None) in args
+
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        for kind in (int, float):
+            if kind in args:
+                try:
+                    return kind(text)
+                except ValueError:
+                    pass
+        if str in args or any(getattr(a, "__name__", "") == "PathLike" for a in args):
+            return text
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(sorted(getattr(a, '__name__', str(a)) for a in args))}"
+                                         f", got {text!r}")
+
+    return parse
+
+
+def add_dataclass_args(p: argparse.ArgumentParser, cls, fields, required=(), **overrides) -> None:
+    """``--name`` for each field of ``cls`` in ``fields``; ``overrides`` {field: default} for command defaults."""
+    hints = typing.get_type_hints(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name in fields:
+        flag, tp = FLAGS.get(name, "--" + name.replace("_", "-")), hints[name]
+        default = overrides.get(name, defaults[name])
+        text = HELP.get(f"{cls.__name__}.{name}", HELP.get(name, ""))
+        help_ = text if "default" in text else f"{text} (default: {default})".strip()
+        kw = {"dest": name, "default": overrides.get(name, argparse.SUPPRESS), "help": help_}
+        if name in required:
+            kw.update(required=True, help=text)
+            kw.pop("default")
+        if bool in (typing.get_args(tp) or (tp,)):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif name == "stop":
+            p.add_argument(flag, action="append", **kw)
+        else:
+            p.add_argument(flag, type=_parser_for(tp), **kw)
+
+
+def config_kwargs(a: argparse.Namespace, cls, fields=None) -> dict:
+    """The given flags that are fields of ``cls`` (all of them, or only ``fields``)."""
+    names = {f.name for f in dataclasses.fields(cls)} if fields is None else set(fields)
+    return {k: v for k, v in vars(a).items() if k in names}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_dataclass_args(p, EngineConfig, MODEL_FIELDS, required=("model",))
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    add_dataclass_args(p, EngineConfig, SPEC_FIELDS)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, **overrides) -> None:
+    add_dataclass_args(p, SamplingParams, SAMPLING_FIELDS, **overrides)
+
+
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**config_kwargs(a, SamplingParams, SAMPLING_FIELDS))

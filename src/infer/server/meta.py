@@ -1,0 +1,31 @@
+"""Routes about the server itself rather than generation: liveness, the model list, Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import protocol as P
+from .errors import error_response
+from .state import CurrentState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: CurrentState):
+    if state.engine.error is not None:
+        return error_response(503, f"engine loop stopped: {state.engine.error!r}", "server_error")
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(state: CurrentState):
+    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "created": P.now(),
+                                        "owned_by": "infer"}]}
+
+
+@router.get("/metrics")
+async def prometheus(state: CurrentState):
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

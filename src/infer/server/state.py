@@ -1,0 +1,36 @@
+"""What the route handlers share: one ServerState per app, on ``app.state.server``, reached through the
+``CurrentState`` dependency, so a router works on any app that puts a ServerState (or a stand-in) there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..engine.async_engine import AsyncEngine
+from ..tokenizer import Tokenizer
+from .metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    metrics: ServerMetrics
+    tokenizer: Tokenizer
+    speculative: bool  # usage reports an acceptance rate only when a drafter runs
+    max_seq_len: int  # a chat request without max_tokens may fill the context
+
+    @classmethod
+    def from_engine(cls, engine: AsyncEngine, served_model_name: str) -> ServerState:
+        eng = engine.engine
+        return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
+                   eng.max_seq_len)
+
+
+async def server_state(request: Request) -> ServerState:  # async: FastAPI runs a sync dependency in a thread pool
+    return request.app.state.server
+
+
+CurrentState = Annotated[ServerState, Depends(server_state)]

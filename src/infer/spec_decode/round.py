@@ -1,0 +1,151 @@
+"""The speculative round: propose -> verify -> accept -> roll back -> emit, over a batch of decode requests.
+
+This is the only implementation: the engine's decode step runs it for every batch (``LLM``, ``serve``), and the
+library's ``speculative_generate`` runs it for a batch of one.
+
+A round for B decode requests, request b at sequence length L_b (the target's cache holds L_b - 1 tokens: the
+last token g_b is unfed):
+
+  K        K_b per request from the spec-length policy (pinned, goodput "auto", EGAG), capped by what the request
+           has left: K_b <= max_tokens left - 1 and L_b + K_b <= max_seq_len. All K_b = 0: a plain decode step.
+  propose  the proposer's drafts t_b1 .. t_bn_b, n_b <= K_b, with q [B, K, V] or None (deterministic drafts)
+  verify   one target forward over [g_b, t_b1 .. t_bn_b], padded to [B, K+1], at positions L_b - 1 ..  -> p
+  accept   verify() (pure, batched): a_b accepted drafts + one recovered or bonus token per row
+  rollback the KV manager truncates the target to L_b + a_b and the drafter to at most that (lengths only)
+  emit     tokens one by one through Request.append: stop conditions act on accepted tokens only
+
+p comes from the same sampling pipeline as q, with the repetition-penalty context grown by t_b1..t_bj at
+position j, so every emitted token is distributed exactly as autoregressive sampling from the target (Leviathan
+et al. 2023) under the default ExactAcceptance. Rows with K_b = 0 are plain decodes inside the same verify pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..request import Request, StepOutput
+from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
+from .acceptance import AcceptancePolicy, ExactAcceptance
+from .proposer import DraftBatch, Proposer
+from .verify import greedy_verify, verify
+
+
+@dataclass
+class RoundRecord:
+    """One request's part of one round (the debug view and SpecStats read these)."""
+
+    k: int  # drafts judged this round
+    drafted: list[int]
+    num_accepted: int
+    emitted: list[int]  # tokens actually appended (stops may cut the accepted run)
+    bonus: bool  # final token was a bonus (all accepted) rather than recovered
+    expected_accept: list[float]  # sum_x min(p, q) per draft position
+    p_rejected: float | None = None  # p(t) and q(t) of the rejected draft
+    q_rejected: float | None = None
+    h_norm: float | None = None  # drafter's normalised entropy (EGAG)
+
+    @property
+    def tested(self) -> int:
+        """Draft positions actually judged: up to and including the first rejection."""
+        return min(self.num_accepted + 1, self.k)
+
+
+class SpeculativeDecoder:
+    def __init__(self, runner, kv, proposer: Proposer, spec_length, acceptance: AcceptancePolicy | None = None):
+        """``runner``: executes the target (ModelRunner); ``kv``: the KV manager; ``spec_length``: a policy of
+        spec_decode.spec_length."""
+        self.runner, self.kv, self.proposer, self.spec_length = runner, kv, proposer, spec_length
+        self.acceptance = acceptance or ExactAcceptance()
+        self.on_round = None  # optional callback(RoundRecord, Request), e.g. the debug view
+
+    def caps(self, reqs: list[Request]) -> list[int]:
+        """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
+        max_seq_len (the overflow guard); none when the batch is too large to speculate."""
+        if not self.kv.speculating(len(reqs)):
+            return [0] * len(reqs)
+        return [max(0, min(self.kv.lookahead, r.params.max_tokens - len(r.output_ids) - 1,
+                           self.kv.max_seq_len - r.num_tokens)) for r in reqs]
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
+        caps = self.caps(reqs)
+        ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
+        if max(ks) == 0:
+            return self._plain(reqs)
+        runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
+        params = [r.params for r in reqs]
+        fast_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+        sampling = None if fast_greedy else SamplingBatch.from_params(params, V, dev)
+        seen = seen_mask([r.all_ids() for r in reqs], V, dev) if sampling is not None and sampling.use_penalty else None
+        gens = [r.generator for r in reqs]
+        keep_logits = self.spec_length.needs_logits  # EGAG reads the drafter's raw logits
+        t0 = time.perf_counter()
+        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits))
+        t1 = time.perf_counter()
+        nd = prop.num_draft
+        if max(nd) == 0:  # nothing to verify (e.g. no n-gram matched anywhere)
+            return self._plain(reqs)
+        K = max(nd)
+        drafts = prop.drafts[:, :K]  # [B, K]
+        q = None if prop.q is None else prop.q[:, :K]  # [B, K, V]
+
+        # -- verify: [g, t_1 .. t_n] per row in one target forward -> p_0 .. p_K --------------------------------
+        lens = [r.num_tokens for r in reqs]
+        host = drafts.tolist()
+        rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
+        hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
+        logits = runner.model.compute_logits(hidden)  # [B, K+1, V]
+        nd_t = torch.tensor(nd, device=dev)
+        if fast_greedy:
+            top = argmax(logits)  # [B, K+1]
+            res = greedy_verify(drafts, top, nd_t)
+            valid = torch.arange(K, device=dev)[None, :] < nd_t[:, None]
+            res.expected_accept = (top[:, :K] == drafts).float().masked_fill(~valid, float("nan"))
+            res.p_draft, res.q_draft = res.expected_accept, torch.ones_like(res.expected_accept)
+        else:
+            p_seen = None
+            if seen is not None:  # position j sees the context plus t_1 .. t_j
+                grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
+                p_seen = torch.cat([seen[:, None], seen[:, None] | grow], 1).view(B * (K + 1), V)
+            p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
+            res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance)
+        n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
+        t2 = time.perf_counter()
+        drafting = sum(1 for k in nd if k)
+        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K, t1 - t0)
+
+        # -- accept, roll back, emit ---------------------------------------------------------------------------
+        outputs = []
+        for b, r in enumerate(reqs):
+            k, n = nd[b], n_acc[b]
+            self.kv.rollback(r, lens[b] + n)  # keep g and the n accepted drafts
+            if k:
+                r.record_round(k, n)
+                runner.stats.record_round(k, n)
+            else:
+                r.num_target_forwards += 1
+            emitted = []
+            for j, t in enumerate(out_tokens[b][: n + 1]):  # token j was judged by the target's p_j
+                outputs.append((r, runner.emit(r, t, logits[b, j])))
+                emitted.append(t)
+                if r.finished:
+                    break
+            h = self.spec_length.observe(r, k, n, None if prop.logits is None else prop.logits[b, :k])
+            if k and self.on_round is not None:
+                rec = RoundRecord(k, host[b][:k], n, emitted, bool(res.is_bonus[b]),
+                                  res.expected_accept[b, :k].tolist(), h_norm=h)
+                if n < k:
+                    rec.p_rejected, rec.q_rejected = float(res.p_draft[b, n]), float(res.q_draft[b, n])
+                self.on_round(rec, r)
+        return outputs
+
+    def _plain(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
+        """K = 0 for every row: one ordinary decode step (the drafter catches up lazily when it drafts again)."""
+        self.runner.stats.num_plain_decode_steps += 1
+        t0 = time.perf_counter()
+        tokens, logits = self.runner.decode_forward(reqs)  # tokens are on the host: the step's work is done
+        self.spec_length.timed(len(reqs), 1, time.perf_counter() - t0, 0, 0, 0.0)
+        return self.runner.emit_decoded(reqs, tokens, logits)

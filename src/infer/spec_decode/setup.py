@@ -1,0 +1,128 @@
+"""Assembling a SpeculativeDecoder from an EngineConfig: proposer, K policy (with its measured costs), acceptance.
+
+The cost model of ``spec_length="auto"`` is profiled once per (target, drafter, pool backend, batch limit, K_max)
+and kept on the target model, so a second engine over the same models (or the library's ``speculative_generate``,
+which builds a batch-of-one engine per call) reuses it; every round then refreshes it with what it measured.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from ..model.llama import LlamaForCausalLM
+from .acceptance import make_policy
+from .draft_model import DraftModelProposer
+from .draft_vocab import DraftVocab, load_ranking, recommended_size
+from .ngram import HybridProposer, NgramProposer
+from .round import SpeculativeDecoder
+from .spec_length import CostModel, EntropySpecLength, FixedSpecLength, GoodputSpecLength, profile_costs
+
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: CostModel}
+PROFILE_CONTEXT = 32  # tokens of context in the profiling slots (a short prompt: weights dominate a step)
+
+
+def check_compatible(target: LlamaForCausalLM, drafter: LlamaForCausalLM, target_name="target",
+                     drafter_name="drafter") -> None:
+    tv, dv = target.config.vocab_size, drafter.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"drafter {drafter_name} has vocab_size {dv} but target {target_name} has {tv}: "
+                         "speculative decoding needs one shared vocabulary")
+
+
+def draft_vocab_for(drafter: LlamaForCausalLM, drafter_path, size) -> DraftVocab | None:
+    """``draft_vocab_size`` -> the DraftVocab: None: none; "auto": the ranking's recommended size if a ranking ships
+    beside the drafter (else none); an integer: that many of the ranking's tokens (the ranking must exist)."""
+    if size is None or drafter_path is None:
+        return None
+    from ..model.loader import resolve_model_path
+
+    path = resolve_model_path(drafter_path)
+    if size == "auto":
+        size = recommended_size(path)
+        if size is None:
+            return None
+        size = min(size, drafter.config.vocab_size)
+    return DraftVocab.from_ranking(drafter, load_ranking(path), size)
+
+
+def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab: DraftVocab | None,
+                  costs: CostModel | None = None) -> SpeculativeDecoder:
+    if cfg.proposer == "ngram":
+        proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    else:
+        proposer = DraftModelProposer(drafter, kv, runner.forward, draft_vocab)
+        if cfg.proposer == "hybrid":
+            proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
+    decoder = SpeculativeDecoder(runner, kv, proposer, None,
+                                 make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta))
+    if isinstance(cfg.spec_length, int):
+        decoder.spec_length = FixedSpecLength(cfg.spec_length)
+    elif cfg.spec_length == "egag":
+        decoder.spec_length = EntropySpecLength(cfg.spec_length_min, cfg.spec_length_max, cfg.egag_ema_beta)
+    else:
+        max_batch = min(cfg.max_batch_size, cfg.spec_max_batch_size or cfg.max_batch_size)
+        key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, cfg.spec_length_max)
+        cache = _COSTS.setdefault(runner.model, {})
+        if costs is None:
+            costs = cache.get(key) or measure_costs(decoder, max_batch, cfg.spec_length_max)
+        cache[key] = costs
+        decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)
+    return decoder
+
+
+@torch.inference_mode()
+def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> CostModel:
+    """Time target forwards of B rows x T tokens and draft steps of B rows on scratch slots of the real pools."""
+    runner, kv = decoder.runner, decoder.kv
+    drafter = getattr(decoder.proposer, "model", decoder.proposer)  # a hybrid's drafter is its model proposer
+    dpool = kv.draft_pool if isinstance(drafter, DraftModelProposer) else None
+    # as many rows and as much context as the pools hold now (a small pool profiles small batches; the cost model
+    # extrapolates beyond them, and rounds at those sizes refresh it)
+    n_ctx = max(1, min(PROFILE_CONTEXT, kv.max_seq_len - k_max - 1))
+    B = max_batch
+
+    def fits(b: int) -> bool:
+        return kv.pool.can_fit([(None, n_ctx + k_max + 1)] * b) and (
+            dpool is None or dpool.can_fit([(None, n_ctx + 1)] * b))
+
+    while B > 1 and not fits(B):
+        B //= 2
+    if not fits(B):  # not even one profiling slot: the paper's flat model (a verify costs one decode step)
+        return CostModel.from_points(max_batch, k_max, {(1, 1): 1.0, (1, 2): 1.0}, {1: 0.05} if dpool else {})
+    ctx = [1] * n_ctx
+    slots = [kv.pool.allocate(n_ctx + k_max + 1) for _ in range(B)]
+    dslots = [dpool.allocate(n_ctx + 1) for _ in range(B)] if dpool is not None else []
+    try:
+        runner.forward(runner.model, kv.pool, slots, [ctx] * B)
+        if dpool is not None:
+            runner.forward(drafter.drafter, dpool, dslots, [ctx] * B)
+
+        def run_verify(b: int, t: int) -> float:
+            t0 = time.perf_counter()
+            hidden = runner.forward(runner.model, kv.pool, slots[:b], [[1] * t] * b)
+            runner.model.compute_logits(hidden).max(-1).indices.tolist()  # the host sync a round ends with
+            seconds = time.perf_counter() - t0
+            for s in slots[:b]:
+                kv.pool.truncate_to(s, n_ctx)
+            return seconds
+
+        def run_draft(b: int) -> float:
+            t0 = time.perf_counter()
+            hidden = runner.forward(drafter.drafter, dpool, dslots[:b], [[1]] * b)[:, -1]
+            head = drafter.draft_vocab.logits if drafter.draft_vocab is not None else drafter.drafter.compute_logits
+            head(hidden).max(-1).indices.tolist()
+            seconds = time.perf_counter() - t0
+            for s in dslots[:b]:
+                dpool.truncate_to(s, n_ctx)
+            return seconds
+
+        run_verify(1, 1)  # first calls pay one-time costs (allocations, a compiled graph)
+        return profile_costs(run_verify, run_draft if dpool is not None else None, B, k_max, max_batch)
+    finally:
+        for s in slots:
+            kv.pool.free(s)
+        for s in dslots:
+            dpool.free(s)

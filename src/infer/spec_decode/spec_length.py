@@ -1,0 +1,223 @@
+"""How many drafts (K) each request gets this round: pinned, goodput-optimal ("auto"), or entropy-adaptive (EGAG).
+
+Any K schedule is lossless: K only trades draft and verify work against tokens per round. A policy answers
+
+    ks = policy.choose(reqs, caps)        # K_b <= caps[b] for each decode request (0: plain decode for that row)
+    policy.observe(req, k, n, logits)     # after the round: k drafted, n accepted (logits [k, V] for EGAG)
+    policy.timed(...)                     # measured costs of the round just run (the cost model refreshes)
+
+**Goodput K** (``spec_length="auto"``). Leviathan et al. (2023, section 3.3) choose K to maximise the walltime
+improvement (1 - a^(K+1)) / ((1 - a)(K c + 1)); here the "1" (a verify costs one decode) is replaced by what the
+machine measures. With B decode rows, row b at acceptance estimate a_b, the round's expected output is
+sum_b E(a_b, K_b), E(a, k) = (1 - a^(k+1)) / (1 - a), and its cost is k draft steps at the batch size that drafts
+plus one target forward over B x (k+1) tokens. The policy maximises tokens per second over k in 0..K_max and over
+how many of the most promising rows draft (the rest take k = 0 inside the same verify pass). k = 0 is plain
+decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns, K falls to
+0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools, then refreshed by every round
+(an exponential moving average per (batch size, tokens) cell).
+
+a_b: accepted / judged drafts of the request (judged = up to the first rejection), counts decayed by 0.8 per round
+so the estimate follows the text, shrunk toward the acceptance of all requests (weight 2 rounds) so a new request
+starts from what the drafter usually achieves. A request whose estimate has sent it to k = 0 drafts once more
+(k = 1) every ``PROBE_EVERY`` rounds if speculation could pay at a high acceptance, so it is not stuck at 0 when
+its text turns predictable.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from .adaptive import EntropyAdaptiveGamma
+
+DECAY = 0.8  # per-round decay of a request's acceptance counts
+PRIOR_WEIGHT = 2.0  # judged drafts' worth of the global estimate in each request's estimate
+PROBE_EVERY = 16  # rounds at k = 0 before a request drafts once more
+ALPHA_CAP = 0.98  # E(a, k) is bounded by k + 1 anyway; this keeps 1 - a away from 0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens a row emits in one round] = (1 - a^(k+1)) / (1 - a): accepted drafts + the recovered/bonus token."""
+    a = min(alpha, ALPHA_CAP)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class FixedSpecLength:
+    """``spec_length=K``: K drafts for every row, every round (capped by what the row has left)."""
+
+    needs_logits = False
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, reqs, caps: list[int]) -> list[int]:
+        return [min(self.k, c) for c in caps]
+
+    def observe(self, req, k: int, n: int, logits=None) -> None:
+        pass
+
+    def timed(self, *args) -> None:
+        pass
+
+
+class EntropySpecLength(FixedSpecLength):
+    """``spec_length="egag"``: each request's K from its drafter's entropy (spec_decode.adaptive)."""
+
+    needs_logits = True
+
+    def __init__(self, k_min: int, k_max: int, ema_beta: float):
+        EntropyAdaptiveGamma(k_min, k_max, ema_beta)  # validates the bounds now
+        self.k_min, self.k_max, self.ema_beta = k_min, k_max, ema_beta
+        self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> EntropyAdaptiveGamma
+
+    def _of(self, req) -> EntropyAdaptiveGamma:
+        if req not in self.state:
+            self.state[req] = EntropyAdaptiveGamma(self.k_min, self.k_max, self.ema_beta)
+        return self.state[req]
+
+    def choose(self, reqs, caps):
+        return [min(self._of(r).next_gamma(), c) for r, c in zip(reqs, caps)]
+
+    def observe(self, req, k, n, logits=None):
+        """Returns the round's normalised drafter entropy (for the debug view)."""
+        return self._of(req).observe(logits) if logits is not None and k else None
+
+
+@dataclass
+class CostModel:
+    """Seconds per target forward over B rows x T tokens (``verify[B][T]``, T = 1 is a plain decode step) and per
+    draft step over B rows (``draft[B]``), for B = 1..max_batch and T = 1..k_max + 1. Profiled at a few points,
+    interpolated in between, refreshed by measurements (EMA)."""
+
+    max_batch: int
+    k_max: int
+    verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2]; index 0 unused
+    draft: list[float] = field(default_factory=list)  # [max_batch + 1]
+    ema: float = 0.2
+
+    @classmethod
+    def from_points(cls, max_batch: int, k_max: int, verify_pts: dict, draft_pts: dict) -> CostModel:
+        """verify_pts {(B, T): s} and draft_pts {B: s} at a few points -> dense tables (piecewise linear)."""
+        def interp(xs, ys, x):
+            if len(xs) == 1:
+                return ys[0]
+            if x <= xs[0]:
+                return ys[0] * x / xs[0] if xs[0] > 1 else ys[0]
+            for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+                if x <= x1:
+                    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            x0, y0, x1, y1 = xs[-2], ys[-2], xs[-1], ys[-1]  # extrapolate the last segment
+            return y1 + (y1 - y0) * (x - x1) / max(1, x1 - x0)
+
+        bs = sorted({b for b, _ in verify_pts})
+        ts = sorted({t for _, t in verify_pts})
+        by_b = {b: [interp(ts, [verify_pts[b, t] for t in ts], t) for t in range(k_max + 2)] for b in bs}
+        verify = [[0.0] * (k_max + 2)] + [
+            [interp(bs, [by_b[b][t] for b in bs], B) if len(bs) > 1 else by_b[bs[0]][t] for t in range(k_max + 2)]
+            for B in range(1, max_batch + 1)]
+        dbs = sorted(draft_pts)
+        draft = [0.0] + [interp(dbs, [draft_pts[b] for b in dbs], B) if dbs else 0.0 for B in range(1, max_batch + 1)]
+        return cls(max_batch, k_max, verify, draft)
+
+    def verify_cost(self, B: int, T: int) -> float:
+        return self.verify[min(B, self.max_batch)][min(T, self.k_max + 1)]
+
+    def draft_cost(self, B: int) -> float:
+        return self.draft[min(B, self.max_batch)] if B else 0.0
+
+    def refresh_verify(self, B: int, T: int, seconds: float) -> None:
+        if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1:
+            row = self.verify[B]
+            row[T] += self.ema * (seconds - row[T])
+
+    def refresh_draft(self, B: int, seconds_per_step: float) -> None:
+        if 1 <= B <= self.max_batch:
+            self.draft[B] += self.ema * (seconds_per_step - self.draft[B])
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    judged: float = 0.0
+    rounds_at_zero: int = 0
+
+
+class GoodputSpecLength:
+    """``spec_length="auto"``: per round, the K per request that maximises expected tokens per second."""
+
+    needs_logits = False
+
+    def __init__(self, k_max: int, costs: CostModel):
+        self.k_max, self.costs = k_max, costs
+        self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _Acceptance
+        self.global_accepted, self.global_judged = 1.2, 2.0  # prior: a = 0.6 until drafts are judged
+        self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
+
+    def alpha(self, req) -> float:
+        s = self.state.get(req) or _Acceptance()
+        a_global = self.global_accepted / self.global_judged
+        return (s.accepted + PRIOR_WEIGHT * a_global) / (s.judged + PRIOR_WEIGHT)
+
+    def _best(self, alphas: list[float], caps: list[int]) -> tuple[float, int, int]:
+        """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0."""
+        B = len(alphas)
+        best = (B / self.costs.verify_cost(B, 1), 0, 0)
+        order = sorted(range(B), key=lambda b: -alphas[b])
+        for k in range(1, self.k_max + 1):
+            gain = [expected_tokens(alphas[b], min(k, caps[b])) - 1.0 for b in order]  # extra tokens per drafting row
+            verify = self.costs.verify_cost(B, k + 1)
+            total = float(B)
+            for m in range(1, B + 1):
+                total += gain[m - 1]
+                rate = total / (verify + k * self.costs.draft_cost(m))
+                if rate > best[0]:
+                    best = (rate, k, m)
+        return best
+
+    def choose(self, reqs, caps):
+        B = len(reqs)
+        alphas = [self.alpha(r) for r in reqs]
+        _, k, m = self._best(alphas, caps)
+        order = sorted(range(B), key=lambda b: -alphas[b])
+        ks = [0] * B
+        for b in order[:m]:
+            ks[b] = min(k, caps[b])
+        for b, r in enumerate(reqs):
+            s = self.state.setdefault(r, _Acceptance())
+            if ks[b] == 0 and caps[b] > 0:
+                s.rounds_at_zero += 1
+                # a probe: draft one token if speculation could pay at all for a well-predicted row
+                if s.rounds_at_zero >= PROBE_EVERY and self._best([0.9] + [1e-9] * (B - 1), [1] + [0] * (B - 1))[1]:
+                    ks[b], s.rounds_at_zero = 1, 0
+            else:
+                s.rounds_at_zero = 0
+        self.last_choice = (max(ks), sum(1 for x in ks if x))
+        return ks
+
+    def observe(self, req, k, n, logits=None):
+        if not k:
+            return None
+        s = self.state.setdefault(req, _Acceptance())
+        judged = min(n + 1, k)
+        s.accepted, s.judged = DECAY * s.accepted + n, DECAY * s.judged + judged
+        self.global_accepted = 0.99 * self.global_accepted + n
+        self.global_judged = 0.99 * self.global_judged + judged
+        return None
+
+    def timed(self, B: int, T: int, verify_s: float, drafting_rows: int, draft_steps: int, draft_s: float) -> None:
+        self.costs.refresh_verify(B, T, verify_s)
+        if draft_steps:
+            self.costs.refresh_draft(drafting_rows, draft_s / draft_steps)
+
+
+def profile_costs(run_verify, run_draft, profile_batch: int, k_max: int, max_batch: int,
+                  repeats: int = 3) -> CostModel:
+    """Measure the cost model's anchor points: ``run_verify(B, T)`` and ``run_draft(B)`` each run one forward of B
+    <= ``profile_batch`` rows and return its seconds; the best of ``repeats`` counts (a shared machine only ever
+    slows a run down). Batches up to ``max_batch`` are interpolated or extrapolated from them."""
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= profile_batch} | {profile_batch})
+    tokens = sorted({1, 2, min(4, k_max + 1), k_max + 1})
+    verify = {(b, t): min(run_verify(b, t) for _ in range(repeats)) for b in batches for t in tokens}
+    draft = {b: min(run_draft(b) for _ in range(repeats)) for b in batches} if run_draft is not None else {}
+    return CostModel.from_points(max_batch, k_max, verify, draft)
+
