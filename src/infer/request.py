@@ -210,6 +210,11 @@ class RequestOutput:
     @classmethod
     def from_request(cls, req: Request, speculative: bool = False, metrics: dict | None = None) -> RequestOutput:
         metrics = dict(metrics or {})
+        # time.monotonic() stamps, as vLLM's RequestOutput.metrics: TTFT = first_token - arrival; decode speed from
+        # first_token to finish (excludes the prompt's prefill)
+        metrics.setdefault("arrival_time", req.arrival_time)
+        metrics.setdefault("first_token_time", req.first_token_time)
+        metrics.setdefault("finish_time", req.finish_time)
         if speculative:
             metrics.setdefault("accepted_per_position", list(req.accepted_per_position))
             metrics.setdefault("drafted_per_position", list(req.drafted_per_position))

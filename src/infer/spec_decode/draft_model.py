@@ -57,10 +57,12 @@ class DraftModelProposer(Proposer):
         pool = self.kv.draft_pool
         dslots = [self.kv.draft_slot(r) for r in reqs]
         dv = self._vocab(reqs)
+        catch_up = 0
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:
                 rows = [reqs[b].token_slice(pool.seq_len(dslots[b])) for b in idx]
+                catch_up = max(len(r) for r in rows)
             else:
                 rows = [[int(t)] for t in drafts[idx, j - 1].tolist()]
             hidden = self.forward(self.drafter, pool, [dslots[b] for b in idx], rows)
@@ -85,4 +87,4 @@ class DraftModelProposer(Proposer):
             q[rows_t, j] = probs
             if ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
                 ctx_seen[rows_t, drafts[rows_t, j]] = True
-        return Proposal(drafts, list(ks), q, logits_out)
+        return Proposal(drafts, list(ks), q, logits_out, catch_up)

@@ -104,6 +104,7 @@ class HybridProposer(Proposer):
                          None if batch.seen is None else batch.seen[rest], [batch.generators[b] for b in rest],
                          batch.vocab_size, batch.device, batch.keep_logits)
         mp = self.model.propose(sub)
+        out.catch_up = mp.catch_up
         rows = torch.tensor(rest, device=batch.device)
         out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts
         for i, b in enumerate(rest):

@@ -51,6 +51,7 @@ class Proposal:
     num_draft: list[int]  # [B]
     q: torch.Tensor | None = None  # [B, K, V]
     logits: torch.Tensor | None = None  # [B, K, V]
+    catch_up: int = 0  # most tokens a row's model consumed before drafting (a lazy prefill, not a draft step)
 
 
 class Proposer(ABC):

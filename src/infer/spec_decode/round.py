@@ -115,7 +115,8 @@ class SpeculativeDecoder:
         n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
         t2 = time.perf_counter()
         drafting = sum(1 for k in nd if k)
-        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K, t1 - t0)
+        # a round whose drafter first caught up on many tokens (a lazy prefill) says nothing about a draft step
+        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K if prop.catch_up <= 2 else 0, t1 - t0)
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------
         outputs = []

@@ -125,14 +125,20 @@ class CostModel:
     def draft_cost(self, B: int) -> float:
         return self.draft[min(B, self.max_batch)] if B else 0.0
 
+    # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
+    # moves a cell by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
+    OUTLIER = 2.0
+
+    def _update(self, old: float, seconds: float) -> float:
+        return old + self.ema * (min(seconds, self.OUTLIER * old) - old) if old > 0 else seconds
+
     def refresh_verify(self, B: int, T: int, seconds: float) -> None:
         if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1:
-            row = self.verify[B]
-            row[T] += self.ema * (seconds - row[T])
+            self.verify[B][T] = self._update(self.verify[B][T], seconds)
 
     def refresh_draft(self, B: int, seconds_per_step: float) -> None:
         if 1 <= B <= self.max_batch:
-            self.draft[B] += self.ema * (seconds_per_step - self.draft[B])
+            self.draft[B] = self._update(self.draft[B], seconds_per_step)
 
 
 @dataclass
