@@ -94,7 +94,7 @@ class HybridProposer(Proposer):
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
         out = _proposal(found, batch)
         if batch.sampling is not None or batch.keep_logits:
-            out.q = one_hot_q(out.drafts, out.num_draft, batch.vocab_size)  # [B, K, V], replaced for model rows
+            out.q = one_hot_q(out.drafts, batch.vocab_size)  # [B, K, V], replaced for model rows
         if not rest:
             return out
         sub = DraftBatch([batch.reqs[b] for b in rest], [batch.ks[b] for b in rest],

@@ -65,6 +65,6 @@ class Proposer(ABC):
         """Up to ``batch.ks[b]`` drafts for each row."""
 
 
-def one_hot_q(drafts: torch.Tensor, num_draft: list[int], vocab_size: int) -> torch.Tensor:
-    """q [B, K, V] of deterministic drafts: one-hot on each draft (rows past num_draft are never judged)."""
+def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q [B, K, V] of deterministic drafts: one-hot on each draft (entries past a row's num_draft are never judged)."""
     return torch.nn.functional.one_hot(drafts.clamp(min=0), vocab_size).float()
