@@ -38,13 +38,15 @@ def test_linear_matches_reference(wdt, xdt, k):
 
 
 @pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
-def test_linear_is_batch_invariant(wdt):
-    """Row i alone, among the first m rows, or among all rows: bit-identical (decode == speculative verify)."""
+@pytest.mark.parametrize("k", [136, 576])  # a scalar tail / whole 16-column blocks
+def test_linear_is_batch_invariant(wdt, k):
+    """Row i alone, among the first m rows, or among all rows: bit-identical (decode == speculative verify), whatever
+    the register tile (decode and verify tile the weight rows differently; 301 rows leave remainders)."""
     gen = torch.Generator().manual_seed(0)
-    w, scale = _weight(wdt, 300, 136, gen)
-    x = torch.randn(kernels.MAX_ROWS, 136, generator=gen).to(torch.bfloat16 if wdt != torch.float32 else wdt)
+    w, scale = _weight(wdt, 301, k, gen)
+    x = torch.randn(kernels.MAX_ROWS, k, generator=gen).to(torch.bfloat16 if wdt != torch.float32 else wdt)
     full = torch.ops.infer.linear(x, w, scale)
-    for m in (1, 2, 3, 4, 5, 9):
+    for m in (1, 2, 3, 4, 5, 6, 7, 9):
         assert torch.equal(torch.ops.infer.linear(x[:m], w, scale), full[:m])
     for i in range(kernels.MAX_ROWS):
         assert torch.equal(torch.ops.infer.linear(x[i:i + 1], w, scale), full[i:i + 1])

@@ -60,6 +60,22 @@ def test_truncate_frees_whole_trailing_blocks_only():
         pool.free(s)
 
 
+def test_a_lone_sequence_gets_consecutive_blocks_after_interleaved_ones():
+    """Blocks go lowest first, so once interleaved sequences leave, the next one's blocks are consecutive again and
+    attention reads them as one slice (row0), not through a gather of the whole cache."""
+    pool = PagedKVCachePool(1, 1, 4, num_blocks=16, block_size=4, max_seq_len=64, max_slots=3)
+    a, b = pool.allocate(), pool.allocate()
+    for _ in range(4):  # a and b grow in turns: a holds blocks 0, 2, 4, 6 and b 1, 3, 5, 7
+        pool.prepare([a, b], [4, 4])
+    assert pool.prepare([a], [1]).row0 is None  # a's blocks are not consecutive: the gather path
+    pool.free(a)
+    pool.free(b)
+    c = pool.allocate()
+    pool.prepare([c], [30])
+    meta = pool.prepare([c], [1])
+    assert meta.row0 == 0 and meta.kv_len == 31
+
+
 def test_can_fit_asks_before_prepare_does():
     pool = PagedKVCachePool(1, 1, 4, num_blocks=4, block_size=4, max_seq_len=32, max_slots=2)
     s = pool.allocate()

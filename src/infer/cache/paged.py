@@ -17,6 +17,7 @@ only ever read (slots write strictly after their hit length, and only full promp
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import torch
@@ -55,7 +56,9 @@ class PagedKVCachePool(KVCachePool):
         # One tensor per layer (not views of one): compiled, writes into a tensor of its own stay in place.
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        # a min-heap: the lowest free block goes first, so a sequence alone in the pool (or one that grows after
+        # others left) gets consecutive blocks, which attention reads as a plain slice instead of a gather
+        self._free_blocks = list(range(num_blocks))
         self._ref = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
         self._hash_of: dict[int, int] = {}  # block -> prefix hash (cached blocks only)
@@ -75,7 +78,7 @@ class PagedKVCachePool(KVCachePool):
     # -- blocks ------------------------------------------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free_blocks:
-            b = self._free_blocks.pop()
+            b = heapq.heappop(self._free_blocks)
         elif self._evictable:
             b, _ = self._evictable.popitem(last=False)  # least recently released cached block
             del self._block_of[self._hash_of.pop(b)]
@@ -90,7 +93,7 @@ class PagedKVCachePool(KVCachePool):
             if b in self._hash_of:
                 self._evictable[b] = None  # keep the cached K/V until the space is needed
             else:
-                self._free_blocks.append(b)
+                heapq.heappush(self._free_blocks, b)
 
     def _prefix_hashes(self, token_ids: list[int], n_blocks: int) -> list[int]:
         hashes, h, bs = [], 0, self.block_size

@@ -1,17 +1,21 @@
 // infer::linear: y = x @ W.T for a few activation rows (decode: 1 row, verify: K+1 rows), on the CPU.
 //
-// Decoding streams every weight once per token, so this kernel's job is to read W at the memory bandwidth while
-// doing as little arithmetic per byte as it can:
-//   - each thread walks a contiguous run of rows: one sequential stream, prefetched ahead in software for bf16 and
-//     int8 (the hardware prefetchers alone fall behind on their rows of a few hundred bytes; float32 rows stream
-//     faster without);
-//   - the activations, converted to float32 once, stay in L1; a weight row is loaded once for up to 3 of them;
-//   - bfloat16 and int8 weights are widened to float32 in registers (int8: y = s[n] * sum_k q[n,k] x[k]).
+// Decoding streams every weight once per token, so at one activation row this kernel's job is to read W at the
+// memory bandwidth; verifying K+1 rows must not read it K+1 times, nor run out of arithmetic:
+//   - register tiles of NT weight rows x up to 3 activation rows, one 8-lane accumulator per pair: per 16 weights a
+//     tile loads NT weight and MT activation vectors for NT * MT FMAs (4 x 3 in 16 registers);
+//   - a tile's rows stay in L1 while every activation row passes over them: W comes from memory once, whatever M;
+//   - each thread walks a contiguous run of rows; a tile's rows are one run of memory, prefetched in software two
+//     tiles ahead (the hardware prefetchers lose track of several interleaved rows; a single float32 row streams
+//     faster on them alone), and decode uses as few rows per tile as keep the FMA latency hidden;
+//   - the activations, converted to float32 once (and permuted to the weights' lane order, see vec8.h's lo16), stay
+//     in L1; bfloat16 and int8 weights are widened to float32 in registers (int8: y = s[n] * sum_k q[n,k] x[k]).
 //
-// Batch invariance: the arithmetic for one (row n, activation m) pair is the same whatever M is or which other rows
-// share the call (four 8-lane partial sums over k in steps of 32, steps of 8 into the first, a fixed reduction, the
-// scalar tail last, then the scale). A token's logits are therefore bit-identical whether the target computes it
-// alone (decode) or among K+1 (speculative verify), which keeps greedy speculation exactly equal to greedy decoding.
+// Batch invariance: the arithmetic for one (row n, activation m) pair is the same whatever M is, whatever the tile
+// shape, and whichever other rows share the call (one 8-lane accumulator over k in blocks of 16, lo16 then hi16;
+// a fixed horizontal sum; the scalar tail in order; then the scale). A token's logits are therefore bit-identical
+// whether the target computes it alone (decode) or among K+1 (speculative verify), which keeps greedy speculation
+// exactly equal to greedy decoding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,77 +29,96 @@ namespace {
 
 using namespace infer_kernels;
 
-constexpr int64_t kPrefetchBytes = 1536;  // how far ahead of the current read each thread prefetches
+constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead of the current one each thread prefetches
 
-// out[m * out_stride] = scale * dot(w[0:K], x[m, 0:K]) for m < MT; x rows are K floats apart.
-template <typename W, int MT>
-inline void row_dot(const W* w, int64_t K, const float* x, float scale, float* out, int64_t out_stride) {
-  V8 acc[4][MT];
-  for (int u = 0; u < 4; ++u)
-    for (int m = 0; m < MT; ++m) acc[u][m] = zero8();
-  const int64_t K32 = K & ~int64_t(31), K8 = K & ~int64_t(7);
-  int64_t k = 0;
-  for (; k < K32; k += 32) {
-    if constexpr (sizeof(W) < 4) {  // float32 rows stream faster on the hardware prefetchers alone (~7% here)
-      const char* ahead = reinterpret_cast<const char*>(w + k) + kPrefetchBytes;
-      for (size_t line = 0; line < 32 * sizeof(W); line += 64) prefetch(ahead + line);
+// One register tile: y[m, r] for NT weight rows r and MT activation rows m, one 8-lane accumulator per (r, m) pair.
+// w: NT rows K apart; xp: MT activation rows K apart, in the lane order of lo16/hi16 for the first K16 columns
+// (x itself for the scalar tail); y[m * N + r]. Each 16-column block runs in two halves so that only MT activation
+// vectors are live: 16 registers hold NT * MT accumulators, MT activations and one weight vector.
+template <typename W, int NT, int MT>
+inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, float* y, int64_t N,
+                 bool prefetch_ahead) {
+  V8 acc[NT][MT];
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = zero8();
+  const int64_t K16 = K & ~int64_t(15);
+  // the tile's NT rows are one contiguous run of memory: prefetch the run kPrefetchTiles tiles ahead, spread evenly
+  // over the k loop (only on the first pass over the tile; prefetches never fault past the end of W)
+  const int64_t tile_bytes = NT * K * int64_t(sizeof(W));
+  const int64_t lines_per_step = K16 ? (tile_bytes / 64 + K16 / 16 - 1) / (K16 / 16) : 0;
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchTiles * tile_bytes;
+  prefetch_ahead = prefetch_ahead && (sizeof(W) < 4 || NT > 1);  // one float32 row: the hardware does better alone
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (prefetch_ahead)
+      for (int64_t l = 0; l < lines_per_step; ++l) prefetch(ahead + ((k / 16) * lines_per_step + l) * 64);
+    V8 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k);
+    for (int r = 0; r < NT; ++r) {
+      const V8 wv = lo16(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
     }
-    for (int u = 0; u < 4; ++u) {
-      V8 wv = load8(w + k + 8 * u);
-      for (int m = 0; m < MT; ++m) acc[u][m] = fma8(wv, load8(x + m * K + k + 8 * u), acc[u][m]);
+    for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k + 8);
+    for (int r = 0; r < NT; ++r) {
+      const V8 wv = hi16(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
     }
   }
-  for (; k < K8; k += 8) {
-    V8 wv = load8(w + k);
-    for (int m = 0; m < MT; ++m) acc[0][m] = fma8(wv, load8(x + m * K + k), acc[0][m]);
-  }
-  for (int m = 0; m < MT; ++m) {
-    float s = hsum8(add8(add8(acc[0][m], acc[1][m]), add8(acc[2][m], acc[3][m])));
-    for (int64_t j = K8; j < K; ++j) s += to_float(w[j]) * x[m * K + j];
-    out[m * out_stride] = s * scale;
-  }
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float s = hsum8(acc[r][m]);
+      for (int64_t j = K16; j < K; ++j) s += to_float(w[r * K + j]) * x[m * K + j];
+      y[m * N + r] = s * (scale ? scale[r] : 1.0f);
+    }
 }
 
-// y[m, n] for every m < M and n in [n0, n1); rows wider than 3 activations go in tiles of 3.
+// Every activation row against NT weight rows starting at w: tiles of 3 activation rows, then the rest.
+template <typename W, int NT>
+inline void row_block(const W* w, int64_t K, const float* xp, const float* x, int64_t M, const float* scale,
+                      float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile<W, NT, 3>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
+  if (M - m == 2) tile<W, NT, 2>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
+  else if (M - m == 1) tile<W, NT, 1>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
+}
+
+// Weight rows per tile: as few as keep the FMA latency hidden (every row is one more interleaved memory stream, and
+// the hardware prefetchers lose track of many), as many as the 16 registers hold with 3 activation rows (4).
+// Decode (one activation row) reads W at the memory bandwidth with 1 float32, 2 bfloat16 or 8 int8 rows.
 template <typename W>
-void rows(const W* w, const float* scale, int64_t n0, int64_t n1, int64_t K, const float* x, int64_t M, float* y,
-          int64_t N, std::vector<float>& widened) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
-    const float s = scale ? scale[n] : 1.0f;
-    const float* xr = x;
-    float* yr = y + n;
-    int64_t m = 0;
-    if (M > 3 && !std::is_same<W, float>::value) {
-      // several tiles would each widen the row again: widen it once into L1 (the same float values, so the same
-      // arithmetic as the direct path), then run the float32 loop over it
-      widened.resize(K);
-      float* wide = widened.data();
-      const int64_t K8 = K & ~int64_t(7);
-      for (int64_t j = 0; j < K8; j += 8) {
-        if ((j * sizeof(W)) % 64 == 0) prefetch(reinterpret_cast<const char*>(wr + j) + kPrefetchBytes);
-        store8(wide + j, load8(wr + j));
-      }
-      for (int64_t j = K8; j < K; ++j) wide[j] = to_float(wr[j]);
-      for (; m + 3 <= M; m += 3) row_dot<float, 3>(wide, K, xr + m * K, s, yr + m * N, N);
-      if (M - m == 2) row_dot<float, 2>(wide, K, xr + m * K, s, yr + m * N, N);
-      else if (M - m == 1) row_dot<float, 1>(wide, K, xr + m * K, s, yr + m * N, N);
-      continue;
-    }
-    for (; m + 3 <= M; m += 3) row_dot<W, 3>(wr, K, xr + m * K, s, yr + m * N, N);
-    if (M - m == 2) row_dot<W, 2>(wr, K, xr + m * K, s, yr + m * N, N);
-    else if (M - m == 1) row_dot<W, 1>(wr, K, xr + m * K, s, yr + m * N, N);
+constexpr int kDecodeRows = sizeof(W) == 4 ? 1 : sizeof(W) == 2 ? 2 : 8;
+template <typename W>
+constexpr int kVerifyRows = sizeof(W) == 4 ? 2 : 4;
+
+// y[:, n0:n1]: weight rows in tiles of NT, the remainder one by one. A tile stays in L1 while every activation row
+// passes over it, so W is read from memory once whatever M is. The arithmetic of one (weight row, activation row)
+// pair is the same in every tile shape: batch invariance.
+template <typename W>
+void rows(const W* w, const float* scale, int64_t n0, int64_t n1, int64_t K, const float* xp, const float* x,
+          int64_t M, float* y, int64_t N) {
+  int64_t n = n0;
+  if (M == 1) {
+    constexpr int NT = kDecodeRows<W>;
+    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+  } else {
+    constexpr int NT = kVerifyRows<W>;
+    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
   }
+  for (; n < n1; ++n) row_block<W, 1>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
 }
 
 template <typename W>
 void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  // the activations in lo16/hi16's lane order (a copy of a few KB, read from L1 by every weight row)
+  std::vector<float> permuted;
+  const float* xp = x;
+  if (kPermutedLanes<W>) {
+    permuted.assign(x, x + M * K);
+    for (int64_t m = 0; m < M; ++m) permute16(permuted.data() + m * K, K);
+    xp = permuted.data();
+  }
   // at::parallel_for hands each thread one contiguous range of rows (torch's OpenMP pool, torch.set_num_threads)
   const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    thread_local std::vector<float> widened;
-    rows(w, scale, n0, n1, K, x, M, y, N, widened);
-  });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(w, scale, n0, n1, K, xp, x, M, y, N); });
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale) {

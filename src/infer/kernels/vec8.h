@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -35,6 +36,23 @@ inline float hsum8(V8 v) {
 }
 inline void store8(float* p, V8 v) { _mm256_storeu_ps(p, v); }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// 16 weights as two 8-lane vectors. bfloat16 is the top half of a float32, so one 32-byte load gives the odd
+// elements by masking off the low halves and the even ones by shifting them up: lanes [0, 2, .., 14] and
+// [1, 3, .., 15]; the activations are permuted to match once per call (permute16).
+inline V8 lo16(const float* p) { return load8(p); }
+inline V8 hi16(const float* p) { return load8(p + 8); }
+inline V8 lo16(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 16));
+}
+inline V8 hi16(const c10::BFloat16* p) {
+  return _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(p)),
+                       _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline V8 lo16(const int8_t* p) { return load8(p); }
+inline V8 hi16(const int8_t* p) { return load8(p + 8); }
+template <typename W>
+constexpr bool kPermutedLanes = std::is_same<W, c10::BFloat16>::value;
 #else  // portable: the same 8-lane arithmetic in plain C++ (the compiler vectorises what it can)
 struct V8 { float v[8]; };
 inline V8 zero8() { return V8{}; }
@@ -50,11 +68,26 @@ inline float hsum8(V8 a) {
 }
 inline void store8(float* p, V8 a) { for (int i = 0; i < 8; ++i) p[i] = a.v[i]; }
 inline void prefetch(const void*) {}
+template <typename T>
+inline V8 lo16(const T* p) { return load8(p); }
+template <typename T>
+inline V8 hi16(const T* p) { return load8(p + 8); }
+template <typename W>
+constexpr bool kPermutedLanes = false;
 #endif
 
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
+
+// x[0:K16] into lo16/hi16's lane order, per 16-column block: the even columns, then the odd; the tail stays.
+inline void permute16(float* x, int64_t K) {
+  float block[16];
+  for (int64_t k = 0; k + 16 <= K; k += 16) {
+    for (int i = 0; i < 8; ++i) block[i] = x[k + 2 * i], block[8 + i] = x[k + 2 * i + 1];
+    for (int i = 0; i < 16; ++i) x[k + i] = block[i];
+  }
+}
 
 }  // namespace infer_kernels
