@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
+from infer.model.compile import compile_model
 
 PROMPTS = ["def fib(n):", "The quick brown fox", "import os"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -38,6 +39,19 @@ def test_compiled_speculation_equals_eager_and_does_not_recompile(gqa_dir, eager
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = llm.generate(["x" * 7, "a b c d e f g h i j"], SamplingParams(temperature=0, max_tokens=40))
     assert all(o.token_ids for o in out)
+
+
+def test_compiled_bf16_speculation_equals_eager_and_compiles_before_the_first_request(gqa_dir):
+    """bfloat16: inductor rounds fused work differently in the decode and the verify graphs unless a speculating
+    engine asks for exact casts (compile.EXACT_CAST_OPTIONS); and the engine builds at start-up every graph a lone
+    request needs, so its first rounds never stop to compile."""
+    plain = LLM(gqa_dir, dtype="bfloat16", compile=False, max_batch_size=1)
+    compile_model(plain.model, exact_casts=True)  # plain decoding through the same kind of graphs
+    llm = LLM(gqa_dir, dtype="bfloat16", draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
+    expected = _ids(plain.generate(PROMPTS, GREEDY))
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the speculating engine's graphs exist already
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert llm.engine.stats.num_draft_tokens > 0
 
 
 def test_compiled_quantized_target_equals_eager(gqa_dir):

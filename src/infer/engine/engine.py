@@ -75,6 +75,8 @@ class Engine:
                 raise ValueError(f"draft_vocab was built for a vocabulary of {draft_vocab.vocab_size} tokens, the "
                                  f"drafter has {self.draft_model.config.vocab_size}")
         self.draft_vocab = draft_vocab
+        if self.compiled:  # whole rotary tables now: a table that grows mid-request would recompile the step
+            self.model.rotary.reserve(self.max_seq_len, self.device, self.model.dtype)
         # the story of a step: the scheduler asks the KV manager what fits, the runner executes the models, and the
         # speculative decoder (when on) replaces the runner's decode step with a propose/verify round
         self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, self.draft_model, cfg.max_spec_length)
@@ -92,8 +94,8 @@ class Engine:
         if want is None:
             want = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()) \
                 >= COMPILE_AUTO_MIN_PARAMS
-        if want:
-            compile_model(model)
+        if want:  # a speculating engine's verify pass must reproduce its decode steps bit for bit
+            compile_model(model, exact_casts=bool(self.config.use_speculative_decoding))
         return bool(want)
 
     def _check_draft_tokenizer(self) -> None:

@@ -45,6 +45,12 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"
 # products. Inductor splits any loop over >= 512 elements across threads; at that size the OpenMP fork/join costs
 # more than the work (SmolLM2 bf16: 63 -> 73 tok/s with this threshold). The products stay parallel.
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384}
+# Speculation needs a token's logits to be bit-identical whether the target computes it alone (decode) or among K+1
+# (verify): greedy speculative output must equal greedy decoding. Inductor fuses bfloat16 elementwise work into
+# float32 loops and rounds where the fusion ends, and the decode and verify graphs fuse differently: SmolLM2 bf16
+# drifted from plain decoding after ~70 tokens. Rounding at every cast, as eager does, makes both graphs agree
+# (float32 needs nothing); it costs ~10% of a bfloat16 decode step, so only speculating engines ask for it.
+EXACT_CAST_OPTIONS = {"emulate_precision_casts": True}
 # On the CPU the graph's wrapper (the code that calls those kernels and allocates their buffers) is C++ rather than
 # Python: ~1 ms less a step for SmolLM2 int8 (~8 ms). Built as its own library, which keeps the first compile near
 # the Python wrapper's (89 s vs 67 s for the demo's steps; 184 s otherwise); warm starts are the same.
@@ -91,7 +97,7 @@ def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def _compile_method(model, name: str) -> Callable:
+def _compile_method(model, name: str, exact_casts: bool = False) -> Callable:
     """torch.compile ``model.<name>`` with graphs of its own.
 
     Dynamo keeps its compiled graphs on the function's code object, shared by every instance of the class; with the
@@ -102,12 +108,14 @@ def _compile_method(model, name: str) -> Callable:
     code = fn.__code__.replace(co_name=f"{name}_{id(model):x}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     options = {**(CPU_INDUCTOR_OPTIONS if model.device.type == "cpu" else INDUCTOR_OPTIONS),
-               "guard_filter_fn": step_guards}
+               **(EXACT_CAST_OPTIONS if exact_casts else {}), "guard_filter_fn": step_guards}
     return torch.compile(types.MethodType(own, model), dynamic=None, options=options)
 
 
-def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
-    """Attach compiled decode/verify steps to ``model`` (in place; returns it). Idempotent."""
+def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None, exact_casts: bool = False):
+    """Attach compiled decode/verify steps to ``model`` (in place; returns it). Idempotent.
+
+    ``exact_casts``: round at every dtype cast as eager does (EXACT_CAST_OPTIONS), for engines that speculate."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:
@@ -115,6 +123,7 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
         # Each structural variant (decode, masked verify, paged gather, ...) is one graph; allow a few more than
         # the default 8 before dynamo gives up and runs eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        model.compiled = CompiledSteps(_compile_method(model, "_forward"), _compile_method(model, "_logits"), max_tokens)
+        model.compiled = CompiledSteps(_compile_method(model, "_forward", exact_casts),
+                                       _compile_method(model, "_logits", exact_casts), max_tokens)
     model.compiled.max_tokens = max_tokens
     return model

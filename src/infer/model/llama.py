@@ -109,7 +109,8 @@ class LlamaForCausalLM(nn.Module):
         max_pos = attn_meta.kv_len - 1 if attn_meta is not None else input_ids.shape[1] - 1
         self.rotary.reserve(max_pos, input_ids.device, self.dtype)
         c = self.compiled
-        if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens:
+        # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
+        if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
             return c.forward(input_ids, positions, kv, attn_meta)
         return self._forward(input_ids, positions, kv, attn_meta)
 

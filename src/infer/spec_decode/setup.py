@@ -58,6 +58,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
             proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
     decoder = SpeculativeDecoder(runner, kv, proposer, None,
                                  make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta))
+    warm_up_compiled(runner, kv, cfg.max_spec_length)
     if isinstance(cfg.spec_length, int):
         decoder.spec_length = FixedSpecLength(cfg.spec_length)
     elif cfg.spec_length == "egag":
@@ -71,6 +72,34 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         cache[key] = costs
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)
     return decoder
+
+
+@torch.inference_mode()
+def warm_up_compiled(runner, kv, k_max: int) -> None:
+    """Build, now, every graph a lone request's rounds will need from a compiled target.
+
+    Inductor specialises a graph on the sizes it first sees (context length, the first block's row, mask widths)
+    and recompiles, ~40 s for SmolLM2, when they change. One-row decode and verify steps on two slots, at two
+    contexts and in two places of the pool, make those sizes dynamic before the first request rather than in the
+    middle of its first rounds."""
+    if getattr(runner.model, "compiled", None) is None:
+        return
+    held = []
+    try:
+        for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + k_max + 2):
+            size = ctx + k_max + 1
+            if size > kv.max_seq_len or not kv.pool.can_fit([(None, size)]):
+                return
+            slot = kv.pool.allocate(size)
+            held.append(slot)
+            runner.forward(runner.model, kv.pool, [slot], [[1] * ctx])  # the prompt: eager
+            for t in sorted({1, 2, min(4, k_max + 1), k_max + 1}):
+                hidden = runner.forward(runner.model, kv.pool, [slot], [[1] * t])
+                runner.model.compute_logits(hidden), runner.model.compute_logits(hidden[:, -1])  # verify, decode
+                kv.pool.truncate_to(slot, ctx)
+    finally:
+        for slot in held:  # the second slot sat after the first in the pool: another first block
+            kv.pool.free(slot)
 
 
 @torch.inference_mode()
@@ -93,12 +122,23 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
     if not fits(B):  # not even one profiling slot: the paper's flat model (a verify costs one decode step)
         return CostModel.from_points(max_batch, k_max, {(1, 1): 1.0, (1, 2): 1.0}, {1: 0.05} if dpool else {})
     ctx = [1] * n_ctx
-    slots = [kv.pool.allocate(n_ctx + k_max + 1) for _ in range(B)]
-    dslots = [dpool.allocate(n_ctx + 1) for _ in range(B)] if dpool is not None else []
+    held: list[tuple] = []  # (pool, slot): freed whatever happens
+
+    def prefill(model, pool, size: int, n: int) -> list[int]:
+        new = [pool.allocate(size) for _ in range(n)]
+        held.extend((pool, s) for s in new)
+        if new:
+            runner.forward(model, pool, new, [ctx] * n)
+        return new
+
     try:
-        runner.forward(runner.model, kv.pool, slots, [ctx] * B)
+        # the rows of B > 1 first, then row 0 alone: it gets consecutive blocks, as a request alone in the pool
+        # does, so the one-row steps run (and compile) the same paths as a lone request's rounds will
+        others = prefill(runner.model, kv.pool, n_ctx + k_max + 1, B - 1)
+        slots = prefill(runner.model, kv.pool, n_ctx + k_max + 1, 1) + others
         if dpool is not None:
-            runner.forward(drafter.drafter, dpool, dslots, [ctx] * B)
+            others = prefill(drafter.drafter, dpool, n_ctx + 1, B - 1)
+            dslots = prefill(drafter.drafter, dpool, n_ctx + 1, 1) + others
 
         def run_verify(b: int, t: int) -> float:
             t0 = time.perf_counter()
@@ -122,7 +162,5 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
         run_verify(1, 1)  # first calls pay one-time costs (allocations, a compiled graph)
         return profile_costs(run_verify, run_draft if dpool is not None else None, B, k_max, max_batch)
     finally:
-        for s in slots:
-            kv.pool.free(s)
-        for s in dslots:
-            dpool.free(s)
+        for pool, s in held:
+            pool.free(s)
