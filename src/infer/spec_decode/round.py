@@ -71,6 +71,7 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
+        self._t_in = time.perf_counter()  # the step's wall time, less its timed forwards, is its overhead
         caps = self.caps(reqs)
         ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
         if max(ks) == 0:
@@ -117,6 +118,7 @@ class SpeculativeDecoder:
         drafting = sum(1 for k in nd if k)
         # a round whose drafter first caught up on many tokens (a lazy prefill) says nothing about a draft step
         self.spec_length.timed(B, K + 1, t2 - t1, drafting, K if prop.catch_up <= 2 else 0, t1 - t0)
+        forwards_s = t2 - t0
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------
         outputs = []
@@ -141,6 +143,8 @@ class SpeculativeDecoder:
                 if n < k:
                     rec.p_rejected, rec.q_rejected = float(res.p_draft[b, n]), float(res.q_draft[b, n])
                 self.on_round(rec, r)
+        if prop.catch_up <= 2:  # a lazy prefill's round says nothing about a round's bookkeeping
+            self.spec_length.round_overhead(B, True, time.perf_counter() - self._t_in - forwards_s)
         return outputs
 
     def _plain(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
@@ -148,5 +152,8 @@ class SpeculativeDecoder:
         self.runner.stats.num_plain_decode_steps += 1
         t0 = time.perf_counter()
         tokens, logits = self.runner.decode_forward(reqs)  # tokens are on the host: the step's work is done
-        self.spec_length.timed(len(reqs), 1, time.perf_counter() - t0, 0, 0, 0.0)
-        return self.runner.emit_decoded(reqs, tokens, logits)
+        forward_s = time.perf_counter() - t0
+        self.spec_length.timed(len(reqs), 1, forward_s, 0, 0, 0.0)
+        outputs = self.runner.emit_decoded(reqs, tokens, logits)
+        self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - self._t_in - forward_s)
+        return outputs

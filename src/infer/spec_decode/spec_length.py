@@ -59,6 +59,9 @@ class FixedSpecLength:
     def timed(self, *args) -> None:
         pass
 
+    def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
+        pass
+
 
 class EntropySpecLength(FixedSpecLength):
     """``spec_length="egag"``: each request's K from its drafter's entropy (spec_decode.adaptive)."""
@@ -158,6 +161,9 @@ class GoodputSpecLength:
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _Acceptance
         self.global_accepted, self.global_judged = 1.2, 2.0  # prior: a = 0.6 until drafts are judged
         self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
+        # seconds a step spends outside the timed forwards (sampling set-up, verification, rollback, emission), per
+        # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
+        self.overhead: dict[tuple[int, bool], float] = {}
 
     def alpha(self, req) -> float:
         s = self.state.get(req) or _Acceptance()
@@ -167,7 +173,8 @@ class GoodputSpecLength:
     def _best(self, alphas: list[float], caps: list[int]) -> tuple[float, int, int]:
         """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0."""
         B = len(alphas)
-        best = (B / self.costs.verify_cost(B, 1), 0, 0)
+        plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
+        best = (B / (self.costs.verify_cost(B, 1) + plain_o), 0, 0)
         order = sorted(range(B), key=lambda b: -alphas[b])
         for k in range(1, self.k_max + 1):
             gain = [expected_tokens(alphas[b], min(k, caps[b])) - 1.0 for b in order]  # extra tokens per drafting row
@@ -175,7 +182,7 @@ class GoodputSpecLength:
             total = float(B)
             for m in range(1, B + 1):
                 total += gain[m - 1]
-                rate = total / (verify + k * self.costs.draft_cost(m))
+                rate = total / (verify + k * self.costs.draft_cost(m) + spec_o)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
@@ -214,6 +221,13 @@ class GoodputSpecLength:
         self.costs.refresh_verify(B, T, verify_s)
         if draft_steps:
             self.costs.refresh_draft(drafting_rows, draft_s / draft_steps)
+
+    def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
+        """A step's wall time minus its timed forwards: an EMA per (B, speculative?), clamped like the costs."""
+        old = self.overhead.get((B, spec))
+        seconds = max(0.0, seconds)
+        self.overhead[(B, spec)] = seconds if old is None else \
+            old + self.costs.ema * (min(seconds, CostModel.OUTLIER * old + 1e-4) - old)
 
 
 def profile_costs(run_verify, run_draft, profile_batch: int, k_max: int, max_batch: int,
