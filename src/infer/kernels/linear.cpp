@@ -108,8 +108,9 @@ void rows(const W* w, const float* scale, int64_t n0, int64_t n1, int64_t K, con
 
 template <typename W>
 void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  // the activations in lo16/hi16's lane order (a copy of a few KB, read from L1 by every weight row)
-  std::vector<float> permuted;
+  // the activations in lo16/hi16's lane order (a copy of a few KB, read from L1 by every weight row; the buffer is
+  // the calling thread's own and reused, so a step's ~200 calls allocate nothing)
+  thread_local std::vector<float> permuted;
   const float* xp = x;
   if (kPermutedLanes<W>) {
     permuted.assign(x, x + M * K);

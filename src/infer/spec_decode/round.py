@@ -71,11 +71,11 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
-        self._t_in = time.perf_counter()  # the step's wall time, less its timed forwards, is its overhead
+        t_in = time.perf_counter()  # the step's wall time, less its timed forwards, is its overhead
         caps = self.caps(reqs)
         ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
         if max(ks) == 0:
-            return self._plain(reqs)
+            return self._plain(reqs, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
         params = [r.params for r in reqs]
         fast_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
@@ -88,7 +88,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         nd = prop.num_draft
         if max(nd) == 0:  # nothing to verify (e.g. no n-gram matched anywhere)
-            return self._plain(reqs)
+            return self._plain(reqs, t_in)
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
         q = None if prop.q is None else prop.q[:, :K]  # [B, K, V]
@@ -144,10 +144,10 @@ class SpeculativeDecoder:
                     rec.p_rejected, rec.q_rejected = float(res.p_draft[b, n]), float(res.q_draft[b, n])
                 self.on_round(rec, r)
         if prop.catch_up <= 2:  # a lazy prefill's round says nothing about a round's bookkeeping
-            self.spec_length.round_overhead(B, True, time.perf_counter() - self._t_in - forwards_s)
+            self.spec_length.round_overhead(B, True, time.perf_counter() - t_in - forwards_s)
         return outputs
 
-    def _plain(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
+    def _plain(self, reqs: list[Request], t_in: float) -> list[tuple[Request, StepOutput]]:
         """K = 0 for every row: one ordinary decode step (the drafter catches up lazily when it drafts again)."""
         self.runner.stats.num_plain_decode_steps += 1
         t0 = time.perf_counter()
@@ -155,5 +155,5 @@ class SpeculativeDecoder:
         forward_s = time.perf_counter() - t0
         self.spec_length.timed(len(reqs), 1, forward_s, 0, 0, 0.0)
         outputs = self.runner.emit_decoded(reqs, tokens, logits)
-        self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - self._t_in - forward_s)
+        self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - t_in - forward_s)
         return outputs

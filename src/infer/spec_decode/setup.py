@@ -18,7 +18,8 @@ from .draft_model import DraftModelProposer
 from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
-from .spec_length import CostModel, EntropySpecLength, FixedSpecLength, GoodputSpecLength, profile_costs
+from .spec_length import (CostModel, EntropySpecLength, FixedSpecLength, GoodputSpecLength, profile_costs,
+                          profile_widths)
 
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: CostModel}
 PROFILE_CONTEXT = 32  # tokens of context in the profiling slots (a short prompt: weights dominate a step)
@@ -93,7 +94,7 @@ def warm_up_compiled(runner, kv, k_max: int) -> None:
             slot = kv.pool.allocate(size)
             held.append(slot)
             runner.forward(runner.model, kv.pool, [slot], [[1] * ctx])  # the prompt: eager
-            for t in sorted({1, 2, min(4, k_max + 1), k_max + 1}):
+            for t in profile_widths(k_max):
                 hidden = runner.forward(runner.model, kv.pool, [slot], [[1] * t])
                 runner.model.compute_logits(hidden), runner.model.compute_logits(hidden[:, -1])  # verify, decode
                 kv.pool.truncate_to(slot, ctx)

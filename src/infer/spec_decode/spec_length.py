@@ -230,13 +230,19 @@ class GoodputSpecLength:
             old + self.costs.ema * (min(seconds, CostModel.OUTLIER * old + 1e-4) - old)
 
 
+def profile_widths(k_max: int) -> list[int]:
+    """Tokens per row of the steps that start-up runs (profiling, warming compiled graphs): decode, the narrowest and
+    the widest verify, and one between (the cost model interpolates the rest)."""
+    return sorted({1, 2, min(4, k_max + 1), k_max + 1})
+
+
 def profile_costs(run_verify, run_draft, profile_batch: int, k_max: int, max_batch: int,
                   repeats: int = 3) -> CostModel:
     """Measure the cost model's anchor points: ``run_verify(B, T)`` and ``run_draft(B)`` each run one forward of B
     <= ``profile_batch`` rows and return its seconds; the best of ``repeats`` counts (a shared machine only ever
     slows a run down). Batches up to ``max_batch`` are interpolated or extrapolated from them."""
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= profile_batch} | {profile_batch})
-    tokens = sorted({1, 2, min(4, k_max + 1), k_max + 1})
+    tokens = profile_widths(k_max)
     verify = {(b, t): min(run_verify(b, t) for _ in range(repeats)) for b in batches for t in tokens}
     draft = {b: min(run_draft(b) for _ in range(repeats)) for b in batches} if run_draft is not None else {}
     return CostModel.from_points(max_batch, k_max, verify, draft)
