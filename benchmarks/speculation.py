@@ -10,22 +10,24 @@ Four parts, each timed A B A B ... in one process (per variant the median over r
             (``LLM(model, proposer="ngram")``): a code-editing prompt whose answer copies the code, and a prompt
             whose answer copies nothing
   sampled   temperature 1, both proposers, against plain decoding
-  load      the engine at concurrency 1, 2, 4, 8, 16 (that many requests at once, all admitted together), auto K,
-            against the same engine without speculation: generated tokens per second
+  load      the engine at concurrency 1, 2, 4, 8, 16, auto K, against the same engine without speculation: generated
+            tokens per second of wall clock with c requests in flight (closed loop), and for one batch of c requests
 Writes benchmarks/results/speculation.json and the "speculation" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, machine, update_doc_section, write_json  # noqa: E402
+from common import RESULTS, interleaved, machine, update_doc_section, write_json  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import demo_model_paths, demo_prompts, real_model_path  # noqa: E402
@@ -127,15 +129,46 @@ def part_sampled(a) -> dict:
     return {"rows": compare(variants, prompts, params, a.repeats, "plain (AR)")}
 
 
+def closed_loop(llm: LLM, prompts: list[str], clients: int, per_client: int, params: SamplingParams) -> float:
+    """``clients`` requests in flight: each finished request is replaced by the next until clients x per_client have
+    run (vLLM's ``--max-concurrency``) -> generated tokens per second of wall clock, prefill included."""
+    eng, ids = llm.engine, [llm.tokenizer.encode(p) for p in prompts]
+    total, sent, done, tokens, live = clients * per_client, 0, 0, 0, []
+    t0 = time.perf_counter()
+    while done < total:
+        while len(live) < clients and sent < total:
+            live.append(eng.add_request(ids[sent % len(ids)], params))
+            sent += 1
+        eng.step()
+        for r in [r for r in live if r.finished]:
+            live.remove(r)
+            done, tokens = done + 1, tokens + len(r.output_ids)
+    return tokens / (time.perf_counter() - t0)
+
+
 def part_load(a) -> dict:
+    """Concurrency c: the same engine with and without speculation, c requests in flight (steady state), and one
+    batch of c requests admitted together (its ramp and its tail: rows that finish early leave smaller batches)."""
     t, d = demo_model_paths()
     prompts = [p["prompt"] for p in demo_prompts()] + FRESH
+    params = SamplingParams(temperature=0, max_tokens=a.load_tokens, ignore_eos=True)
     out = {}
     for c in (1, 2, 4, 8, 16):
         variants = {"plain": LLM(t, max_batch_size=c), "spec auto": LLM(t, draft_model=d, max_batch_size=c)}
-        batch = (prompts * 4)[:c]
-        params = SamplingParams(temperature=0, max_tokens=a.load_tokens, ignore_eos=True)
-        rows = compare(variants, batch, params, a.repeats, "plain", concurrent=True)
+        for llm in variants.values():  # warm-up: first calls, the cost model's first refreshes
+            closed_loop(llm, prompts, c, 1, params)
+        rates = {n: [] for n in variants}
+        for _ in range(a.repeats):  # A B A B ...
+            for n, llm in variants.items():
+                rates[n].append(closed_loop(llm, prompts, c, a.load_waves, params))
+        rows = {}
+        for n, xs in rates.items():
+            q1, med, q3 = quartiles(xs)
+            rows[n] = {"tok_s": med, "q1": q1, "q3": q3, "best_tok_s": max(xs)}
+        once = compare(variants, (prompts * 4)[:c], params, a.repeats, "plain", concurrent=True)
+        for n in rows:
+            rows[n]["one_batch_tok_s"] = once[n]["whole_request_tok_s"]
+            rows[n]["acceptance"] = once[n]["acceptance"]
         rows["spec auto"]["k_last"] = variants["spec auto"].engine.decoder.spec_length.last_choice
         out[c] = rows
     return out
@@ -176,14 +209,18 @@ def render(res: dict) -> str:
             lines.append(f"| {n} | {x['tok_s']:.0f} | {x['speedup']:.2f}x | {acc} |")
         lines.append("")
     if "load" in res:
-        lines += [f"**Engine under load, shipped pair, greedy, {res['load_tokens']} tokens per request, auto K (wall-clock "
-                  "tokens per second of the whole batch, prefill included):**", "",
-                  "| concurrency | plain tok/s | spec tok/s | spec / plain | last round (K, rows drafting) |",
-                  "|---|---|---|---|---|"]
+        lines += [f"**Engine under load, shipped pair, greedy, {res['load_tokens']} tokens per request, auto K. Steady: c "
+                  f"requests in flight, each replaced when it finishes, {res.get('load_waves', 4)} per client; one batch: "
+                  "c requests admitted together. Wall-clock generated tokens per second, prefill included:**", "",
+                  "| concurrency | plain tok/s (steady) | spec tok/s (steady) | spec / plain: medians | best of "
+                  f"{res['repeats']} | one batch | last round (K, rows drafting) |",
+                  "|---|---|---|---|---|---|---|"]
         for c, rows in res["load"].items():
             p, s = rows["plain"], rows["spec auto"]
-            pw, sw = p["whole_request_tok_s"], s["whole_request_tok_s"]
-            lines.append(f"| {c} | {pw:.0f} | {sw:.0f} | {sw / pw:.2f}x | {s['k_last']} |")
+            lines.append(f"| {c} | {p['tok_s']:.0f} [{p['q1']:.0f}-{p['q3']:.0f}] | {s['tok_s']:.0f} "
+                         f"[{s['q1']:.0f}-{s['q3']:.0f}] | {s['tok_s'] / p['tok_s']:.2f}x | "
+                         f"{s['best_tok_s'] / p['best_tok_s']:.2f}x | "
+                         f"{s['one_batch_tok_s'] / p['one_batch_tok_s']:.2f}x | {s['k_last']} |")
     lines += ["", "Reproduce: `python benchmarks/speculation.py`."]
     return "\n".join(lines)
 
@@ -194,14 +231,21 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--ngram-tokens", type=int, default=160)
     ap.add_argument("--load-tokens", type=int, default=64)
+    ap.add_argument("--load-waves", type=int, default=4, help="requests per client in the steady load test")
     ap.add_argument("--only", default="defaults,ngram,sampled,load")
     a = ap.parse_args()
     torch.manual_seed(0)
-    res = {"benchmark": "speculation", "machine": machine(), "repeats": a.repeats, "new_tokens": a.new_tokens,
-           "ngram_tokens": a.ngram_tokens, "load_tokens": a.load_tokens}
+    settings = {"benchmark": "speculation", "machine": machine(), "repeats": a.repeats, "new_tokens": a.new_tokens,
+                "ngram_tokens": a.ngram_tokens, "load_tokens": a.load_tokens, "load_waves": a.load_waves}
     parts = {"defaults": part_defaults, "ngram": part_ngram, "sampled": part_sampled, "load": part_load}
-    for name in a.only.split(","):
+    only = a.only.split(",")
+    # a partial run updates its parts in the last results and keeps the others (each part records when it ran)
+    old = RESULTS / "speculation.json"
+    res = json.loads(old.read_text()) if set(only) != set(parts) and old.exists() else {}
+    res.update(settings)
+    for name in only:
         res[name] = parts[name](a)
+        res.setdefault("ran_at", {})[name] = time.strftime("%Y-%m-%d %H:%M")
         print(name, "done", flush=True)
     write_json("speculation", res)
     update_doc_section("speculation", render(res))

@@ -94,8 +94,15 @@ def test_cost_model_interpolates_and_refreshes():
     c = CostModel.from_points(8, 4, {(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0}, {1: 0.1, 4: 0.2})
     assert c.verify_cost(1, 3) == pytest.approx(1.5) and c.verify_cost(2, 1) == pytest.approx(4 / 3)
     assert c.verify_cost(8, 1) == pytest.approx(10 / 3)  # extrapolated from the last segment
-    c.refresh_verify(1, 1, 100.0)  # an outlier moves a cell by at most OUTLIER x its value (times the EMA weight)
-    assert c.verify_cost(1, 1) == pytest.approx(1.0 + c.ema * (c.OUTLIER * 1.0 - 1.0))
+    c.refresh_verify(1, 1, 100.0)  # an outlier moves the factor by at most OUTLIER x its value (times the EMA weight)
+    f = 1.0 + c.ema * (c.OUTLIER - 1.0)
+    assert c.verify_cost(1, 1) == pytest.approx(f)
+    assert c.verify_cost(1, 3) == pytest.approx(1.5 * f)  # one factor per batch size: every width of B moves
+    assert c.verify_cost(2, 1) == pytest.approx(4 / 3 * f)  # a batch size not measured yet takes the latest factor
+    for _ in range(40):  # B = 4 runs 1.5x its profile at every width: its factor converges there, B = 1's stays
+        c.refresh_verify(4, 5, 9.0)
+        c.refresh_verify(4, 1, 3.0)
+    assert c.verify_cost(4, 3) == pytest.approx(1.5 * 4.0, rel=1e-3) and c.verify_cost(1, 1) == pytest.approx(f)
 
 
 def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):
@@ -111,3 +118,61 @@ def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):
     assert [r.output_ids for r in got] == [o.token_ids for o in plain]
     ratio = policy.costs.verify_cost(8, 9) / policy.costs.verify_cost(8, 1)
     assert ratio > 1.0  # what the profile measured: 9 tokens per row cost more than 1
+
+
+def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
+    from infer.spec_decode import spec_length as sl
+
+    def linear_costs(step):  # verify(1, T) = 1 + step (T - 1), a draft step 0.1
+        return CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.0 + 6 * step}, {1: 0.1})
+
+    r = _req([1, 2])  # a = 0.6 (the prior): k = 1 predicts 1.6 / 1.5 = 1.067x plain decoding, more k less
+    assert GoodputSpecLength(6, linear_costs(0.4)).choose([r], [6]) == [0]  # a gain inside MARGIN: plain
+    monkeypatch.setattr(sl, "MARGIN", 0.0)
+    assert GoodputSpecLength(6, linear_costs(0.4)).choose([r], [6]) == [1]
+    monkeypatch.undo()
+
+    # a lazy prefill of 200 tokens costs 2 verifies: spread over the request's rounds left it pays, but not for the
+    # round or two a batch that just shrank keeps its size (a neighbour's replacement is prefilling)
+    policy = GoodputSpecLength(6, CostModel.from_points(2, 6, {(1, 1): 1.0, (1, 7): 1.12, (2, 1): 1.0, (2, 7): 9.0},
+                                                         {1: 0.1, 2: 0.1}))
+    policy.costs.catch_up, policy.pending = 0.01, lambda req: 200
+    assert policy.choose([r], [6])[0] > 0  # a request joined: it stays for its tokens
+    assert policy.choose([r, _req([3])], [6, 6]) == [0, 0]  # two rows: verifying is dear
+    assert policy.choose([r], [6]) == [0]  # shrank: the catch-up would be paid for one round
+    assert any(policy.choose([r], [6])[0] > 0 for _ in range(5))  # it kept its size: amortised over more
+    policy.pending = lambda req: 0
+    policy.choose([r, _req([3])], [6, 6])
+    assert policy.choose([r], [6])[0] > 0  # nothing to catch up: a shrunk batch drafts at once
+
+    # a row whose drafts fail sits at k = 0 and probes with one draft after 16 rounds, then 32, 64 (no reset)
+    policy = GoodputSpecLength(6, linear_costs(0.05))
+    for _ in range(20):
+        policy.observe(r, 4, 0)
+    probes = [i for i in range(1, 130) if policy.choose([r], [6]) == [1]]
+    assert probes == [sl.PROBE_EVERY, 3 * sl.PROBE_EVERY, 7 * sl.PROBE_EVERY]
+
+
+def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair, gqa_dir):
+    """A request that joins a drafting batch brings its whole prompt to the drafter: fed alone, not padded into the
+    batched draft step (which would cost B prompts). Speculation does not shrink the prefill budget."""
+    from infer.spec_decode.draft_model import CATCH_UP_BATCHED
+
+    _, _, d = pair
+    eng = Engine(EngineConfig(model=gqa_dir, draft_model=d, spec_length=2, max_batch_size=2))
+    assert eng.kv.decode_tokens(2) == 2  # K_max + 1 = 3 a row before
+    widths = []
+    forward = eng.decoder.proposer.forward
+    eng.decoder.proposer.forward = lambda m, pool, slots, rows: widths.append([len(x) for x in rows]) or \
+        forward(m, pool, slots, rows)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    long_prompt = [0] + list(range(40, 70))
+    a = eng.add_request([0, 5, 6], params)
+    for _ in range(3):
+        eng.step()
+    b = eng.add_request(long_prompt, params)
+    eng.run([a, b])
+    assert [len(long_prompt)] in widths, widths  # b's prompt and first token, alone (its last goes with the batch)
+    assert all(max(w) <= CATCH_UP_BATCHED for w in widths if len(w) > 1)
+    plain = LLM(gqa_dir).generate([[0, 5, 6], long_prompt], params)
+    assert [a.output_ids, b.output_ids] == [o.token_ids for o in plain]

@@ -11,6 +11,7 @@ prompts' own tokens (code copies identifiers from its context): q(x) = 0 outside
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -19,6 +20,11 @@ from ..model.llama import LlamaForCausalLM
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
 from .draft_vocab import DraftVocab
 from .proposer import DraftBatch, Proposal, Proposer
+
+# Most tokens a row brings to the batched first draft step: usually 1 or 2 (after a bonus the drafter never saw the
+# last draft), a few after rounds at K = 0. A longer catch-up (a prompt) is fed alone first: padding every row of the
+# batch to its length would cost B prompts, one more forward costs ~one draft step.
+CATCH_UP_BATCHED = 16
 
 
 class DraftModelProposer(Proposer):
@@ -46,6 +52,22 @@ class DraftModelProposer(Proposer):
             self._batch_vocab = (key, vocab)
         return self._batch_vocab[1]
 
+    def pending(self, req) -> int:
+        return max(0, req.num_tokens - self.kv.draft_pool.seq_len(self.kv.draft_slot(req)) - 2)
+
+    def _catch_up(self, slots: list[int], rows: list[list[int]]) -> tuple[list[list[int]], int]:
+        """Feed a long catch-up (a lazy prefill) row by row, all but its last token: in the batched first step every
+        row is padded to the longest, so one new request's prompt would cost B prompts. Returns what is left to feed
+        (the first draft step then pads to at most CATCH_UP_BATCHED tokens) and the tokens fed here."""
+        out, fed = [], 0
+        for slot, r in zip(slots, rows):
+            if len(r) > CATCH_UP_BATCHED:
+                self.forward(self.drafter, self.kv.draft_pool, [slot], [r[:-1]])
+                fed += len(r) - 1
+                r = r[-1:]
+            out.append(r)
+        return out, fed
+
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:
         reqs, ks, sampling = batch.reqs, batch.ks, batch.sampling
@@ -57,11 +79,15 @@ class DraftModelProposer(Proposer):
         pool = self.kv.draft_pool
         dslots = [self.kv.draft_slot(r) for r in reqs]
         dv = self._vocab(reqs)
-        catch_up = 0
+        catch_up = fed = 0
+        catch_up_s = 0.0
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:
-                rows = [reqs[b].token_slice(pool.seq_len(dslots[b])) for b in idx]
+                t0 = time.perf_counter()
+                rows, fed = self._catch_up([dslots[b] for b in idx],
+                                           [reqs[b].token_slice(pool.seq_len(dslots[b])) for b in idx])
+                catch_up_s = time.perf_counter() - t0 if fed else 0.0
                 catch_up = max(len(r) for r in rows)
             else:
                 rows = [[int(t)] for t in drafts[idx, j - 1].tolist()]
@@ -87,4 +113,4 @@ class DraftModelProposer(Proposer):
             q[rows_t, j] = probs
             if ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
                 ctx_seen[rows_t, drafts[rows_t, j]] = True
-        return Proposal(drafts, list(ks), q, logits_out, catch_up)
+        return Proposal(drafts, list(ks), q, logits_out, catch_up, fed, catch_up_s)

@@ -89,6 +89,9 @@ class HybridProposer(Proposer):
     def __init__(self, ngram: NgramProposer, model: Proposer):
         self.ngram, self.model = ngram, model
 
+    def pending(self, req) -> int:
+        return self.model.pending(req)
+
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
@@ -104,7 +107,7 @@ class HybridProposer(Proposer):
                          None if batch.seen is None else batch.seen[rest], [batch.generators[b] for b in rest],
                          batch.vocab_size, batch.device, batch.keep_logits)
         mp = self.model.propose(sub)
-        out.catch_up = mp.catch_up
+        out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
         rows = torch.tensor(rest, device=batch.device)
         out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts
         for i, b in enumerate(rest):

@@ -51,7 +51,9 @@ class Proposal:
     num_draft: list[int]  # [B]
     q: torch.Tensor | None = None  # [B, K, V]
     logits: torch.Tensor | None = None  # [B, K, V]
-    catch_up: int = 0  # most tokens a row's model consumed before drafting (a lazy prefill, not a draft step)
+    catch_up: int = 0  # most tokens a row brought to the batched first draft step (beyond 2: some catching up)
+    catch_up_tokens: int = 0  # tokens fed to the proposer's model alone, before drafting (lazy prefills)
+    catch_up_s: float = 0.0  # and the seconds they took (not a draft step's cost)
 
 
 class Proposer(ABC):
@@ -63,6 +65,12 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
         """Up to ``batch.ks[b]`` drafts for each row."""
+
+    def pending(self, req: Request) -> int:
+        """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two
+        (a draft model's lazy prefill of the prompt, or of the text decoded while the row sat at K = 0): a one-time
+        cost of drafting for the row, which the goodput K policy weighs. 0 for proposers without a model."""
+        return 0
 
 
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:

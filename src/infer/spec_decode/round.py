@@ -116,8 +116,12 @@ class SpeculativeDecoder:
         n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
         t2 = time.perf_counter()
         drafting = sum(1 for k in nd if k)
-        # a round whose drafter first caught up on many tokens (a lazy prefill) says nothing about a draft step
-        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K if prop.catch_up <= 2 else 0, t1 - t0)
+        # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that still brought
+        # more than two tokens a row says little about a draft step
+        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K if prop.catch_up <= 2 else 0,
+                               t1 - t0 - prop.catch_up_s)
+        if prop.catch_up_tokens:
+            self.spec_length.caught_up(prop.catch_up_tokens, prop.catch_up_s)
         forwards_s = t2 - t0
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
             costs = cache.get(key) or measure_costs(decoder, max_batch, cfg.spec_length_max)
         cache[key] = costs
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)
+        decoder.spec_length.pending = proposer.pending
     return decoder
 
 
@@ -101,6 +102,28 @@ def warm_up_compiled(runner, kv, k_max: int) -> None:
     finally:
         for slot in held:  # the second slot sat after the first in the pool: another first block
             kv.pool.free(slot)
+
+
+CATCH_UP_PROFILE = 256  # tokens of the lone drafter prefill that prices a lazy catch-up (a typical prompt)
+
+
+def time_catch_up(runner, drafter, dpool, max_seq_len: int) -> float:
+    """Seconds per token of a lone drafter prefill of a prompt-sized row (what a lazy catch-up costs; rounds refresh
+    it). 0.0 when the pool cannot hold one such row."""
+    n = min(CATCH_UP_PROFILE, max_seq_len - 1)
+    if n < 1 or not dpool.can_fit([(None, n)]):
+        return 0.0
+    slot = dpool.allocate(n)
+    try:
+        best = float("inf")
+        for _ in range(2):  # the best of two (a shared machine only ever slows a run down)
+            dpool.truncate_to(slot, 0)
+            t0 = time.perf_counter()
+            runner.forward(drafter, dpool, [slot], [[1] * n])
+            best = min(best, time.perf_counter() - t0)
+        return best / n
+    finally:
+        dpool.free(slot)
 
 
 @torch.inference_mode()
@@ -137,9 +160,11 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
         # does, so the one-row steps run (and compile) the same paths as a lone request's rounds will
         others = prefill(runner.model, kv.pool, n_ctx + k_max + 1, B - 1)
         slots = prefill(runner.model, kv.pool, n_ctx + k_max + 1, 1) + others
+        catch_up = 0.0
         if dpool is not None:
             others = prefill(drafter.drafter, dpool, n_ctx + 1, B - 1)
             dslots = prefill(drafter.drafter, dpool, n_ctx + 1, 1) + others
+            catch_up = time_catch_up(runner, drafter.drafter, dpool, kv.max_seq_len)
 
         def run_verify(b: int, t: int) -> float:
             t0 = time.perf_counter()
@@ -161,7 +186,9 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
             return seconds
 
         run_verify(1, 1)  # first calls pay one-time costs (allocations, a compiled graph)
-        return profile_costs(run_verify, run_draft if dpool is not None else None, B, k_max, max_batch)
+        costs = profile_costs(run_verify, run_draft if dpool is not None else None, B, k_max, max_batch)
+        costs.catch_up = catch_up
+        return costs
     finally:
         for pool, s in held:
             pool.free(s)

@@ -32,8 +32,13 @@ from .adaptive import EntropyAdaptiveGamma
 
 DECAY = 0.8  # per-round decay of a request's acceptance counts
 PRIOR_WEIGHT = 2.0  # judged drafts' worth of the global estimate in each request's estimate
-PROBE_EVERY = 16  # rounds at k = 0 before a request drafts once more
+PROBE_EVERY = 16  # rounds at k = 0 before a request drafts once more; doubled after each probe that did not pay,
+PROBE_MAX = 256  # up to this (a probe costs a verify slot and the drafter's catch-up on every token since the last)
 ALPHA_CAP = 0.98  # E(a, k) is bounded by k + 1 anyway; this keeps 1 - a away from 0
+# Speculate only where the predicted tokens/s beat plain decoding's by this fraction: a smaller predicted gain is
+# within the cost model's error (its estimates of a round's parts are within a few percent, demo pair, 8 rows), and
+# a loss there is a loss for every row of the batch. One request gains 15-50%; a full batch of the demo pair ~0-5%.
+MARGIN = 0.08
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -62,6 +67,9 @@ class FixedSpecLength:
     def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
         pass
 
+    def caught_up(self, tokens: int, seconds: float) -> None:
+        pass
+
 
 class EntropySpecLength(FixedSpecLength):
     """``spec_length="egag"``: each request's K from its drafter's entropy (spec_decode.adaptive)."""
@@ -88,15 +96,24 @@ class EntropySpecLength(FixedSpecLength):
 
 @dataclass
 class CostModel:
-    """Seconds per target forward over B rows x T tokens (``verify[B][T]``, T = 1 is a plain decode step) and per
-    draft step over B rows (``draft[B]``), for B = 1..max_batch and T = 1..k_max + 1. Profiled at a few points,
-    interpolated in between, refreshed by measurements (EMA)."""
+    """Seconds per target forward over B rows x T tokens (``verify_cost(B, T)``, T = 1 is a plain decode step) and
+    per draft step over B rows (``draft_cost(B)``), for B = 1..max_batch and T = 1..k_max + 1.
+
+    The shape over (B, T) comes from a start-up profile at a few points, interpolated in between (``verify``). Its
+    level is refreshed by every target forward the engine runs: ``scale[B]``, an EMA of measured / profiled. One
+    factor per batch size, for all T, because the profile's error is a factor: it runs at short contexts, and at a
+    real context (~300 tokens, demo pair) every width T measured 1.3-1.6x its profile, whereas a per-cell EMA would
+    leave the widths a batch rarely runs (and the plain step, once a batch speculates) at their profiled values.
+    Draft steps are refreshed per cell: every drafting round measures one."""
 
     max_batch: int
     k_max: int
-    verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2]; index 0 unused
+    verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2] profiled; index 0 unused
     draft: list[float] = field(default_factory=list)  # [max_batch + 1]
     ema: float = 0.2
+    scale: dict[int, float] = field(default_factory=dict)  # B -> measured / profiled (EMA)
+    last_scale: float = 1.0  # the latest factor of any B: the guess for a batch size not yet measured
+    catch_up: float = 0.0  # seconds per token of the drafter's lazy prefill (a row fed alone), EMA
 
     @classmethod
     def from_points(cls, max_batch: int, k_max: int, verify_pts: dict, draft_pts: dict) -> CostModel:
@@ -122,26 +139,35 @@ class CostModel:
         draft = [0.0] + [interp(dbs, [draft_pts[b] for b in dbs], B) if dbs else 0.0 for B in range(1, max_batch + 1)]
         return cls(max_batch, k_max, verify, draft)
 
-    def verify_cost(self, B: int, T: int) -> float:
+    def _cell(self, B: int, T: int) -> float:
         return self.verify[min(B, self.max_batch)][min(T, self.k_max + 1)]
+
+    def verify_cost(self, B: int, T: int) -> float:
+        return self._cell(B, T) * self.scale.get(min(B, self.max_batch), self.last_scale)
 
     def draft_cost(self, B: int) -> float:
         return self.draft[min(B, self.max_batch)] if B else 0.0
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
-    # moves a cell by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
+    # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
     OUTLIER = 2.0
 
     def _update(self, old: float, seconds: float) -> float:
         return old + self.ema * (min(seconds, self.OUTLIER * old) - old) if old > 0 else seconds
 
     def refresh_verify(self, B: int, T: int, seconds: float) -> None:
-        if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1:
-            self.verify[B][T] = self._update(self.verify[B][T], seconds)
+        """One target forward over B x T tokens took ``seconds``: move B's factor toward measured / profiled."""
+        if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1 and self._cell(B, T) > 0:
+            old = self.scale.get(B, self.last_scale)
+            self.scale[B] = self.last_scale = self._update(old, seconds / self._cell(B, T))
 
     def refresh_draft(self, B: int, seconds_per_step: float) -> None:
         if 1 <= B <= self.max_batch:
             self.draft[B] = self._update(self.draft[B], seconds_per_step)
+
+    def refresh_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.catch_up = self._update(self.catch_up, seconds / tokens)
 
 
 @dataclass
@@ -149,6 +175,7 @@ class _Acceptance:
     accepted: float = 0.0
     judged: float = 0.0
     rounds_at_zero: int = 0
+    probe_every: int = PROBE_EVERY
 
 
 class GoodputSpecLength:
@@ -161,6 +188,11 @@ class GoodputSpecLength:
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _Acceptance
         self.global_accepted, self.global_judged = 1.2, 2.0  # prior: a = 0.6 until drafts are judged
         self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
+        self.pending = lambda req: 0  # the proposer's Proposer.pending: tokens a row must catch up before drafting
+        # rounds the decode batch has kept its size since it last shrank (0: it grew since): how far set-up costs may
+        # be amortised. A batch that just lost a row often regains one next round (its replacement was prefilling):
+        # a row that drafts only while the batch is small would pay its whole catch-up for a round or two.
+        self.last_size, self.rounds_at_size = 0, 0
         # seconds a step spends outside the timed forwards (sampling set-up, verification, rollback, emission), per
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
@@ -170,19 +202,37 @@ class GoodputSpecLength:
         a_global = self.global_accepted / self.global_judged
         return (s.accepted + PRIOR_WEIGHT * a_global) / (s.judged + PRIOR_WEIGHT)
 
-    def _best(self, alphas: list[float], caps: list[int]) -> tuple[float, int, int]:
-        """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0."""
+    def _best(self, alphas: list[float], caps: list[int], setup: list[tuple[float, int]] | None = None,
+              horizon: int = 1 << 30) -> tuple[float, int, int]:
+        """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0; k = 0 (plain decoding,
+        its tokens/s raised by MARGIN) unless some k beats it.
+
+        ``setup[b]`` = (seconds, tokens left): a one-time cost row b pays when it starts drafting (its drafter's lazy
+        prefill of what it has not seen), spread over the rounds it will draft: its rounds left at that k (tokens
+        left / E(a, k)), but at most ``horizon``. A row about to finish does not start drafting, and neither does a
+        row whose batch has just shrunk and may grow back (its neighbour's replacement prefilling for a step)."""
         B = len(alphas)
         plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
-        best = (B / (self.costs.verify_cost(B, 1) + plain_o), 0, 0)
+        best = (B / (self.costs.verify_cost(B, 1) + plain_o) * (1.0 + MARGIN), 0, 0)
         order = sorted(range(B), key=lambda b: -alphas[b])
+        draft = [0.0] + [self.costs.draft_cost(m) for m in range(1, B + 1)]
+        # E(a, j) = 1 + a + ... + a^j for j = 0..k_max, row by row in `order` (the row's cap bounds j)
+        e_rows = []
+        for b in order:
+            a, e, term = min(alphas[b], ALPHA_CAP), [1.0], 1.0
+            for _ in range(self.k_max):
+                term *= a
+                e.append(e[-1] + term)
+            e_rows.append((e, caps[b], 0.0 if setup is None else setup[b][0], 1 if setup is None else setup[b][1]))
         for k in range(1, self.k_max + 1):
-            gain = [expected_tokens(alphas[b], min(k, caps[b])) - 1.0 for b in order]  # extra tokens per drafting row
-            verify = self.costs.verify_cost(B, k + 1)
-            total = float(B)
-            for m in range(1, B + 1):
-                total += gain[m - 1]
-                rate = total / (verify + k * self.costs.draft_cost(m) + spec_o)
+            fixed = self.costs.verify_cost(B, k + 1) + spec_o
+            total, setup_s = float(B), 0.0
+            for m, (e, cap, once, left) in enumerate(e_rows, 1):
+                x = e[min(k, cap)]
+                total += x - 1.0  # extra tokens of the m-th drafting row
+                if once:  # its set-up seconds, amortised over min(its rounds left, horizon)
+                    setup_s += once * max(x / max(x, left), 1.0 / horizon)
+                rate = total / (fixed + k * draft[m] + setup_s)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
@@ -190,20 +240,32 @@ class GoodputSpecLength:
     def choose(self, reqs, caps):
         B = len(reqs)
         alphas = [self.alpha(r) for r in reqs]
-        _, k, m = self._best(alphas, caps)
+        setup = [(self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids)) for r in reqs]
+        if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
+            self.rounds_at_size = 1
+        elif B > self.last_size:  # a request joined: it stays for its tokens
+            self.rounds_at_size = 0
+        elif self.rounds_at_size:
+            self.rounds_at_size += 1
+        self.last_size = B
+        _, k, m = self._best(alphas, caps, setup, horizon=self.rounds_at_size or 1 << 30)
         order = sorted(range(B), key=lambda b: -alphas[b])
         ks = [0] * B
         for b in order[:m]:
             ks[b] = min(k, caps[b])
+        probe_pays = None  # whether a probe could pay at all at this batch size (asked once, when a probe is due)
         for b, r in enumerate(reqs):
             s = self.state.setdefault(r, _Acceptance())
             if ks[b] == 0 and caps[b] > 0:
                 s.rounds_at_zero += 1
-                # a probe: draft one token if speculation could pay at all for a well-predicted row
-                if s.rounds_at_zero >= PROBE_EVERY and self._best([0.9] + [1e-9] * (B - 1), [1] + [0] * (B - 1))[1]:
-                    ks[b], s.rounds_at_zero = 1, 0
-            else:
-                s.rounds_at_zero = 0
+                if s.rounds_at_zero >= s.probe_every:
+                    if probe_pays is None:  # a well-predicted row drafting one token alone beats plain decoding?
+                        probe_pays = bool(self._best([0.9] + [0.0] * (B - 1), [1] + [0] * (B - 1))[1])
+                    if probe_pays:
+                        ks[b], s.rounds_at_zero = 1, 0
+                        s.probe_every = min(2 * s.probe_every, PROBE_MAX)  # reset only if the row drafts by choice
+            elif ks[b]:
+                s.rounds_at_zero, s.probe_every = 0, PROBE_EVERY
         self.last_choice = (max(ks), sum(1 for x in ks if x))
         return ks
 
@@ -221,6 +283,10 @@ class GoodputSpecLength:
         self.costs.refresh_verify(B, T, verify_s)
         if draft_steps:
             self.costs.refresh_draft(drafting_rows, draft_s / draft_steps)
+
+    def caught_up(self, tokens: int, seconds: float) -> None:
+        """The proposer fed ``tokens`` of lazy prefill in ``seconds``."""
+        self.costs.refresh_catch_up(tokens, seconds)
 
     def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
         """A step's wall time minus its timed forwards: an EMA per (B, speculative?), clamped like the costs."""
