@@ -9,7 +9,8 @@ from infer.model import load_model
 from infer.request import Request
 from infer.spec_decode import speculative_generate
 from infer.spec_decode.ngram import NgramProposer
-from infer.spec_decode.spec_length import CostModel, GoodputSpecLength, expected_tokens
+from infer.spec_decode.cost_model import CostModel
+from infer.spec_decode.spec_length import GoodputSpecLength, expected_tokens
 from infer.testing import make_tiny_llama
 
 
@@ -144,6 +145,11 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
     policy.pending = lambda req: 0
     policy.choose([r, _req([3])], [6, 6])
     assert policy.choose([r], [6])[0] > 0  # nothing to catch up: a shrunk batch drafts at once
+
+    # one rejected draft (a probe, the first round of a sampled request) does not send every later request to k = 0
+    policy = GoodputSpecLength(6, linear_costs(0.3))
+    policy.observe(_req([4]), 1, 0)
+    assert policy.choose([_req([5])], [6]) == [1]
 
     # a row whose drafts fail sits at k = 0 and probes with one draft after 16 rounds, then 32, 64 (no reset)
     policy = GoodputSpecLength(6, linear_costs(0.05))

@@ -18,8 +18,8 @@ from .draft_model import DraftModelProposer
 from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
-from .spec_length import (CostModel, EntropySpecLength, FixedSpecLength, GoodputSpecLength, profile_costs,
-                          profile_widths)
+from .cost_model import CostModel, profile_costs, profile_widths
+from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
 
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: CostModel}
 PROFILE_CONTEXT = 32  # tokens of context in the profiling slots (a short prompt: weights dominate a step)

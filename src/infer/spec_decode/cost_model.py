@@ -1,0 +1,106 @@
+"""What a speculative round costs on this machine: target forwards of B rows x T tokens, draft steps of B rows, and
+the drafter's lazy catch-up, measured at start-up and refreshed by every round (spec_decode.spec_length reads it).
+
+    costs = profile_costs(run_verify, run_draft, profile_batch, k_max, max_batch)   # start-up (spec_decode.setup)
+    costs.verify_cost(B, T), costs.draft_cost(B), costs.catch_up                     # seconds
+    costs.refresh_verify(B, T, s), costs.refresh_draft(B, s), costs.refresh_catch_up(n, s)   # after each round
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    """Seconds per target forward over B rows x T tokens (``verify_cost(B, T)``, T = 1 is a plain decode step) and
+    per draft step over B rows (``draft_cost(B)``), for B = 1..max_batch and T = 1..k_max + 1.
+
+    The shape over (B, T) comes from a start-up profile at a few points, interpolated in between (``verify``). Its
+    level is refreshed by every target forward the engine runs: ``scale[B]``, an EMA of measured / profiled. One
+    factor per batch size, for all T, because the profile's error is a factor: it runs at short contexts, and at a
+    real context (~300 tokens, demo pair) every width T measured 1.3-1.6x its profile, whereas a per-cell EMA would
+    leave the widths a batch rarely runs (and the plain step, once a batch speculates) at their profiled values.
+    Draft steps are refreshed per cell: every drafting round measures one."""
+
+    max_batch: int
+    k_max: int
+    verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2] profiled; index 0 unused
+    draft: list[float] = field(default_factory=list)  # [max_batch + 1]
+    ema: float = 0.2
+    scale: dict[int, float] = field(default_factory=dict)  # B -> measured / profiled (EMA)
+    last_scale: float = 1.0  # the latest factor of any B: the guess for a batch size not yet measured
+    catch_up: float = 0.0  # seconds per token of the drafter's lazy prefill (a row fed alone), EMA
+
+    @classmethod
+    def from_points(cls, max_batch: int, k_max: int, verify_pts: dict, draft_pts: dict) -> CostModel:
+        """verify_pts {(B, T): s} and draft_pts {B: s} at a few points -> dense tables (piecewise linear)."""
+        def interp(xs, ys, x):
+            if len(xs) == 1:
+                return ys[0]
+            if x <= xs[0]:
+                return ys[0] * x / xs[0] if xs[0] > 1 else ys[0]
+            for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+                if x <= x1:
+                    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            x0, y0, x1, y1 = xs[-2], ys[-2], xs[-1], ys[-1]  # extrapolate the last segment
+            return y1 + (y1 - y0) * (x - x1) / max(1, x1 - x0)
+
+        bs = sorted({b for b, _ in verify_pts})
+        ts = sorted({t for _, t in verify_pts})
+        by_b = {b: [interp(ts, [verify_pts[b, t] for t in ts], t) for t in range(k_max + 2)] for b in bs}
+        verify = [[0.0] * (k_max + 2)] + [
+            [interp(bs, [by_b[b][t] for b in bs], B) if len(bs) > 1 else by_b[bs[0]][t] for t in range(k_max + 2)]
+            for B in range(1, max_batch + 1)]
+        dbs = sorted(draft_pts)
+        draft = [0.0] + [interp(dbs, [draft_pts[b] for b in dbs], B) if dbs else 0.0 for B in range(1, max_batch + 1)]
+        return cls(max_batch, k_max, verify, draft)
+
+    def _cell(self, B: int, T: int) -> float:
+        return self.verify[min(B, self.max_batch)][min(T, self.k_max + 1)]
+
+    def verify_cost(self, B: int, T: int) -> float:
+        return self._cell(B, T) * self.scale.get(min(B, self.max_batch), self.last_scale)
+
+    def draft_cost(self, B: int) -> float:
+        return self.draft[min(B, self.max_batch)] if B else 0.0
+
+    # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
+    # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
+    OUTLIER = 2.0
+
+    def _update(self, old: float, seconds: float) -> float:
+        return old + self.ema * (min(seconds, self.OUTLIER * old) - old) if old > 0 else seconds
+
+    def refresh_verify(self, B: int, T: int, seconds: float) -> None:
+        """One target forward over B x T tokens took ``seconds``: move B's factor toward measured / profiled."""
+        if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1 and self._cell(B, T) > 0:
+            old = self.scale.get(B, self.last_scale)
+            self.scale[B] = self.last_scale = self._update(old, seconds / self._cell(B, T))
+
+    def refresh_draft(self, B: int, seconds_per_step: float) -> None:
+        if 1 <= B <= self.max_batch:
+            self.draft[B] = self._update(self.draft[B], seconds_per_step)
+
+    def refresh_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.catch_up = self._update(self.catch_up, seconds / tokens)
+
+
+def profile_widths(k_max: int) -> list[int]:
+    """Tokens per row of the steps that start-up runs (profiling, warming compiled graphs): decode, the narrowest and
+    the widest verify, and one between (the cost model interpolates the rest)."""
+    return sorted({1, 2, min(4, k_max + 1), k_max + 1})
+
+
+def profile_costs(run_verify, run_draft, profile_batch: int, k_max: int, max_batch: int,
+                  repeats: int = 3) -> CostModel:
+    """Measure the cost model's anchor points: ``run_verify(B, T)`` and ``run_draft(B)`` each run one forward of B
+    <= ``profile_batch`` rows and return its seconds; the best of ``repeats`` counts (a shared machine only ever
+    slows a run down). Batches up to ``max_batch`` are interpolated or extrapolated from them."""
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= profile_batch} | {profile_batch})
+    tokens = profile_widths(k_max)
+    verify = {(b, t): min(run_verify(b, t) for _ in range(repeats)) for b in batches for t in tokens}
+    draft = {b: min(run_draft(b) for _ in range(repeats)) for b in batches} if run_draft is not None else {}
+    return CostModel.from_points(max_batch, k_max, verify, draft)
+
