@@ -145,14 +145,9 @@ class GoodputSpecLength:
         best = (B / (self.costs.verify_cost(B, 1) + plain_o) * (1.0 + MARGIN), 0, 0)
         order = sorted(range(B), key=lambda b: -alphas[b])
         draft = [0.0] + [self.costs.draft_cost(m) for m in range(1, B + 1)]
-        # E(a, j) = 1 + a + ... + a^j for j = 0..k_max, row by row in `order` (the row's cap bounds j)
-        e_rows = []
-        for b in order:
-            a, e, term = min(alphas[b], ALPHA_CAP), [1.0], 1.0
-            for _ in range(self.k_max):
-                term *= a
-                e.append(e[-1] + term)
-            e_rows.append((e, caps[b], 0.0 if setup is None else setup[b][0], 1 if setup is None else setup[b][1]))
+        # per row, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds and tokens left
+        e_rows = [([expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
+                   *(setup[b] if setup is not None else (0.0, 1))) for b in order]
         for k in range(1, self.k_max + 1):
             fixed = self.costs.verify_cost(B, k + 1) + spec_o
             total, setup_s = float(B), 0.0
