@@ -50,6 +50,13 @@ def demo_model_paths() -> tuple[Path, Path]:
     return target, drafter
 
 
+def drafter_paths() -> dict:
+    """{kind: directory} of the drafters shipped for SmolLM2-135M-Instruct (see infer.drafters)."""
+    from .drafters import drafter_paths as shipped
+
+    return shipped()
+
+
 def demo_prompts() -> list[dict]:
     """Held-out code prompts: [{'module': stdlib path, 'prompt': text}] from modules the pair never saw."""
     return json.loads((DEMO_DIR / "prompts.json").read_text())

@@ -20,6 +20,7 @@ from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
 from ..model.quant import quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
+from ..drafters import drafter_kind
 from ..spec_decode.draft_vocab import DraftVocab
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class Engine:
         if cfg.proposer in ("draft", "hybrid"):
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
+                drafter_kind(self.draft_path)  # a kind this version cannot run is named before anything loads
                 self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
                 self._check_draft_tokenizer()
             check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
