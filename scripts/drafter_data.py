@@ -115,10 +115,14 @@ def build_prompts(seed: int = 0) -> tuple[list[dict], list[dict]]:
     """(train, eval): [{'kind': 'chat'|'code', 'source': ..., 'prompt': text}]."""
     rng = random.Random(seed)
     train, evals = [], []
-    for topic in (t.strip() for t in TOPICS):
-        for i, tmpl in enumerate(CHAT_TEMPLATES):
+    for key in (t.strip() for t in TOPICS):
+        # The split hashes the topic as first written (line breaks included), so it never moves; the prompt reads
+        # it with single spaces. (The shipped drafter's data was made before that normalisation: 8 of its 141 topics
+        # kept their line break in the training prompts.)
+        topic = " ".join(key.split())
+        for tmpl in CHAT_TEMPLATES:
             item = {"kind": "chat", "source": topic, "prompt": tmpl.format(t=topic)}
-            (evals if held_out("topic:" + topic) else train).append(item)
+            (evals if held_out("topic:" + key) else train).append(item)
     for rel, name, sig, first, doc, src in stdlib_functions():
         options = ["write", "docstring"] + (["explain", "rewrite"] if src else [])
         kind = rng.choice(options)

