@@ -1,7 +1,7 @@
 """Train SmolLM2-135M-Instruct's drafters on the self-distillation data of scripts/drafter_data.py, and ship them.
 
     python scripts/drafter_data.py                      # the target's answers + teacher top-k / hidden states
-    python scripts/train_drafters.py lm [--minutes 60]  # the distilled small LM  -> src/infer/drafters/smollm2-lm
+    python scripts/train_drafters.py lm [--minutes 52]  # the distilled small LM  -> src/infer/drafters/smollm2-lm
 
 Kinds (one subcommand each; every stage is resumable: a checkpoint in WORK is picked up where it stopped, and
 batches come from a generator seeded by (seed, step), so a resumed run sees the batches an uninterrupted one would):
@@ -294,9 +294,9 @@ def main(argv=None):
     ap.add_argument("kind", choices=["lm"])
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "infer" / "drafter-data")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--minutes", type=float, default=60)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4200)
+    ap.add_argument("--minutes", type=float, default=52)
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--subset", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
