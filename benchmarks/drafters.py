@@ -11,6 +11,8 @@ transformers). Per drafter: acceptance per draft position (conditional: accepted
 accepted / all judged), mean accepted length (tokens per target forward), c (a draft step over a target decode step,
 from the engine's cost model) and Leviathan's predicted speedup (1 - a^(K+1)) / ((1 - a)(K c + v)) at the pinned K,
 with v the measured cost of verifying K+1 tokens over one decode step.
+Drafters: every one shipped (src/infer/drafters: the distilled LM, the EAGLE-style head, the Medusa-style heads),
+each with its defaults (auto K) and with K pinned, plus prompt lookup and the hybrid with the EAGLE head.
 Peers, same process, same GGUF file and the same distilled drafter, at transformers' fastest CPU setting for it
 (float32): transformers ``generate``, ``generate(assistant_model=smollm2-lm)`` and prompt lookup.
 Writes benchmarks/results/drafters.json, the "drafters" section of docs/benchmarks.md and drafters.png.
@@ -31,7 +33,7 @@ from common import RESULTS, machine, update_doc_section, write_json  # noqa: E40
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, drafter_paths, real_model_path  # noqa: E402
-from infer.drafters import eval_prompts  # noqa: E402
+from infer.drafters import KINDS, eval_prompts  # noqa: E402
 
 PINNED_K = 4
 
@@ -79,11 +81,14 @@ def main() -> None:
     lm = drafters["draft_model"]
     # one request at a time: a batch of one is all the engine needs (it profiles and compiles fewer shapes)
     S = {**REAL_MODEL_SETTINGS, "max_batch_size": 1}
-    ours = {"ours AR": LLM(path, **S),
-            "ours + smollm2-lm (defaults)": LLM(path, draft_model=lm, **S),
-            f"ours + smollm2-lm K={PINNED_K}": LLM(path, draft_model=lm, spec_length=PINNED_K, **S),
-            "ours ngram (defaults)": LLM(path, proposer="ngram", **S),
-            "ours hybrid (defaults)": LLM(path, draft_model=lm, proposer="hybrid", **S)}
+    ours = {"ours AR": LLM(path, **S)}
+    for kind in [k for k in KINDS if k in drafters]:  # every shipped drafter, with defaults and with K pinned
+        name = drafters[kind].name
+        ours[f"ours + {name} (defaults)"] = LLM(path, draft_model=drafters[kind], **S)
+        ours[f"ours + {name} K={PINNED_K}"] = LLM(path, draft_model=drafters[kind], spec_length=PINNED_K, **S)
+    best = drafters.get("eagle", lm)
+    ours["ours ngram (defaults)"] = LLM(path, proposer="ngram", **S)
+    ours[f"ours hybrid {best.name} (defaults)"] = LLM(path, draft_model=best, proposer="hybrid", **S)
     tok = ours["ours AR"].tokenizer
     eos = ours["ours AR"].eos_token_ids
     prompts = eval_prompts()
@@ -144,17 +149,19 @@ def main() -> None:
         base = rows["ours AR"]["tok_s"]
         for r in rows.values():
             r["speedup_vs_ours_AR"] = r["tok_s"] / base
-        auto = ours["ours + smollm2-lm (defaults)"].engine.decoder.spec_length
-        costs = getattr(auto, "costs", None)
-        if costs is not None and rows[f"ours + smollm2-lm K={PINNED_K}"].get("alpha") is not None:
-            c = costs.draft_cost(1) / costs.verify_cost(1, 1)
-            v = costs.verify_cost(1, PINNED_K + 1) / costs.verify_cost(1, 1)
-            al = rows[f"ours + smollm2-lm K={PINNED_K}"]["alpha"]
-            results.setdefault("model_costs", {})[str(temp)] = {"c": c, "v": v}
-            rows[f"ours + smollm2-lm K={PINNED_K}"]["leviathan_predicted_speedup"] = leviathan(al, PINNED_K, c, v)
+        for kind in [k for k in KINDS if k in drafters]:  # Leviathan's prediction at the pinned K, per drafter
+            name = drafters[kind].name
+            costs = getattr(ours[f"ours + {name} (defaults)"].engine.decoder.spec_length, "costs", None)
+            pinned = rows[f"ours + {name} K={PINNED_K}"]
+            if costs is not None and pinned.get("alpha") is not None:
+                c = costs.draft_cost(1) / costs.verify_cost(1, 1)
+                v = costs.verify_cost(1, PINNED_K + 1) / costs.verify_cost(1, 1)
+                results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {"c": c, "v": v}
+                pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, c, v)
         results[str(temp)] = rows
     res = {"machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)", "settings": S,
-           "drafter": str(lm.relative_to(Path(__file__).resolve().parents[1])), "pinned_k": PINNED_K,
+           "drafters": {k: str(d.relative_to(Path(__file__).resolve().parents[1])) for k, d in drafters.items()},
+           "pinned_k": PINNED_K,
            "prompts": [{"kind": k, "source": p["source"]} for k, p in chosen], "new_tokens": a.new_tokens,
            "repeats": a.repeats, "results": results,
            "transformers_dtype": None if a.no_hf else "float32 (its fastest for this GGUF)"}
@@ -190,7 +197,9 @@ def render(res: dict) -> str:
                       f"{f(r.get('leviathan_predicted_speedup'))} | {r.get('same_as_ours_AR', '-')} |")
         mc = res["results"].get("model_costs", {}).get(temp)
         if mc:
-            md += ["", f"c = {mc['c']:.3f}, v = {mc['v']:.2f} (K = {res['pinned_k']})"]
+            mc = mc if "c" not in mc else {"smollm2-lm": mc}  # results of the one-drafter version
+            md += ["", "; ".join(f"{n}: c = {x['c']:.3f}, v = {x['v']:.2f}" for n, x in mc.items())
+                   + f" (K = {res['pinned_k']})"]
         md.append("")
     md += ["*In bfloat16 a speculating engine's compiled steps emulate the precision casts of eager mode (exact "
            "casts, so a verify of K+1 tokens rounds as K+1 decode steps would) and a plain engine's do not (10% "

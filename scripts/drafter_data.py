@@ -10,10 +10,17 @@ Everything is built offline and reproducibly (fixed seeds), in resumable stages:
                temperature users run; greedy data would teach only the argmax path). -> WORK/answers.jsonl
                Every answer row also carries the target's top-20 next-token log-probabilities at each answer
                position, reported by the engine from the logits it computes anyway (the distilled LM's teacher).
+  3. features  the target's last hidden state (final norm applied) at every position of every conversation, one
+               teacher-forced float32 pass per batch (conversations sorted by length: little padding), stored as
+               bfloat16 in shards of FEATURE_SHARD conversations -> WORK/features-NNN.pt. What the EAGLE-style
+               and Medusa-style heads draft from. float32 rather than the engine's int8: an int8 pass over whole
+               conversations costs ~4 s each here, float32 ~0.25 s; the heads then meet int8's features at run
+               time (the benchmark measures them there).
 
 The target runs at its fastest plain setting (bfloat16 weights, int8 weight-only), as the drafters will serve it.
 
     python scripts/drafter_data.py [--work ~/.cache/infer/drafter-data] [--num-train 3000] [--max-tokens 160] [--batch 32]
+                                   [--stages prompts,answers,features]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from tqdm import tqdm
 EVAL_PROMPTS = Path(__file__).resolve().parents[1] / "src" / "infer" / "drafters" / "eval_prompts.json"
 TOPK = 20  # the most the engine reports (SamplingParams.logprobs)
 TEMPERATURE = 0.7
+FEATURE_SHARD = 500  # conversations per features-NNN.pt
 
 TOPICS = """photosynthesis; the water cycle; black holes; volcanoes; the immune system; climate change; electricity;
 magnets; the moon's phases; earthquakes; rainbows; gravity; DNA; vaccines; the stock market; inflation; compound
@@ -175,6 +183,37 @@ def stage_answers(work: Path, train: list[dict], num: int, max_tokens: int, batc
             bar.update(len(chunk))
 
 
+def stage_features(work: Path, batch: int = 8):
+    """WORK/features-NNN.pt: {row index in answers.jsonl: bfloat16 [prompt + answer - 1, hidden]}, shard by shard
+    (a killed run resumes at the first missing shard)."""
+    from infer.demo import real_model_path
+    from infer.model.loader import load_model
+
+    rows = [json.loads(line) for line in (work / "answers.jsonl").open()]
+    ids = [r["prompt_ids"] + r["answer_ids"][:-1] for r in rows]  # the last token's state predicts nothing stored
+    model = None
+    shards = range(0, len(ids), FEATURE_SHARD)
+    for n, start in enumerate(tqdm(shards, desc="feature shards")):
+        path = work / f"features-{n:03d}.pt"
+        if path.exists():
+            continue
+        model = model or load_model(real_model_path(), torch.float32, torch.device("cpu"))
+        idx = sorted(range(start, min(start + FEATURE_SHARD, len(ids))), key=lambda i: len(ids[i]))
+        out = {}
+        for b in range(0, len(idx), batch):
+            part = idx[b:b + batch]
+            T = max(len(ids[i]) for i in part)
+            x = torch.zeros(len(part), T, dtype=torch.long)
+            for j, i in enumerate(part):
+                x[j, :len(ids[i])] = torch.tensor(ids[i])
+            with torch.inference_mode():
+                h = model(x)  # [b, T, H]: causal, so right padding changes nothing before it
+            for j, i in enumerate(part):
+                out[i] = h[j, :len(ids[i])].to(torch.bfloat16).clone()
+        torch.save(out, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "infer" / "drafter-data")
@@ -199,6 +238,8 @@ def main(argv=None):
         print(f"prompts: {len(train)} train, {len(evals)} held out", file=sys.stderr)
     if "answers" in stages:
         stage_answers(args.work, train, args.num_train, args.max_tokens, args.batch, args.seed)
+    if "features" in stages:
+        stage_features(args.work)
     print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 

@@ -2,6 +2,8 @@
 
     python scripts/drafter_data.py                      # the target's answers + teacher top-k / hidden states
     python scripts/train_drafters.py lm [--minutes 52]  # the distilled small LM  -> src/infer/drafters/smollm2-lm
+    python scripts/train_drafters.py eagle              # the EAGLE-style head    -> src/infer/drafters/smollm2-eagle
+    python scripts/train_drafters.py medusa             # Medusa-style heads      -> src/infer/drafters/smollm2-medusa
 
 Kinds (one subcommand each; every stage is resumable: a checkpoint in WORK is picked up where it stopped, and
 batches come from a generator seeded by (seed, step), so a resumed run sees the batches an uninterrupted one would):
@@ -12,6 +14,8 @@ batches come from a generator seeded by (seed, step), so a resumed run sees the 
           head is trained over the draft vocabulary (the answers' most frequent tokens, what the drafter scores at
           run time) and, on one position in eight, over the whole vocabulary, so that it stays a proper language
           model for transformers' assisted generation.
+  eagle   the heads that draft from the target's hidden states (scripts/train_heads.py, which says how they
+  medusa  are trained): they need the data's ``features`` stage as well.
 
 Training runs float32 on the CPU (bf16 matmuls are slower than f32 on AVX2 machines without AVX512-BF16) and is
 bounded by wall time (--minutes) as well as steps. The export is bfloat16 safetensors in Hugging Face's Llama
@@ -289,20 +293,33 @@ Loadable by transformers (`AutoModelForCausalLM.from_pretrained`) and by infer (
     print(f"exported {out}: {final}", file=sys.stderr)
 
 
+DEFAULTS = {  # kind -> the shipped run's settings (steps sized to what the minutes allow here)
+    "lm": dict(steps=4200, minutes=52, batch=16, lr=3e-3, eval_every=200),
+    "eagle": dict(steps=1500, minutes=24, batch=8, lr=1e-3, eval_every=100),
+    "medusa": dict(steps=1200, minutes=10, batch=8, lr=1e-3, eval_every=100),
+}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["lm"])
+    ap.add_argument("kind", choices=sorted(DEFAULTS))
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "infer" / "drafter-data")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--steps", type=int, default=4200)
-    ap.add_argument("--minutes", type=float, default=52)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    for name, typ in (("steps", int), ("minutes", float), ("batch", int), ("lr", float), ("eval-every", int)):
+        ap.add_argument(f"--{name}", type=typ, default=None, help="default: the kind's shipped run (DEFAULTS)")
     ap.add_argument("--subset", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for k, v in DEFAULTS[args.kind].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    {"lm": run_lm}[args.kind](args)
+    if args.kind == "lm":
+        run_lm(args)
+    else:
+        from train_heads import run_heads
+
+        run_heads(args)
 
 
 if __name__ == "__main__":

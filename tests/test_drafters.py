@@ -1,8 +1,9 @@
 """The drafters shipped for SmolLM2-135M-Instruct (src/infer/drafters): listed by kind, small, loadable by
 transformers, refused by name when of an unknown kind, and lossless with the real target (greedy parity).
 
-The distribution tests of the draft-model proposer (tests/test_engine_distribution.py, tests/test_proposers.py) run
-on tiny random models; the distilled drafter is that proposer kind with trained weights."""
+The distribution tests of each proposer kind run on tiny random models (draft model: tests/test_engine_distribution.py,
+tests/test_proposers.py; EAGLE and Medusa heads: tests/test_draft_heads.py); the shipped drafters are those
+proposer kinds with trained weights, and here they keep greedy parity with the real target."""
 
 import json
 import shutil
@@ -24,7 +25,7 @@ needs_real = pytest.mark.skipif(REAL is None, reason="real model not installed: 
 
 def test_shipped_drafters_are_listed_by_kind_small_and_carded():
     paths = drafter_paths()
-    assert set(paths) >= {"draft_model"}
+    assert set(paths) == {"draft_model", "eagle", "medusa"}
     from infer.demo import drafter_paths as from_demo
 
     assert from_demo() == paths
@@ -34,8 +35,12 @@ def test_shipped_drafters_are_listed_by_kind_small_and_carded():
     assert cfg["torch_dtype"] == "bfloat16"
     weights = sum(f.stat().st_size for f in DRAFTERS_DIR.rglob("*.safetensors"))
     assert weights <= 40 * 2**20, f"shipped drafters weigh {weights / 2**20:.1f} MB (budget 40 MB)"
-    card = (lm / "README.md").read_text()
-    assert "wall time" in card and "Data" in card
+    for d in paths.values():
+        card = (d / "README.md").read_text()
+        assert "wall time" in card and "Data" in card and "Validation" in card
+    for kind in ("eagle", "medusa"):  # heads record their kind and shape, never the target's weights
+        spec = json.loads((paths[kind] / "config.json").read_text())["infer_drafter"]
+        assert spec["kind"] == kind and spec["hidden_size"] == 576
     prompts = eval_prompts()
     assert len(prompts["chat"]) >= 4 and len(prompts["code"]) >= 4
 
@@ -71,12 +76,15 @@ def test_transformers_loads_the_distilled_drafter_and_agrees_with_ours():
 
 
 @needs_real
-def test_distilled_drafter_greedy_parity_on_smollm2_and_it_drafts_well():
-    """float32, pinned K and auto K: the speculative output is the plain output token for token; and the shipped
-    drafter is a trained one (a random drafter of this shape accepts ~0 of its drafts)."""
+@pytest.mark.parametrize("kind,ks,floor", [("draft_model", (4, "auto"), 0.15), ("eagle", (4,), 0.2),
+                                           ("medusa", (4,), 0.05)])
+def test_shipped_drafter_greedy_parity_on_smollm2_and_it_drafts_well(kind, ks, floor):
+    """float32: the speculative output is the plain output token for token; and the shipped drafter is a trained
+    one (a random drafter accepts ~0 of its drafts over a 49,152-token vocabulary). Acceptance measured here at
+    K = 4: LM 0.28, EAGLE 0.40, Medusa 0.22."""
     from infer import LLM, SamplingParams
 
-    lm = drafter_paths()["draft_model"]
+    path = drafter_paths()[kind]
     prompts = eval_prompts()
     chats = [prompts["chat"][0]["prompt"], prompts["code"][0]["prompt"]]
     common = dict(dtype="float32", compile=False, max_batch_size=2)
@@ -84,13 +92,13 @@ def test_distilled_drafter_greedy_parity_on_smollm2_and_it_drafts_well():
     ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     params = SamplingParams(temperature=0, max_tokens=40)
     want = [o.token_ids for o in plain.generate(ids, params)]
-    for k in (4, "auto"):
-        spec = LLM(REAL, draft_model=lm, spec_length=k, **common)
+    for k in ks:
+        spec = LLM(REAL, draft_model=path, spec_length=k, **common)
         outs = spec.generate(ids, params)
         assert [o.token_ids for o in outs] == want, k
         if k == 4:
             drafted = sum(o.num_draft_tokens for o in outs)
-            assert sum(o.num_accepted_tokens for o in outs) / drafted > 0.15  # measured 0.28 here
+            assert sum(o.num_accepted_tokens for o in outs) / drafted > floor
 
 
 def test_evaluation_prompts_are_held_out_of_training():

@@ -153,3 +153,19 @@ def random_llama(vocab_size: int = 8, seed: int = 0, noise_from: int | None = No
             for p in model.parameters():
                 p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gn))
     return model.eval().requires_grad_(False)
+
+
+def random_heads(target, kind: str, seed: int = 0, **kw):
+    """An EAGLE-style or Medusa-style head with random weights for ``target`` (model.draft_heads), attached to it: a
+    poor but legitimate drafter, for losslessness tests of the proposers that draft from the target's states."""
+    from .model.draft_heads import EagleHead, MedusaHeads
+
+    head = EagleHead(target.config, **kw) if kind == "eagle" else MedusaHeads(target.config, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return head.to(target.dtype).eval().requires_grad_(False).attach(target)

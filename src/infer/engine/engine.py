@@ -14,6 +14,7 @@ import torch
 from .. import kernels
 from ..config import parse_dtype
 from ..model.compile import compile_model
+from ..model.draft_heads import DraftHead, load_heads
 from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
@@ -65,9 +66,14 @@ class Engine:
         if cfg.proposer in ("draft", "hybrid"):
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
-                drafter_kind(self.draft_path)  # a kind this version cannot run is named before anything loads
-                self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
-                self._check_draft_tokenizer()
+                # a kind this version cannot run is named before anything loads
+                if drafter_kind(self.draft_path) == "draft_model":
+                    self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
+                    self._check_draft_tokenizer()
+                else:  # heads that draft from the target's hidden states, borrowing its embedding and LM head
+                    self.draft_model = load_heads(self.draft_path, self.model)
+            elif isinstance(draft_model, DraftHead):
+                draft_model.attach(self.model)
             check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
             self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
             if draft_vocab is None:  # "auto" looks beside a drafter loaded here; a passed-in one brings its own
@@ -81,7 +87,8 @@ class Engine:
             self.model.rotary.reserve(self.max_seq_len, self.device, self.model.dtype)
         # the story of a step: the scheduler asks the KV manager what fits, the runner executes the models, and the
         # speculative decoder (when on) replaces the runner's decode step with a propose/verify round
-        self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, self.draft_model, cfg.max_spec_length)
+        pooled = self.draft_model if getattr(self.draft_model, "has_kv", True) else None  # Medusa keeps no cache
+        self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, pooled, cfg.max_spec_length)
         self.runner = ModelRunner(self.model, self.kv, self.stats)
         self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab) \
             if cfg.use_speculative_decoding else None

@@ -37,6 +37,9 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVManager, stats: EngineStats):
         self.model, self.kv, self.stats = model, kv, stats
         self.device, self.vocab_size = model.device, model.config.vocab_size
+        # (req, first position, hidden [n, H]) for every position the target computes, when a proposer drafts from
+        # the target's hidden states (EAGLE, Medusa); a verify pass hands over its accepted positions only
+        self.feature_sink = None
 
     # -- forward helpers ---------------------------------------------------------------------------------------
     def forward(self, model: LlamaForCausalLM, pool: KVCachePool, slots: list[int], rows: list[list[int]]):
@@ -83,6 +86,8 @@ class ModelRunner:
         hidden = self.forward(self.model, self.kv.pool, [r.slot for r, _ in prefill], rows)
         done_idx, done_reqs = [], []
         for i, (r, n) in enumerate(prefill):
+            if self.feature_sink is not None:
+                self.feature_sink(r, r.num_computed, hidden[i, :n])
             r.num_computed += n
             self.stats.prompt_tokens += n
             self.kv.cache_prefix(r)
@@ -106,6 +111,9 @@ class ModelRunner:
     def decode_forward(self, decode: list[Request]) -> tuple[list[int], torch.Tensor]:
         """The forward and sampling half of a decode step -> (one token per request, logits [B, V])."""
         hidden = self.forward(self.model, self.kv.pool, [r.slot for r in decode], [[r.last_token] for r in decode])
+        if self.feature_sink is not None:
+            for i, r in enumerate(decode):
+                self.feature_sink(r, r.num_computed, hidden[i, :1])
         logits = self.model.compute_logits(hidden[:, -1])
         return self.sample(decode, logits), logits
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -133,3 +134,27 @@ class DraftVocab:
     def token(self, sub_index: torch.Tensor) -> torch.Tensor:
         """Indices into S -> token ids."""
         return self.ids[sub_index]
+
+
+class PromptVocabs:
+    """S united with the prompts of a batch's requests, cached per request and per batch (one subset per batch:
+    one GEMV for all rows); None without a draft vocabulary."""
+
+    def __init__(self, draft_vocab: DraftVocab | None):
+        self.draft_vocab = draft_vocab
+        self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its S + prompt
+        self._batch: tuple[tuple[int, ...], DraftVocab] | None = None  # last batch's union, reused
+
+    def __call__(self, reqs) -> DraftVocab | None:
+        if self.draft_vocab is None:
+            return None
+        key = tuple(r.request_id for r in reqs)
+        if self._batch is None or self._batch[0] != key:
+            for r in reqs:
+                if r not in self._of:
+                    self._of[r] = self.draft_vocab.including(r.prompt_ids)
+            vocab = self._of[reqs[0]]
+            for r in reqs[1:]:
+                vocab = vocab.including(self._of[r].id_list)
+            self._batch = (key, vocab)
+        return self._batch[1]

@@ -84,13 +84,23 @@ class HybridProposer(Proposer):
     """Copy where the context offers a match (free drafts), draft with the model elsewhere."""
 
     name = "hybrid"
-    uses_draft_model = True
 
     def __init__(self, ngram: NgramProposer, model: Proposer):
         self.ngram, self.model = ngram, model
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.model.uses_draft_model
+
+    @property
+    def uses_features(self) -> bool:
+        return self.model.uses_features
+
     def pending(self, req) -> int:
         return self.model.pending(req)
+
+    def observe(self, req, start, hidden) -> None:
+        self.model.observe(req, start, hidden)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]

@@ -8,8 +8,9 @@
     proposal.logits      [B, K, V] or None: raw draft logits, only when ``keep_logits`` (EGAG, debug)
 
 Invariants every proposer keeps (the round relies on them for losslessness):
-- drafts are a function of the request's tokens (``Request.all_ids()``), the proposer's own models and each row's
-  generator only; a proposer never touches the target's KV cache;
+- drafts are a function of the request's tokens (``Request.all_ids()``), the target's hidden states at them (handed
+  over by the runner to proposers with ``uses_features``), the proposer's own models and each row's generator only;
+  a proposer never touches the target's KV cache;
 - where q is given, q[b, j] is computed with the row's sampling pipeline (``logits_to_probs`` with the same
   params as the target, the penalty context grown by drafts[b, :j]) and drafts[b, j] is a draw from it;
 - state a proposer keeps per request (a draft KV slot, an n-gram index) describes tokens of the sequence only,
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from ..sampling import SamplingBatch
+from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Proposer(ABC):
 
     name = "?"
     uses_draft_model = False  # True: the KV manager keeps a draft pool in lockstep with the target's
+    uses_features = False  # True: the runner hands over the target's hidden states (``observe``)
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -71,6 +73,65 @@ class Proposer(ABC):
         (a draft model's lazy prefill of the prompt, or of the text decoded while the row sat at K = 0): a one-time
         cost of drafting for the row, which the goodput K policy weighs. 0 for proposers without a model."""
         return 0
+
+    def observe(self, req: Request, start: int, hidden: torch.Tensor) -> None:
+        """The target's final-norm hidden states [n, H] at positions start .. start+n-1 of ``req`` (only with
+        ``uses_features``; positions of rejected drafts are never handed over)."""
+
+    # -- profiling (spec_length="auto" prices a draft step; proposers without a model cost ~nothing) -------------
+    def scratch_fill(self, slots: list[int], n: int) -> None:
+        """Give scratch draft-pool slots ``n`` tokens of context (only proposers that ``uses_draft_model``)."""
+
+    def scratch_step(self, slots: list[int] | None, b: int) -> bool:
+        """Run one draft step for ``b`` rows (on ``slots`` when the proposer keeps a draft pool), synced to the
+        host; False when a draft step costs nothing worth timing."""
+        return False
+
+
+class DraftDrawer:
+    """Drafts from a drafter's hidden states, one position at a time, for rows of a DraftBatch: the argmax when the
+    batch is greedy, else a draw from the row's sampling pipeline with q kept; over the draft vocabulary (``dv``,
+    q = 0 outside it: lossless) when there is one. What every model-based proposer shares."""
+
+    def __init__(self, batch: DraftBatch, head, dv=None):
+        """``head``: hidden [n, H] -> float32 logits [n, V] (the full vocabulary; used without ``dv``)."""
+        B, K, V, dev = len(batch.reqs), batch.K, batch.vocab_size, batch.device
+        self.batch, self.head, self.dv = batch, head, dv
+        self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
+        self.q = None if batch.sampling is None else torch.zeros(B, K, V, device=dev)
+        self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
+        self.ctx_seen = None if batch.seen is None else batch.seen.clone()
+
+    def draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Draft position ``j`` of rows ``idx`` from their hidden states [n, H] -> the drafts [n]."""
+        batch, dv, sampling = self.batch, self.dv, self.batch.sampling
+        rows_t = torch.tensor(idx, device=batch.device)
+        if dv is None:
+            logits = self.head(hidden)  # [n, V]
+        else:
+            sub_logits = dv.logits(hidden)  # [n, N]
+            if sampling is None and self.logits is None:  # greedy: map the argmax within S, skip the scatter
+                self.drafts[rows_t, j] = dv.token(argmax(sub_logits))
+                return self.drafts[rows_t, j]
+            logits = dv.expand(sub_logits)  # [n, V], -inf outside S: q(x) = 0 there
+        if self.logits is not None:
+            self.logits[rows_t, j] = logits
+        if sampling is None:  # greedy: argmax needs no probabilities
+            self.drafts[rows_t, j] = argmax(logits)
+            return self.drafts[rows_t, j]
+        V = batch.vocab_size
+        sub = sampling if len(idx) == len(batch.reqs) else SamplingBatch.from_params(
+            [sampling.rows[b] for b in idx], V, batch.device)
+        probs = logits_to_probs(logits, sub, None if self.ctx_seen is None else self.ctx_seen[rows_t])
+        self.drafts[rows_t, j] = sample(probs, [batch.generators[b] for b in idx],
+                                        [batch.reqs[b].params.greedy for b in idx])
+        self.q[rows_t, j] = probs
+        if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
+            self.ctx_seen[rows_t, self.drafts[rows_t, j]] = True
+        return self.drafts[rows_t, j]
+
+    def proposal(self, num_draft: list[int], **kw) -> Proposal:
+        return Proposal(self.drafts, num_draft, self.q, self.logits, **kw)
 
 
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -126,9 +126,12 @@ class SpeculativeDecoder:
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------
         outputs = []
+        sink = runner.feature_sink
         for b, r in enumerate(reqs):
             k, n = nd[b], n_acc[b]
             self.kv.rollback(r, lens[b] + n)  # keep g and the n accepted drafts
+            if sink is not None:  # the target's states at g and the accepted drafts, never at rejected ones
+                sink(r, lens[b] - 1, hidden[b, :n + 1])
             if k:
                 r.record_round(k, n)
                 runner.stats.record_round(k, n)

@@ -14,7 +14,11 @@ import torch
 
 from ..model.llama import LlamaForCausalLM
 from .acceptance import make_policy
+from ..model.draft_heads import EagleHead, MedusaHeads
 from .draft_model import DraftModelProposer
+from .eagle import EagleProposer
+from .medusa import MedusaProposer
+from .proposer import Proposer
 from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
@@ -49,14 +53,25 @@ def draft_vocab_for(drafter: LlamaForCausalLM, drafter_path, size) -> DraftVocab
     return DraftVocab.from_ranking(drafter, load_ranking(path), size)
 
 
+def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None) -> Proposer:
+    """The proposer for a drafter of each kind (model.draft_heads: heads that draft from the target's states)."""
+    if isinstance(drafter, EagleHead):
+        return EagleProposer(drafter, kv, draft_vocab)
+    if isinstance(drafter, MedusaHeads):
+        return MedusaProposer(drafter, draft_vocab)
+    return DraftModelProposer(drafter, kv, runner.forward, draft_vocab)
+
+
 def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab: DraftVocab | None,
                   costs: CostModel | None = None) -> SpeculativeDecoder:
     if cfg.proposer == "ngram":
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     else:
-        proposer = DraftModelProposer(drafter, kv, runner.forward, draft_vocab)
+        proposer = model_proposer(drafter, kv, runner, draft_vocab)
         if cfg.proposer == "hybrid":
             proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
+    if proposer.uses_features:
+        runner.feature_sink = proposer.observe
     decoder = SpeculativeDecoder(runner, kv, proposer, None,
                                  make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta))
     warm_up_compiled(runner, kv, cfg.max_spec_length)
@@ -131,7 +146,7 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
     """Time target forwards of B rows x T tokens and draft steps of B rows on scratch slots of the real pools."""
     runner, kv = decoder.runner, decoder.kv
     drafter = getattr(decoder.proposer, "model", decoder.proposer)  # a hybrid's drafter is its model proposer
-    dpool = kv.draft_pool if isinstance(drafter, DraftModelProposer) else None
+    dpool = kv.draft_pool if drafter.uses_draft_model else None
     # as many rows and as much context as the pools hold now (a small pool profiles small batches; the cost model
     # extrapolates beyond them, and rounds at those sizes refresh it)
     n_ctx = max(1, min(PROFILE_CONTEXT, kv.max_seq_len - k_max - 1))
@@ -160,11 +175,16 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
         # does, so the one-row steps run (and compile) the same paths as a lone request's rounds will
         others = prefill(runner.model, kv.pool, n_ctx + k_max + 1, B - 1)
         slots = prefill(runner.model, kv.pool, n_ctx + k_max + 1, 1) + others
-        catch_up = 0.0
+        catch_up, dslots = 0.0, None
         if dpool is not None:
-            others = prefill(drafter.drafter, dpool, n_ctx + 1, B - 1)
-            dslots = prefill(drafter.drafter, dpool, n_ctx + 1, 1) + others
-            catch_up = time_catch_up(runner, drafter.drafter, dpool, kv.max_seq_len)
+            for n in (B - 1, 1):  # row 0 alone last, as for the target
+                new = [dpool.allocate(n_ctx + 1) for _ in range(n)]
+                held.extend((dpool, s) for s in new)
+                if new:
+                    drafter.scratch_fill(new, n_ctx)
+                dslots = new + (dslots or [])
+            if isinstance(drafter, DraftModelProposer):
+                catch_up = time_catch_up(runner, drafter.drafter, dpool, kv.max_seq_len)
 
         def run_verify(b: int, t: int) -> float:
             t0 = time.perf_counter()
@@ -177,16 +197,17 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
 
         def run_draft(b: int) -> float:
             t0 = time.perf_counter()
-            hidden = runner.forward(drafter.drafter, dpool, dslots[:b], [[1]] * b)[:, -1]
-            head = drafter.draft_vocab.logits if drafter.draft_vocab is not None else drafter.drafter.compute_logits
-            head(hidden).max(-1).indices.tolist()
+            drafter.scratch_step(dslots, b)
             seconds = time.perf_counter() - t0
-            for s in dslots[:b]:
+            for s in dslots or []:
                 dpool.truncate_to(s, n_ctx)
             return seconds
 
         run_verify(1, 1)  # first calls pay one-time costs (allocations, a compiled graph)
-        costs = profile_costs(run_verify, run_draft if dpool is not None else None, B, k_max, max_batch)
+        priced = drafter.scratch_step(dslots, 1)  # False: drafting costs nothing worth timing (n-gram lookup)
+        for s in dslots or []:
+            dpool.truncate_to(s, n_ctx)
+        costs = profile_costs(run_verify, run_draft if priced else None, B, k_max, max_batch)
         costs.catch_up = catch_up
         return costs
     finally:

@@ -1,0 +1,189 @@
+"""Train the heads that draft from SmolLM2's hidden states (an EAGLE-style head, Medusa-style heads) and ship them.
+
+    python scripts/drafter_data.py --stages features   # the target's hidden states on its own answers
+    python scripts/train_drafters.py eagle [--minutes 24]   -> src/infer/drafters/smollm2-eagle
+    python scripts/train_drafters.py medusa [--minutes 10]  -> src/infer/drafters/smollm2-medusa
+
+Both are distilled on the target's own distributions, computed exactly from its stored final-norm states f_i
+(p_i = softmax(W f_i) over the draft vocabulary, W the target's LM head rows), so no top-k truncation:
+
+  eagle   entries (x_{i+1}, f_i) -> f^_{i+1}: forward KL(p_{i+1} || softmax(W f^_{i+1})) plus 0.2 x smooth-L1 between
+          f^_{i+1} and f_{i+1}. A second pass feeds each entry the first pass's prediction instead of the true
+          state (f^_i for f_i), as drafting does from its second draft on (EAGLE-3 / HASS's "training-time test");
+          both passes' losses count. The layer's final norm starts as the target's.
+  medusa  head k on f_i -> KL(p_{i+k} || q_k) for k = 1..4 (p_{i+k} is the target's law of x_{i+1+k}); each head's
+          residual block starts at zero, i.e. as the target's own next-token head.
+
+Supervised positions are the answers' (what drafting meets); the EAGLE layer attends over the prompt too. Training
+is float32 on the CPU, bounded by --minutes (resumable through scripts/train_drafters.train_loop).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from infer.model.draft_heads import EagleHead, MedusaHeads, save_heads
+from infer.model.loader import load_model
+from train_drafters import DRAFTERS, MAXLEN, split, train_loop
+
+LM_DIR = DRAFTERS / "smollm2-lm"  # its draft vocabulary (ranked on the same answers) serves the heads too
+MEDUSA_HEADS = 4
+REG_WEIGHT = 0.2
+
+
+def load_items(work: Path) -> list[dict]:
+    """Conversations with their states: ``ids`` [T] (prompt + answer less its last token, cut to MAXLEN from the
+    left), ``feats`` bf16 [T, H] (f_i), ``first`` (the first position whose state predicts an answer token)."""
+    rows = [json.loads(line) for line in (work / "answers.jsonl").open()]
+    shards = sorted(work.glob("features-*.pt"))
+    if not shards:
+        raise SystemExit(f"no {work}/features-*.pt: run scripts/drafter_data.py --stages features first")
+    items = []
+    for shard in shards:
+        for i, feats in torch.load(shard).items():
+            r = rows[i]
+            ids = r["prompt_ids"] + r["answer_ids"][:-1]
+            cut = max(0, len(ids) - MAXLEN)
+            if len(r["answer_ids"]) < 2:
+                continue
+            items.append({"ids": torch.tensor(ids[cut:]), "feats": feats[cut:],
+                          "first": len(r["prompt_ids"]) - 1 - cut, "index": i})
+    items.sort(key=lambda it: it["index"])
+    return items
+
+
+def collate(batch: list[dict]):
+    """-> ids [B, T], feats float32 [B, T, H], answer [B, T] bool (states that predict an answer token)."""
+    T = max(len(b["ids"]) for b in batch)
+    ids = torch.stack([F.pad(b["ids"], (0, T - len(b["ids"]))) for b in batch])
+    feats = torch.stack([F.pad(b["feats"].float(), (0, 0, 0, T - len(b["ids"]))) for b in batch])
+    pos = torch.arange(T)[None]
+    answer = (pos >= torch.tensor([max(0, b["first"]) for b in batch])[:, None]) & (
+        pos < torch.tensor([len(b["ids"]) for b in batch])[:, None])
+    return ids, feats, answer
+
+
+def kl(teacher_states: torch.Tensor, student_states: torch.Tensor, W: torch.Tensor):
+    """KL(p || q) over the draft vocabulary, p and q the softmax of W @ state -> (loss, overlap [N], top-1 [N])."""
+    with torch.no_grad():
+        logp = torch.log_softmax(teacher_states @ W.T, -1)
+    logq = torch.log_softmax(student_states @ W.T, -1)
+    loss = (logp.exp() * (logp - logq)).sum(-1).mean()
+    with torch.no_grad():
+        overlap = torch.minimum(logp.exp(), logq.exp()).sum(-1)
+        top1 = (logp.argmax(-1) == logq.argmax(-1)).float()
+    return loss, overlap, top1
+
+
+def eagle_losses(head: EagleHead, embed, W, batch):
+    ids, feats, answer = collate(batch)
+    T = ids.shape[1]
+    x_next, f_in, target = ids[:, 1:], feats[:, :-1], feats[:, 1:]  # entry i: (x_{i+1}, f_i) -> f_{i+1}
+    m = answer[:, 1:]  # f_{i+1} predicts an answer token
+    pos = torch.arange(T - 1)[None].expand(len(batch), -1)
+    out, stats, total = f_in, {}, 0.0
+    for p in (1, 2):  # pass 2 drafts from pass 1's predicted states, as every draft after the first does
+        f = f_in if p == 1 else torch.cat([f_in[:, :1], out[:, :-1]], 1)
+        out = head(x_next, f, pos, embed=embed)
+        loss, ov, t1 = kl(target[m], out[m], W)
+        total = total + loss + REG_WEIGHT * F.smooth_l1_loss(out[m], target[m])
+        stats[f"overlap{p}"], stats[f"top1_{p}"] = ov, t1
+    return total, stats
+
+
+def medusa_losses(heads: MedusaHeads, W, batch):
+    ids, feats, answer = collate(batch)
+    stats, total = {}, 0.0
+    for k in range(1, heads.num_heads + 1):  # head k on f_i: the law of x_{i+1+k}, i.e. p_{i+k}
+        m = answer[:, k:]
+        loss, ov, t1 = kl(feats[:, k:][m], heads(feats[:, :-k][m], k), W)
+        total = total + loss
+        stats[f"overlap{k}"], stats[f"top1_{k}"] = ov, t1
+    return total, stats
+
+
+def run_heads(args):
+    from infer.demo import real_model_path
+
+    items = load_items(args.work)
+    train, val = split(items)
+    target = load_model(real_model_path(), dtype="float32")
+    ranking = json.loads((LM_DIR / "draft_vocab.json").read_text())["ranked_token_ids"]
+    subset = torch.tensor(sorted(set(ranking[:args.subset]) | set(target.config.eos_token_ids)))
+    W = target.lm_head_weight.detach()[subset].clone()  # [S, H]
+    embed = target.embed_tokens.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    if args.kind == "eagle":
+        head = EagleHead(target.config)
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+        head.norm.weight.data.copy_(target.norm.weight.detach())  # f^ starts in the target's state space
+        losses = lambda batch: eagle_losses(head, embed, W, batch)  # noqa: E731
+    else:
+        head = MedusaHeads(target.config, MEDUSA_HEADS)
+        losses = lambda batch: medusa_losses(head, W, batch)  # noqa: E731
+    n_tok = sum(len(it["ids"]) - it["first"] for it in train)
+    print(f"{args.kind}: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, {len(train)} conversations "
+          f"({n_tok} answer positions) train, {len(val)} validate, subset {len(subset)}", file=sys.stderr)
+
+    def step_fn(step):
+        loss, stats = losses(random.Random(args.seed * 1_000_003 + step).sample(train, args.batch))
+        return loss, {k: float(v.mean()) for k, v in stats.items() if k in ("overlap1", "top1_1", "overlap2")}
+
+    def eval_fn():
+        acc: dict[str, list] = {}
+        with torch.no_grad():
+            for i in range(0, len(val), 8):
+                for k, v in losses(val[i:i + 8])[1].items():
+                    acc.setdefault(k, []).append(v)
+        out = {k: round(float(torch.cat(v).mean()), 4) for k, v in acc.items()}
+        out["overlap"] = round(sum(v for k, v in out.items() if k.startswith("overlap")) / (len(out) / 2), 4)
+        return out
+
+    log, seconds, kept = train_loop(args.kind, head, step_fn, eval_fn, args.work, args.steps, args.minutes, args.lr,
+                                    args.seed, eval_every=args.eval_every)
+    final = eval_fn()
+    export(head, args, final, log, seconds, kept, len(train), n_tok)
+
+
+def export(head, args, final, log, seconds, kept, n_conv, n_tok):
+    out = args.out or DRAFTERS / f"smollm2-{args.kind}"
+    save_heads(head, out, extra={"target": "SmolLM2-135M-Instruct"})
+    shutil.copy(LM_DIR / "draft_vocab.json", out / "draft_vocab.json")
+    n = sum(p.numel() for p in head.parameters())
+    what = ("one decoder layer (SmolLM2's attention shape, MLP 1536) over fc([embed(x_{i+1}); f_i]), predicting "
+            "the target's next state f_{i+1}; drafts through the target's LM head and embedding (not shipped)"
+            if args.kind == "eagle" else
+            f"{MEDUSA_HEADS} residual SiLU blocks on the target's last state f_i; head k predicts token i+1+k through "
+            "the target's LM head (not shipped)")
+    per = "; ".join(f"{k} {v:.3f}" for k, v in final.items() if k != "overlap")
+    card = f"""# smollm2-{args.kind}: {'an EAGLE-style head' if args.kind == 'eagle' else 'Medusa-style heads'} for SmolLM2-135M-Instruct
+
+{n / 1e6:.2f}M parameters, bfloat16: {what}. `LLM(model, draft_model=<this directory>)`; the kind is recorded in
+config.json (`infer_drafter.kind = "{args.kind}"`).
+
+- Data: scripts/drafter_data.py: SmolLM2's own answers (int8, bf16, temperature 0.7) to {n_conv} training prompts,
+  and its float32 final-norm hidden states at every position (stage `features`, teacher forcing). {n_tok} answer
+  positions supervise.
+- Training: scripts/train_drafters.py {args.kind} (scripts/train_heads.py): forward KL to the target's exact
+  next-token law over the {args.subset}-token draft vocabulary{' plus 0.2 x smooth-L1 on the predicted state, over two passes (the second drafts from the first pass s predictions)' if args.kind == 'eagle' else ', every head'};
+  AdamW, peak lr {args.lr}, batch {args.batch} conversations, {len(log)} steps, {seconds / 60:.0f} min wall time
+  on 2 CPU cores (float32); the weights shipped are those of step {kept}, the best validation.
+- Validation (held-back conversations, teacher forcing): sum min(p, q) and top-1 agreement with the target,
+  {'pass 1 = the first draft, pass 2 = later drafts' if args.kind == 'eagle' else 'per head k'}: {per}.
+  Acceptance per draft position on held-out prompts: docs/benchmarks.md (benchmarks/drafters.py).
+- Draft vocabulary: draft_vocab.json, the same ranking as smollm2-lm's.
+"""
+    (out / "README.md").write_text(card.replace("first pass s", "first pass's"))
+    (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": len(log), "kept_step": kept,
+                                                       "final": final,
+                                                       "evals": [e for e in log if "eval" in e]}) + "\n")
+    print(f"exported {out}: {final}", file=sys.stderr)

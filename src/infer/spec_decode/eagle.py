@@ -1,0 +1,120 @@
+"""EagleProposer: drafts with an EAGLE-style feature head (model.draft_heads.EagleHead) from the target's hidden states.
+
+Alignment. A request of L tokens x_0 .. x_{L-1} in decode has the target's cache at L - 1 and, in the feature store,
+the target's f_i for the positions it computed (f_i predicted x_{i+1}). The head's entry at position i is
+fc([embed(x_{i+1}); f_i]); its output predicts f_{i+1}. So its own cache (one layer in the draft pool) holds
+entries 0 .. L-2 built from *true* features, and drafting continues from there:
+
+  catch up   entries fed .. L-2 from the store (normally the last round's accepted run: 1 .. K+1 of them)
+             -> f^_{L-1} -> draft d_1 (the guess for x_L)
+  step j     entry L-2+j = fc([embed(d_j); f^_{L-2+j}]) -> f^_{L-1+j} -> d_{j+1}
+
+Entries built from predicted features (positions >= L-1) are dropped at the next round, which rebuilds them from
+the target's true features of the accepted tokens: the head's cache is truncated to what it ``fed`` from true
+features (a length; no copy). The draft pool is rolled back with the target's as for any drafter; this truncation
+only shortens it further.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from ..model.draft_heads import EagleHead
+from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
+from .draft_vocab import DraftVocab, PromptVocabs
+from .features import FeatureStore
+from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    uses_draft_model = True
+    uses_features = True
+
+    def __init__(self, head: EagleHead, kv, draft_vocab: DraftVocab | None = None):
+        self.head, self.kv, self.draft_vocab = head, kv, draft_vocab
+        self.features = FeatureStore()
+        self._vocab = PromptVocabs(draft_vocab)
+        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> entries from true features
+
+    def observe(self, req, start: int, hidden: torch.Tensor) -> None:
+        self.features.add(req, start, hidden)
+
+    def _fed_len(self, req) -> int:
+        return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
+
+    def pending(self, req) -> int:
+        return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
+
+    def _forward(self, slots: list[int], tokens: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
+        """Append entries (tokens x_{i+1}, features f_i) to the head's slots in one padded forward -> [n, T, H]."""
+        pool, dev = self.kv.draft_pool, self.head.device
+        T = max(len(t) for t in tokens)
+        x = torch.zeros(len(tokens), T, dtype=torch.long)
+        f = torch.zeros(len(tokens), T, self.head.config.hidden_size, dtype=self.head.dtype, device=dev)
+        for i, (t, h) in enumerate(zip(tokens, feats)):
+            x[i, :len(t)] = torch.as_tensor(t)
+            f[i, :len(t)] = h
+        meta = pool.prepare(slots, [len(t) for t in tokens], dev)
+        return self.head(x.to(dev), f, meta.positions, pool, meta)
+
+    def _catch_up(self, reqs, slots: list[int]) -> tuple[list[list[int]], list[torch.Tensor], int]:
+        """Entries fed .. L-2 of each row from true features; rows longer than CATCH_UP_BATCHED feed all but their
+        last entry alone. Returns each row's remaining (tokens, features) and the entries fed alone."""
+        pool, head = self.kv.draft_pool, self.head
+        toks, feats, alone = [], [], 0
+        for r, slot in zip(reqs, slots):
+            fed, end = self._fed_len(r), r.num_tokens - 1
+            pool.truncate_to(slot, fed)  # entries past fed came from predicted features
+            t, f = r.token_slice(fed + 1, end + 1), self.features.get(r, fed, end, head.config.hidden_size, head.dtype, head.device)
+            self._fed[r] = end
+            self.features.drop_before(r, end)
+            if len(t) > CATCH_UP_BATCHED:
+                self._forward([slot], [t[:-1]], [f[:-1]])
+                alone += len(t) - 1
+                t, f = t[-1:], f[-1:]
+            toks.append(t)
+            feats.append(f)
+        return toks, feats, alone
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        reqs, ks = batch.reqs, list(batch.ks)
+        for b, r in enumerate(reqs):
+            if r.num_tokens - 1 <= self._fed_len(r):  # no entry to feed: a one-token prompt before its first step
+                ks[b] = 0
+        dslots = [self.kv.draft_slot(r) for r in reqs]
+        drawer = DraftDrawer(batch, self.head.compute_logits, self._vocab(reqs))
+        idx = [b for b in range(len(reqs)) if ks[b] > 0]
+        if not idx:
+            return drawer.proposal(ks)
+        t0 = time.perf_counter()
+        toks, feats, alone = self._catch_up([reqs[b] for b in idx], [dslots[b] for b in idx])
+        catch_up_s = time.perf_counter() - t0 if alone else 0.0
+        catch_up = max(len(t) for t in toks)
+        for j in range(max(ks)):
+            idx = [b for b in range(len(reqs)) if ks[b] > j]
+            if j > 0:
+                keep = [i for i, b in enumerate(prev_idx) if ks[b] > j]
+                toks = [[int(t)] for t in drawer.drafts[idx, j - 1].tolist()]
+                feats = list(f_hat[keep, None])  # f^ of the previous step is this entry's feature
+            out = self._forward([dslots[b] for b in idx], toks, feats)
+            f_hat = out[torch.arange(len(idx)), torch.tensor([len(t) - 1 for t in toks])]  # [n, H]
+            drawer.draw(j, idx, f_hat)
+            prev_idx = idx
+        return drawer.proposal(ks, catch_up=catch_up, catch_up_tokens=alone, catch_up_s=catch_up_s)
+
+    # -- profiling --------------------------------------------------------------------------------------------
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
+
+    def scratch_fill(self, slots: list[int], n: int) -> None:
+        self._forward(slots, [[1] * n] * len(slots), [self._zeros(n)] * len(slots))
+
+    def scratch_step(self, slots: list[int] | None, b: int) -> bool:
+        f_hat = self._forward(slots[:b], [[1]] * b, [self._zeros(1)] * b)[:, -1]
+        head = self.draft_vocab.logits if self.draft_vocab is not None else self.head.compute_logits
+        head(f_hat).max(-1).indices.tolist()
+        return True

@@ -1,0 +1,133 @@
+"""Drafters that draft from the target's hidden states (EAGLE-style head, Medusa-style heads): the feature store's
+bookkeeping, greedy parity on both KV backends with pinned and auto K (alone, in a hybrid, in a batch that
+preempts), the exact joint law under sampling through the batched engine (and a lossy rule caught with the same
+drafter), and a shipped head's directory round trip through ``LLM(draft_model=...)``."""
+
+import random
+
+import pytest
+import torch
+
+from infer import LLM
+from infer.engine import Engine, EngineConfig
+from infer.generate import autoregressive_generate
+from infer.model.draft_heads import load_heads, save_heads
+from infer.model.loader import load_model
+from infer.request import Request
+from infer.sampling import SamplingParams
+from infer.spec_decode import speculative_generate
+from infer.spec_decode.features import FeatureStore
+from infer.testing import random_heads, random_llama
+
+from test_spec_distribution import N, V, chi2_pvalue, exact_joint
+
+KINDS = ["eagle", "medusa"]
+
+
+def test_feature_store_keeps_positions_in_order():
+    store, r = FeatureStore(), Request([1, 2, 3], SamplingParams())
+    h = torch.arange(12.0).view(6, 2)  # f_0 .. f_5, f_i = [2i, 2i + 1]
+    store.add(r, 0, h[:3])
+    store.add(r, 3, h[3:5])
+    assert store.end(r) == 5 and torch.equal(store.get(r, 1, 5, 2, torch.float32, "cpu"), h[1:5])
+    store.add(r, 2, h[2:3] + 100)  # a recomputed position replaces it and drops what followed
+    assert store.end(r) == 3 and store.last(r)[0] == 2 and store.last(r)[1][0] == 104
+    store.add(r, 5, h[5:])  # a gap (a prefix-cache hit) reads back as zeros
+    got = store.get(r, 2, 6, 2, torch.float32, "cpu")
+    assert torch.equal(got[1:3], torch.zeros(2, 2)) and torch.equal(got[3], h[5])
+    store.drop_before(r, 4)
+    assert torch.equal(store.get(r, 2, 6, 2, torch.float32, "cpu")[:2], torch.zeros(2, 2))  # forgotten: zeros
+    assert store.end(r) == 6
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_llama(V, seed=0)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_parity(target, kind, backend):
+    head = random_heads(target, kind, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    accepted = 0
+    for prompt in ([1, 2, 3], [5, 1, 7, 2, 2, 0, 3, 4, 6, 1, 5, 2, 7, 3, 0, 1, 1, 2, 6, 4, 3]):  # > 16: fed alone
+        want = autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids
+        for k, proposer in ((3, "draft"), ("auto", "draft"), (3, "hybrid")):
+            out, stats = speculative_generate(target, head, prompt, params, spec_length=k, proposer=proposer,
+                                              eos_token_ids=[], kv_cache_backend=backend)
+            assert out.output_ids == want, (k, proposer)
+            if k == 3 and proposer == "draft":
+                accepted += sum(stats.accepted_per_position[1:])
+    assert accepted > 0  # runs of 2+ accepted drafts happened: rollback after partial acceptance was exercised
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_parity_with_preemption(kind):
+    target = random_llama(64, seed=0)
+    head = random_heads(target, kind, seed=3)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=6,
+                              num_kv_blocks=14, block_size=4), model=target, draft_model=head)
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(0, 64) for _ in range(rnd.randrange(3, 20))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
+    assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
+                                            for p in prompts]
+    assert eng.stats.num_preemptions > 0  # preempted rows were prefilled again: their features handed over anew
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+
+
+PARAMS = [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperature=0.7, top_k=5, top_p=0.9,
+                                                                          max_tokens=4)]
+PROMPT = [1, 2]
+
+
+def _pvalue(kind, params, **cfg):
+    """N concurrent requests: token 1 comes from the prefill (whose state the heads draft from), tokens 2 and 3 from
+    one round (K = 2) -> the chi-square p-value of (x2, x3). Prefix caching serves all but the first prompt: the
+    EAGLE head then drafts over a gap of zeros, which must not matter to the law."""
+    target = random_llama(V, seed=0)
+    head = random_heads(target, kind, seed=3)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32, block_size=4,
+                              seed=1234, **cfg), model=target, draft_model=head)
+    reqs = eng.run([eng.add_request(PROMPT, params) for _ in range(N)])
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert 0.1 < eng.stats.acceptance_rate < 0.9  # drafts are judged, and rejected often
+    return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT))
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_joint_distribution_equals_target(kind, params):
+    assert _pvalue(kind, params) > 0.001
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lossy_rule_is_detected_with_the_same_drafter(kind):
+    assert _pvalue(kind, PARAMS[0], acceptance="skip_adjustment") < 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_saved_head_loads_by_kind_and_stays_lossless(gqa_dir, tmp_path, kind):
+    target = load_model(gqa_dir)
+    head = random_heads(target, kind, seed=5)
+    save_heads(head, tmp_path / kind, dtype=torch.float32)
+    loaded = load_heads(tmp_path / kind, target)
+    f = torch.randn(3, target.config.hidden_size)
+    if kind == "medusa":
+        assert torch.equal(loaded(f, 2), head(f, 2))
+    else:
+        pos = torch.arange(3)[None]
+        assert torch.equal(loaded(torch.tensor([[4, 5, 6]]), f[None], pos), head(torch.tensor([[4, 5, 6]]), f[None], pos))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[3, 17, 42, 99], [250, 8]]
+    want = [o.token_ids for o in LLM(gqa_dir).generate(prompts, params)]
+    spec = LLM(gqa_dir, draft_model=tmp_path / kind, spec_length=3)
+    assert type(spec.engine.decoder.proposer).__name__.lower().startswith(kind)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    other = random_llama(V, seed=0)  # hidden size 32, not the checkpoint's: refused by name
+    with pytest.raises(ValueError, match="hidden size"):
+        load_heads(tmp_path / kind, other)
