@@ -76,12 +76,12 @@ def test_transformers_loads_the_distilled_drafter_and_agrees_with_ours():
 
 
 @needs_real
-@pytest.mark.parametrize("kind,ks,floor", [("draft_model", (4, "auto"), 0.15), ("eagle", (4,), 0.2),
+@pytest.mark.parametrize("kind,ks,floor", [("draft_model", (4, "auto"), 0.15), ("eagle", (4,), 0.15),
                                            ("medusa", (4,), 0.05)])
 def test_shipped_drafter_greedy_parity_on_smollm2_and_it_drafts_well(kind, ks, floor):
     """float32: the speculative output is the plain output token for token; and the shipped drafter is a trained
-    one (a random drafter accepts ~0 of its drafts over a 49,152-token vocabulary). Acceptance measured here at
-    K = 4: LM 0.28, EAGLE 0.40, Medusa 0.22."""
+    one (a random drafter accepts ~0 of its drafts over a 49,152-token vocabulary). Accepted / drafted measured
+    here at K = 4 on these 2 x 40 tokens: LM 0.28, EAGLE 0.25, Medusa 0.086 (its later heads guess blind)."""
     from infer import LLM, SamplingParams
 
     path = drafter_paths()[kind]
