@@ -165,7 +165,10 @@ def export(head, args, final, log, seconds, kept, n_conv, n_tok):
             f"{MEDUSA_HEADS} residual SiLU blocks on the target's last state f_i; head k predicts token i+1+k through "
             "the target's LM head (not shipped)")
     per = "; ".join(f"{k} {v:.3f}" for k, v in final.items() if k != "overlap")
-    card = f"""# smollm2-{args.kind}: {'an EAGLE-style head' if args.kind == 'eagle' else 'Medusa-style heads'} for SmolLM2-135M-Instruct
+    title = "an EAGLE-style head" if args.kind == "eagle" else "Medusa-style heads"
+    extra = (" plus 0.2 x smooth-L1 on the predicted state, over two passes (the second drafts from the first "
+             "pass's predictions)" if args.kind == "eagle" else ", every head")
+    card = f"""# smollm2-{args.kind}: {title} for SmolLM2-135M-Instruct
 
 {n / 1e6:.2f}M parameters, bfloat16: {what}. `LLM(model, draft_model=<this directory>)`; the kind is recorded in
 config.json (`infer_drafter.kind = "{args.kind}"`).
@@ -174,7 +177,7 @@ config.json (`infer_drafter.kind = "{args.kind}"`).
   and its float32 final-norm hidden states at every position (stage `features`, teacher forcing). {n_tok} answer
   positions supervise.
 - Training: scripts/train_drafters.py {args.kind} (scripts/train_heads.py): forward KL to the target's exact
-  next-token law over the {args.subset}-token draft vocabulary{' plus 0.2 x smooth-L1 on the predicted state, over two passes (the second drafts from the first pass s predictions)' if args.kind == 'eagle' else ', every head'};
+  next-token law over the {args.subset}-token draft vocabulary{extra};
   AdamW, peak lr {args.lr}, batch {args.batch} conversations, {len(log)} steps, {seconds / 60:.0f} min wall time
   on 2 CPU cores (float32); the weights shipped are those of step {kept}, the best validation.
 - Validation (held-back conversations, teacher forcing): sum min(p, q) and top-1 agreement with the target,
@@ -182,7 +185,7 @@ config.json (`infer_drafter.kind = "{args.kind}"`).
   Acceptance per draft position on held-out prompts: docs/benchmarks.md (benchmarks/drafters.py).
 - Draft vocabulary: draft_vocab.json, the same ranking as smollm2-lm's.
 """
-    (out / "README.md").write_text(card.replace("first pass s", "first pass's"))
+    (out / "README.md").write_text(card)
     (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": len(log), "kept_step": kept,
                                                        "final": final,
                                                        "evals": [e for e in log if "eval" in e]}) + "\n")

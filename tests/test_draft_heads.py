@@ -121,7 +121,8 @@ def test_a_saved_head_loads_by_kind_and_stays_lossless(gqa_dir, tmp_path, kind):
         assert torch.equal(loaded(f, 2), head(f, 2))
     else:
         pos = torch.arange(3)[None]
-        assert torch.equal(loaded(torch.tensor([[4, 5, 6]]), f[None], pos), head(torch.tensor([[4, 5, 6]]), f[None], pos))
+        x = torch.tensor([[4, 5, 6]])
+        assert torch.equal(loaded(x, f[None], pos), head(x, f[None], pos))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[3, 17, 42, 99], [250, 8]]
     want = [o.token_ids for o in LLM(gqa_dir).generate(prompts, params)]

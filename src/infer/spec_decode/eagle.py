@@ -68,7 +68,8 @@ class EagleProposer(Proposer):
         for r, slot in zip(reqs, slots):
             fed, end = self._fed_len(r), r.num_tokens - 1
             pool.truncate_to(slot, fed)  # entries past fed came from predicted features
-            t, f = r.token_slice(fed + 1, end + 1), self.features.get(r, fed, end, head.config.hidden_size, head.dtype, head.device)
+            t = r.token_slice(fed + 1, end + 1)
+            f = self.features.get(r, fed, end, head.config.hidden_size, head.dtype, head.device)
             self._fed[r] = end
             self.features.drop_before(r, end)
             if len(t) > CATCH_UP_BATCHED:
