@@ -17,7 +17,7 @@ import torch
 
 from ..model.llama import LlamaForCausalLM
 from .draft_vocab import DraftVocab, PromptVocabs
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer
+from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 
 # Most tokens a row brings to the batched first draft step: usually 1 or 2 (after a bonus the drafter never saw the
 # last draft), a few after rounds at K = 0. A longer catch-up (a prompt) is fed alone first: padding every row of the
@@ -79,6 +79,5 @@ class DraftModelProposer(Proposer):
 
     def scratch_step(self, slots: list[int] | None, b: int) -> bool:
         hidden = self.forward(self.drafter, self.kv.draft_pool, slots[:b], [[1]] * b)[:, -1]
-        head = self.draft_vocab.logits if self.draft_vocab is not None else self.drafter.compute_logits
-        head(hidden).max(-1).indices.tolist()
+        score_synced(hidden, self.draft_vocab, self.drafter.compute_logits)
         return True

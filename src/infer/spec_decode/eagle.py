@@ -26,7 +26,7 @@ from ..model.draft_heads import EagleHead
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, PromptVocabs
 from .features import FeatureStore
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer
+from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 
 class EagleProposer(Proposer):
     name = "eagle"
@@ -116,6 +116,5 @@ class EagleProposer(Proposer):
 
     def scratch_step(self, slots: list[int] | None, b: int) -> bool:
         f_hat = self._forward(slots[:b], [[1]] * b, [self._zeros(1)] * b)[:, -1]
-        head = self.draft_vocab.logits if self.draft_vocab is not None else self.head.compute_logits
-        head(f_hat).max(-1).indices.tolist()
+        score_synced(f_hat, self.draft_vocab, self.head.compute_logits)
         return True

@@ -16,7 +16,7 @@ import torch
 from ..model.draft_heads import MedusaHeads
 from .draft_vocab import DraftVocab, PromptVocabs
 from .features import FeatureStore
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer
+from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 
 
 class MedusaProposer(Proposer):
@@ -27,10 +27,6 @@ class MedusaProposer(Proposer):
         self.heads, self.draft_vocab = heads, draft_vocab
         self.features = FeatureStore()
         self._vocab = PromptVocabs(draft_vocab)
-
-    @property
-    def max_drafts(self) -> int:
-        return self.heads.num_heads
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
         end = start + len(hidden)
@@ -61,6 +57,5 @@ class MedusaProposer(Proposer):
     # -- profiling: one head and its logits, the cost of one draft position -------------------------------------
     def scratch_step(self, slots: list[int] | None, b: int) -> bool:
         f = torch.zeros(b, self.heads.config.hidden_size, dtype=self.heads.dtype, device=self.heads.device)
-        head = self.draft_vocab.logits if self.draft_vocab is not None else self.heads.compute_logits
-        head(self.heads(f, 1)).max(-1).indices.tolist()
+        score_synced(self.heads(f, 1), self.draft_vocab, self.heads.compute_logits)
         return True

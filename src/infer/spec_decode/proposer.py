@@ -134,6 +134,12 @@ class DraftDrawer:
         return Proposal(self.drafts, num_draft, self.q, self.logits, **kw)
 
 
+def score_synced(hidden: torch.Tensor, draft_vocab, compute_logits) -> None:
+    """Score one draft position (over the draft vocabulary when there is one) and sync to the host: how a draft
+    step ends, for the profiling of ``scratch_step``."""
+    (draft_vocab.logits if draft_vocab is not None else compute_logits)(hidden).max(-1).indices.tolist()
+
+
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """q [B, K, V] of deterministic drafts: one-hot on each draft (entries past a row's num_draft are never judged)."""
     return torch.nn.functional.one_hot(drafts.clamp(min=0), vocab_size).float()

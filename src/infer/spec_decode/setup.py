@@ -12,9 +12,9 @@ import weakref
 
 import torch
 
+from ..model.draft_heads import EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
 from .acceptance import make_policy
-from ..model.draft_heads import EagleHead, MedusaHeads
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .medusa import MedusaProposer
