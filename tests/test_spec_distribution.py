@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs
+from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, seen_mask
 from infer.spec_decode import speculative_generate
 from infer.testing import random_llama
 
@@ -27,10 +27,12 @@ def models():
 
 
 def _next(target, seqs, params) -> torch.Tensor:
-    """p(. | seq) for each sequence, through the sampling pipeline. [len(seqs), V]"""
+    """p(. | seq) for each sequence, through the sampling pipeline (a repetition penalty sees the sequence).
+    [len(seqs), V]"""
     batch = SamplingBatch.from_params([params], V, "cpu").expand(len(seqs))
+    seen = seen_mask(seqs, V, "cpu") if batch.use_penalty else None
     with torch.no_grad():
-        return logits_to_probs(target.compute_logits(target(torch.tensor(seqs)))[:, -1], batch)
+        return logits_to_probs(target.compute_logits(target(torch.tensor(seqs)))[:, -1], batch, seen)
 
 
 def exact_joint(target, params, first: int = 2, prompt=None) -> torch.Tensor:

@@ -27,6 +27,7 @@ HELP = {
     "spec_length": "K, drafts per round: auto (goodput-optimal per request per round, 0 allowed) | egag | an integer",
     "spec_length_min": "EGAG's smallest K",
     "spec_length_max": "the largest K of auto and egag (and the KV lookahead)",
+    "spec_tree": "token trees: none (chains) | auto (a tree for a lone request) | DEPTHxWIDTH[:NODES], e.g. 5x3:15",
     "spec_max_batch_size": "speculate only while the decode batch is at most this large",
     "prompt_lookup_min": "smallest n-gram the prompt-lookup proposer matches",
     "prompt_lookup_max": "largest n-gram the prompt-lookup proposer matches",
@@ -55,7 +56,7 @@ FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' nam
 
 MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
-               "spec_length_max", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
+               "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
                "draft_vocab_size")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")

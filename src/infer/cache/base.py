@@ -7,9 +7,15 @@ length is the number of positions whose K/V are valid. The life of one forward p
     hidden = model(input_ids, meta.positions, pool, meta)   # each layer calls pool.update(layer, k, v, meta)
     pool.truncate_to(slot, n)                 # optional rollback (speculative rejection): just a length
 
+A token tree (spec_decode.tree) is one forward too: ``prepare(slots, num_new, tree=TreeAttn(...))`` writes the
+nodes at consecutive cache columns as any append does, but gives each its own rotary position (its depth) and lets
+it see only the columns of its ancestors in the tree. After verification ``move(slot, src, dst)`` copies the few
+accepted nodes' entries to the positions their tokens hold in the sequence, and ``truncate_to`` drops the rest.
+
 Invariants every implementation keeps:
 - positions of a slot are 0..len-1 and contiguous; a forward writes exactly positions len..len+n-1;
 - ``truncate_to`` never copies cache data: it resets a length (and frees whole trailing pages where paged);
+- ``move`` copies only the entries it names (a tree's accepted path), never a whole slot;
 - entries beyond a slot's length are garbage and are never attended to (the mask or the slice excludes them);
 - padded query rows (a batch row with fewer new tokens than the widest) write to a scratch location, never
   over a valid entry of any slot.
@@ -47,6 +53,19 @@ class AttnMeta:
     def single(self) -> bool:
         """One row writing a contiguous run: the cache can use slices instead of gathers."""
         return len(self.slots) == 1
+
+
+@dataclass
+class TreeAttn:
+    """How a forward's new tokens form trees: rotary positions and, over the columns from ``base`` on, who sees whom.
+
+    Query i of row b sits at rotary position ``positions[b, i]`` (its depth below the row's root, plus the root's
+    position) and sees every key at a column < base[b] (the context) and the columns base[b] + w for which
+    ``visible[b, i, w]`` is True (its ancestors and itself, among the tree's nodes written so far and now)."""
+
+    positions: torch.Tensor  # [B, T] long
+    base: list[int]  # per row: the cache column of the tree's first node
+    visible: torch.Tensor  # [B, T, W] bool, W >= (start - base) + T for every row
 
 
 class KVCachePool(ABC):
@@ -100,12 +119,32 @@ class KVCachePool(ABC):
         return 0
 
     @abstractmethod
-    def prepare(self, slots: list[int], num_new: list[int], device: torch.device | None = None) -> AttnMeta:
-        """Plan a forward that appends ``num_new[i]`` tokens to ``slots[i]``; advances the lengths."""
+    def prepare(self, slots: list[int], num_new: list[int], device: torch.device | None = None,
+                tree: TreeAttn | None = None) -> AttnMeta:
+        """Plan a forward that appends ``num_new[i]`` tokens to ``slots[i]``; advances the lengths. With ``tree`` the
+        new tokens are tree nodes (TreeAttn): written where a chain would be, positioned and masked as a tree."""
+
+    @abstractmethod
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V at positions ``src`` of ``slot`` to positions ``dst`` (every layer; all reads before any
+        write). Tree compaction: the accepted path's nodes move to the positions their tokens hold."""
 
     @abstractmethod
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new K/V (``[B, Hkv, T, D]``) and return the K/V to attend to (``[B, Hkv, kv_len, D]``)."""
+
+
+def tree_plan(tree: TreeAttn, num_new: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotary positions [B, T], mask [B, 1, T, kv_len]) of a tree forward (TreeAttn). Pad queries keep the context
+    (a finite output, discarded)."""
+    dev = tree.visible.device
+    B, T, W = tree.visible.shape
+    keys = torch.arange(kv_len, device=dev)
+    rel = keys[None, :] - torch.tensor(tree.base, device=dev)[:, None]  # [B, kv_len] column - base
+    in_tree = (rel >= 0) & (rel < W)
+    vis = tree.visible.gather(2, rel.clamp(0, W - 1)[:, None, :].expand(B, T, kv_len)) & in_tree[:, None, :]
+    mask = (rel < 0)[:, None, :] | vis  # [B, T, kv_len]
+    return tree.positions, mask[:, None]
 
 
 def build_positions(start: list[int], num_new: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None, int, bool]:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-from .base import AttnMeta, KVCachePool, build_positions
+from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, tree_plan
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -174,7 +174,18 @@ class PagedKVCachePool(KVCachePool):
     def num_used_slots(self) -> int:
         return len(self._tables)
 
-    def prepare(self, slots: list[int], num_new: list[int], device=None) -> AttnMeta:
+    def _rows(self, slot: int, positions: list[int]) -> torch.Tensor:
+        table, bs = self._tables[slot], self.block_size
+        return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        si, di = self._rows(slot, src), self._rows(slot, dst)
+        for kc, vc in zip(self.k, self.v):  # advanced indexing reads into a new tensor first: overlaps are safe
+            kc[di], vc[di] = kc[si], vc[si]
+
+    def prepare(self, slots: list[int], num_new: list[int], device=None, tree: TreeAttn | None = None) -> AttnMeta:
         device = device or self.device
         bs = self.block_size
         start = [self._lens[s] for s in slots]
@@ -189,6 +200,9 @@ class PagedKVCachePool(KVCachePool):
                 table.append(self._take_block())
             self._lens[s] = st + n
         positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
+        write_pos = positions  # one row: the positions written (update() adds the first block's storage row)
+        if tree is not None:  # written as a chain, positioned and masked as a tree
+            positions, mask = tree_plan(tree, num_new, kv_len)
         T = positions.shape[1]
         width = _cdiv(kv_len, bs)
         if len(slots) == 1:
@@ -196,7 +210,7 @@ class PagedKVCachePool(KVCachePool):
             if table[-1] - table[0] == width - 1 and table == list(range(table[0], table[0] + width)):
                 # consecutive blocks (the common case for a lone sequence): plain slices, no gather
                 return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
-                                num_new=list(num_new), positions=positions, write_pos=positions, kv_len=kv_len,
+                                num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
                                 mask=mask, is_causal=is_causal, row0=table[0] * bs)
         tables = torch.tensor([self._tables[s][:width] + [0] * (width - len(self._tables[s][:width]))
                                for s in slots], dtype=torch.long)  # [B, width], short rows padded (masked)
@@ -212,7 +226,7 @@ class PagedKVCachePool(KVCachePool):
     def update(self, layer, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [rows, Hkv, D]
         if meta.row0 is not None:
-            rows = meta.row0 + meta.positions[0]  # [T] storage rows of the new tokens (index_put_: in place)
+            rows = meta.row0 + meta.write_pos[0]  # [T] storage rows of the new tokens (index_put_: in place)
             kc[rows] = k[0].transpose(0, 1)
             vc[rows] = v[0].transpose(0, 1)
             end = meta.row0 + meta.kv_len

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttnMeta, KVCachePool, build_positions
+from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, tree_plan
 
 
 class SlottedKVCache(KVCachePool):
@@ -94,7 +94,15 @@ class SlottedKVCache(KVCachePool):
             self._lens[d] = n
 
     # -- forward -----------------------------------------------------------------------------------------------
-    def prepare(self, slots: list[int], num_new: list[int], device=None) -> AttnMeta:
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for kc, vc in zip(self.k, self.v):  # advanced indexing reads into a new tensor first: overlaps are safe
+            kc[slot, :, di], vc[slot, :, di] = kc[slot, :, si], vc[slot, :, si]
+
+    def prepare(self, slots: list[int], num_new: list[int], device=None, tree: TreeAttn | None = None) -> AttnMeta:
         device = device or self.device
         start = [self._lens[s] for s in slots]
         for s, st, n in zip(slots, start, num_new):
@@ -113,6 +121,8 @@ class SlottedKVCache(KVCachePool):
             write_pos = torch.where(offs < n, st + offs, self.max_seq_len)  # pads -> scratch column
         for s, st, n in zip(slots, start, num_new):
             self._lens[s] = st + n
+        if tree is not None:  # written as a chain, positioned and masked as a tree
+            positions, mask = tree_plan(tree, num_new, kv_len)
         return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
                         num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
                         mask=mask, is_causal=is_causal)

@@ -31,6 +31,10 @@ class EngineConfig:
     # A hard cap on top of "auto": rounds run only while the decode batch has at most this many requests (None: the
     # cost model alone decides).
     spec_max_batch_size: int | None = None
+    # Token trees (spec_decode.tree_round): None drafts chains; "DEPTHxWIDTH[:NODES]" (e.g. "5x3:15") drafts a tree
+    # per request each round, depth = the round's K (at most DEPTH), WIDTH children kept a depth, NODES drafts
+    # verified; "auto": a tree for a lone decode request, chains beside others.
+    spec_tree: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes the "ngram" / "hybrid" proposers match, longest first
     prompt_lookup_max: int = 4
     # Verification of sampled rows: "exact" (lossless). "typical" and "lenient" are LOSSY opt-ins that accept more
@@ -97,6 +101,19 @@ class EngineConfig:
             bad(f"egag_ema_beta must be in [0, 1), got {self.egag_ema_beta!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.spec_tree is not None:
+            from ..spec_decode.tree import TreeShape
+
+            if not self.use_speculative_decoding:
+                bad("spec_tree shapes the drafts of speculative decoding: turn speculation on (a draft_model or a "
+                    "proposer)")
+            if self.acceptance != "exact":
+                bad(f"spec_tree verifies exactly; acceptance={self.acceptance!r} applies to chains only")
+            if self.spec_tree != "auto":
+                try:
+                    self.spec_tree = str(TreeShape.parse(self.spec_tree))
+                except ValueError as e:
+                    bad(str(e))
         for name in ("num_kv_blocks", "max_seq_len", "spec_max_batch_size", "max_waiting_requests"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -144,4 +161,16 @@ class EngineConfig:
         """The most drafts any round can hold (the KV lookahead); 0 without speculation."""
         if not self.use_speculative_decoding:
             return 0
-        return self.spec_length if isinstance(self.spec_length, int) else self.spec_length_max
+        k = self.spec_length if isinstance(self.spec_length, int) else self.spec_length_max
+        tree = self.tree_shape
+        return k if tree is None else max(k, tree.depth * tree.width)  # a drafter's cache takes depth x width
+
+    @property
+    def tree_shape(self):
+        """spec_tree as a TreeShape (the one "auto" uses for a lone request), or None."""
+        if self.spec_tree is None:
+            return None
+        from ..spec_decode.round import AUTO_TREE
+        from ..spec_decode.tree import TreeShape
+
+        return AUTO_TREE if self.spec_tree == "auto" else TreeShape.parse(self.spec_tree)

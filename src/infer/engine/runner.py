@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCachePool
+from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
@@ -42,13 +43,15 @@ class ModelRunner:
         self.feature_sink = None
 
     # -- forward helpers ---------------------------------------------------------------------------------------
-    def forward(self, model: LlamaForCausalLM, pool: KVCachePool, slots: list[int], rows: list[list[int]]):
-        """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H]."""
+    def forward(self, model: LlamaForCausalLM, pool: KVCachePool, slots: list[int], rows: list[list[int]],
+                tree: TreeAttn | None = None):
+        """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H] (``tree``: the rows are token
+        trees, cache.base.TreeAttn)."""
         T = max(len(r) for r in rows)
         x = torch.zeros(len(rows), T, dtype=torch.long)
         for i, r in enumerate(rows):
             x[i, :len(r)] = torch.as_tensor(r)
-        meta = pool.prepare(slots, [len(r) for r in rows], self.device)
+        meta = pool.prepare(slots, [len(r) for r in rows], self.device, tree)
         return model(x.to(self.device), meta.positions, pool, meta)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:

@@ -21,6 +21,8 @@ class EngineStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: rounds whose draft k was accepted
     drafted_per_position: list[int] = field(default_factory=list)
+    tree_rounds: int = 0  # rounds that verified token trees (spec_tree), and their draft nodes summed over rows
+    tree_nodes: int = 0
     num_plain_decode_steps: int = 0  # decode steps that skipped speculation (batch above spec_max_batch_size)
 
     def record_round(self, num_draft: int, num_accepted: int) -> None:

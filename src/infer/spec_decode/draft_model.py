@@ -5,6 +5,10 @@ prefill is lazy: a row's first draft step feeds whatever of the sequence the dra
 the first time, after a preemption, after rounds drafted by another proposer; normally just the last token, or two
 after a bonus). Rows that have drafted their K drop out of later steps.
 
+Trees (``propose_tree``): the same first step, then one step a depth over the frontier's nodes with a tree mask
+(spec_decode.tree.FrontierFeed); the tree's entries are dropped afterwards (a length), so the drafter's cache holds
+the sequence only, and the next round's first step feeds the accepted path.
+
 With a draft vocabulary (spec_decode.draft_vocab) the drafter scores only a subset S of tokens, united with the
 prompts' own tokens (code copies identifiers from its context): q(x) = 0 outside S, which stays lossless.
 """
@@ -18,6 +22,7 @@ import torch
 from ..model.llama import LlamaForCausalLM
 from .draft_vocab import DraftVocab, PromptVocabs
 from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
+from .tree import DraftTree, FrontierFeed, grow, top_children
 
 # Most tokens a row brings to the batched first draft step: usually 1 or 2 (after a bonus the drafter never saw the
 # last draft), a few after rounds at K = 0. A longer catch-up (a prompt) is fed alone first: padding every row of the
@@ -72,6 +77,34 @@ class DraftModelProposer(Proposer):
             hidden = self.forward(self.drafter, pool, [dslots[b] for b in idx], rows)
             drawer.draw(j, idx, hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])])
         return drawer.proposal(list(ks), catch_up=catch_up, catch_up_tokens=fed, catch_up_s=catch_up_s)
+
+    supports_tree = True
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
+        reqs, pool = batch.reqs, self.kv.draft_pool
+        trees = [DraftTree(r.last_token) for r in reqs]
+        idx = [b for b in range(len(reqs)) if batch.ks[b] > 0]
+        if not idx:
+            return trees
+        slots = [self.kv.draft_slot(reqs[b]) for b in idx]
+        rows, _ = self._catch_up(slots, [reqs[b].token_slice(pool.seq_len(s)) for b, s in zip(idx, slots)])
+        hidden = self.forward(self.drafter, pool, slots, rows)
+        last = hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])]  # [n, H]
+        dv = self._vocab(reqs)
+        score = dv.logits if dv is not None else self.drafter.compute_logits
+        base = [pool.seq_len(s) for s in slots]  # L: the drafter has fed the whole sequence
+        depths = [batch.ks[b] for b in idx]
+        feed = FrontierFeed(base, width * (max(depths) - 1), last.device)
+
+        def step(tok, parent_slot):
+            _, attn = feed.plan(tok, parent_slot)
+            return top_children(score(self.forward(self.drafter, pool, slots, tok.tolist(), attn)), width, dv)
+
+        grow([trees[b] for b in idx], top_children(score(last), width, dv), step, depths, width)
+        for s, b0 in zip(slots, base):  # drop the tree's entries: the cache describes the sequence only
+            pool.truncate_to(s, b0)
+        return trees
 
     # -- profiling --------------------------------------------------------------------------------------------
     def scratch_fill(self, slots: list[int], n: int) -> None:

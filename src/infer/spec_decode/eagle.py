@@ -9,6 +9,10 @@ entries 0 .. L-2 built from *true* features, and drafting continues from there:
              -> f^_{L-1} -> draft d_1 (the guess for x_L)
   step j     entry L-2+j = fc([embed(d_j); f^_{L-2+j}]) -> f^_{L-1+j} -> d_{j+1}
 
+Trees (``propose_tree``): the same catch-up gives f^_{L-1} and the root's top children; each further depth feeds the
+frontier's nodes as entries at one position (L-2 + their depth), each with its parent's predicted feature and a
+tree mask over the nodes fed this round (its ancestors), in one head forward a depth.
+
 Entries built from predicted features (positions >= L-1) are dropped at the next round, which rebuilds them from
 the target's true features of the accepted tokens: the head's cache is truncated to what it ``fed`` from true
 features (a length; no copy). The draft pool is rolled back with the target's as for any drafter; this truncation
@@ -22,11 +26,13 @@ import weakref
 
 import torch
 
+from ..cache.base import TreeAttn
 from ..model.draft_heads import EagleHead
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, PromptVocabs
 from .features import FeatureStore
 from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
+from .tree import DraftTree, FrontierFeed, grow, top_children
 
 class EagleProposer(Proposer):
     name = "eagle"
@@ -48,7 +54,8 @@ class EagleProposer(Proposer):
     def pending(self, req) -> int:
         return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
 
-    def _forward(self, slots: list[int], tokens: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, slots: list[int], tokens: list[list[int]], feats: list[torch.Tensor],
+                 tree: TreeAttn | None = None) -> torch.Tensor:
         """Append entries (tokens x_{i+1}, features f_i) to the head's slots in one padded forward -> [n, T, H]."""
         pool, dev = self.kv.draft_pool, self.head.device
         T = max(len(t) for t in tokens)
@@ -57,7 +64,7 @@ class EagleProposer(Proposer):
         for i, (t, h) in enumerate(zip(tokens, feats)):
             x[i, :len(t)] = torch.as_tensor(t)
             f[i, :len(t)] = h
-        meta = pool.prepare(slots, [len(t) for t in tokens], dev)
+        meta = pool.prepare(slots, [len(t) for t in tokens], dev, tree)
         return self.head(x.to(dev), f, meta.positions, pool, meta)
 
     def _catch_up(self, reqs, slots: list[int]) -> tuple[list[list[int]], list[torch.Tensor], int]:
@@ -106,6 +113,37 @@ class EagleProposer(Proposer):
             drawer.draw(j, idx, f_hat)
             prev_idx = idx
         return drawer.proposal(ks, catch_up=catch_up, catch_up_tokens=alone, catch_up_s=catch_up_s)
+
+    supports_tree = True
+
+    @torch.inference_mode()
+    def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
+        reqs = batch.reqs
+        trees = [DraftTree(r.last_token) for r in reqs]
+        idx = [b for b, r in enumerate(reqs) if batch.ks[b] > 0 and r.num_tokens - 1 > self._fed_len(r)]
+        if not idx:
+            return trees
+        rows, pool = [reqs[b] for b in idx], self.kv.draft_pool
+        slots = [self.kv.draft_slot(r) for r in rows]
+        toks, feats, _ = self._catch_up(rows, slots)
+        out = self._forward(slots, toks, feats)
+        f_root = out[torch.arange(len(idx)), torch.tensor([len(t) - 1 for t in toks])]  # f^_{L-1} [n, H]
+        dv = self._vocab(reqs)
+        score = dv.logits if dv is not None else self.head.compute_logits
+        base = [pool.seq_len(s) for s in slots]  # the tree's first column: position L-1
+        depths = [batch.ks[b] for b in idx]
+        feed, st = FrontierFeed(base, width * (max(depths) - 1), self.head.device), {"f": f_root[:, None]}
+
+        def step(tok, parent_slot):  # feed the frontier: entry L-2+j = fc([embed(node); f^ of its parent]), depth j
+            pick, attn = feed.plan(tok, parent_slot)
+            f = st["f"].gather(1, pick[:, :, None].expand(*pick.shape, st["f"].shape[2]))  # [n, w, H]
+            st["f"] = self._forward(slots, tok.tolist(), list(f), attn)  # [n, w, H]
+            return top_children(score(st["f"]), width, dv)
+
+        grow([trees[b] for b in idx], top_children(score(f_root), width, dv), step, depths, width)
+        for s, b0 in zip(slots, base):  # the tree's entries came from predicted features: never kept
+            pool.truncate_to(s, b0)
+        return trees
 
     # -- profiling --------------------------------------------------------------------------------------------
     def _zeros(self, n: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ def speculative_generate(
     ``drafter`` None drafts by prompt lookup (``proposer="ngram"``); with a drafter, ``proposer`` may be "draft"
     (default) or "hybrid". ``draft_vocab``: the drafter scores only those tokens plus the prompt's (lossless).
     ``debug``: True prints each round (colours on a TTY); a callable receives (RoundRecord, Request).
-    ``spec_options``: any speculative field of EngineConfig (spec_length_min / _max, egag_ema_beta,
+    ``spec_options``: any speculative field of EngineConfig (spec_tree, spec_length_min / _max, egag_ema_beta,
     prompt_lookup_min / _max, acceptance, lenience, typical_epsilon, typical_delta).
     """
     from ..engine import Engine, EngineConfig
@@ -89,8 +89,6 @@ def speculative_generate(
         params = SamplingParams(**{**params.__dict__, "max_tokens": max_new_tokens})
     if not prompt_ids:
         raise ValueError("prompt is empty: at least one token is needed")
-    k_max = spec_length if isinstance(spec_length, int) and not isinstance(spec_length, bool) else \
-        spec_options.get("spec_length_max", 8)
     limit = target.config.max_position_embeddings
     if drafter is not None:
         limit = min(limit, drafter.config.max_position_embeddings)
@@ -100,8 +98,9 @@ def speculative_generate(
     cfg = EngineConfig(model="(target in memory)", draft_model=None if drafter is None else "(drafter in memory)",
                        use_speculative_decoding=True, proposer=proposer, spec_length=spec_length,
                        draft_vocab_size=None, kv_cache_backend=kv_cache_backend, max_batch_size=1,
-                       max_seq_len=min(limit, len(prompt_ids) + params.max_tokens + k_max),
                        max_num_batched_tokens=max(512, len(prompt_ids)), compile=False, **spec_options)
+    # room for the whole request and one round's lookahead (K_max drafts, or a tree's drafter entries)
+    cfg.max_seq_len = min(limit, len(prompt_ids) + params.max_tokens + cfg.max_spec_length)
     engine = Engine(cfg, model=target, draft_model=drafter, tokenizer=tokenizer, draft_vocab=draft_vocab)
     stats = SpecStats()
     printer = _make_printer(debug, tokenizer)

@@ -6,6 +6,9 @@ K tokens that followed their most recent earlier occurrence. Edits, summaries an
 of their context, and a lookup costs microseconds. No match: no drafts, and the row decodes plainly in the same
 verify pass. Drafts are deterministic (q = one-hot), verified exactly (spec_decode.verify).
 
+Trees (``propose_tree``): the continuations of up to ``MATCHES`` distinct earlier occurrences (longest n first, then
+the most recent), merged into one tree; the first is scored above the others for the cut to the node budget.
+
 The index is kept per request and grows with the sequence: ``{n-gram: position after its latest occurrence}``,
 extended by the tokens appended since the last round (a dictionary update per token and n), so a lookup never
 rescans the prompt.
@@ -21,11 +24,15 @@ import torch
 
 from ..sampling import SamplingBatch
 from .proposer import DraftBatch, Proposal, Proposer, one_hot_q
+from .tree import DraftTree
+
+
+MATCHES = 4  # earlier occurrences an n-gram remembers (the latest ones), for trees
 
 
 class _Index:
     def __init__(self, ns: range):
-        self.by_n = {n: {} for n in ns}  # n -> {tuple of n tokens: index of the token that followed them}
+        self.by_n = {n: {} for n in ns}  # n -> {tuple of n tokens: indices of the tokens that followed them, latest last}
         self.upto = 0  # continuation positions < upto are indexed
 
     def extend(self, seq: list[int]) -> None:
@@ -34,17 +41,24 @@ class _Index:
         for c in range(self.upto, len(seq)):
             for n, table in self.by_n.items():
                 if c >= n:
-                    table[tuple(seq[c - n:c])] = c
+                    seen = table.setdefault(tuple(seq[c - n:c]), [])
+                    seen.append(c)
+                    if len(seen) > MATCHES:
+                        del seen[0]
         self.upto = max(self.upto, len(seq))
 
-    def lookup(self, seq: list[int], k: int) -> list[int]:
-        L = len(seq)
+    def lookup(self, seq: list[int], k: int, matches: int = 1) -> list[list[int]]:
+        """Continuations of up to ``matches`` earlier occurrences, longest context first, then the latest."""
+        L, found = len(seq), []
         for n in sorted(self.by_n, reverse=True):  # the longest matching context is the most specific
             if L > n:
-                c = self.by_n[n].get(tuple(seq[L - n:]))
-                if c is not None:
-                    return seq[c:c + k]
-        return []
+                for c in reversed(self.by_n[n].get(tuple(seq[L - n:]), [])):
+                    cont = seq[c:c + k]
+                    if cont and cont not in found:
+                        found.append(cont)
+                        if len(found) == matches:
+                            return found
+        return found
 
 
 class NgramProposer(Proposer):
@@ -56,18 +70,41 @@ class NgramProposer(Proposer):
         self.ns = range(min_n, max_n + 1)
         self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _Index
 
-    def lookup(self, req, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens."""
+    def continuations(self, req, k: int, matches: int = 1) -> list[list[int]]:
+        """Up to k tokens that followed each of up to ``matches`` earlier occurrences of the sequence's last n tokens."""
         index = self._index.get(req)
         if index is None:
             index = self._index[req] = _Index(self.ns)
         seq = req.all_ids()
         index.extend(seq)
-        return index.lookup(seq, k) if k else []
+        return index.lookup(seq, k, matches) if k else []
+
+    def lookup(self, req, k: int) -> list[int]:
+        """The chain: up to k tokens after the best (longest, then latest) earlier occurrence ([] if none)."""
+        found = self.continuations(req, k)
+        return found[0] if found else []
+
+    supports_tree = True
+
+    def tree(self, req, depth: int) -> DraftTree:
+        tree = DraftTree(req.last_token)
+        for i, cont in enumerate(self.continuations(req, depth, MATCHES)):
+            tree.add_path(cont, score=-float(i))  # the best match's nodes first, then the next ones
+        return tree
+
+    def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
+        return [self.tree(r, k) for r, k in zip(batch.reqs, batch.ks)]
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        found = [self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
-        return _proposal(found, batch)
+        return _proposal([self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)], batch)
+
+
+def _sub_batch(batch: DraftBatch, rows: list[int]) -> DraftBatch:
+    return DraftBatch([batch.reqs[b] for b in rows], [batch.ks[b] for b in rows],
+                      None if batch.sampling is None else
+                      SamplingBatch.from_params([batch.sampling.rows[b] for b in rows], batch.vocab_size, batch.device),
+                      None if batch.seen is None else batch.seen[rows], [batch.generators[b] for b in rows],
+                      batch.vocab_size, batch.device, batch.keep_logits)
 
 
 def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:
@@ -102,6 +139,19 @@ class HybridProposer(Proposer):
     def observe(self, req, start, hidden) -> None:
         self.model.observe(req, start, hidden)
 
+    @property
+    def supports_tree(self) -> bool:
+        return self.model.supports_tree
+
+    def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
+        """The n-gram's tree where a row has a match, the model's tree for the other rows."""
+        trees = [self.ngram.tree(r, k) if k else DraftTree(r.last_token) for r, k in zip(batch.reqs, batch.ks)]
+        rest = [b for b, t in enumerate(trees) if len(t) == 1 and batch.ks[b]]
+        if rest:
+            for b, t in zip(rest, self.model.propose_tree(_sub_batch(batch, rest), width)):
+                trees[b] = t
+        return trees
+
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
@@ -110,13 +160,7 @@ class HybridProposer(Proposer):
             out.q = one_hot_q(out.drafts, batch.vocab_size)  # [B, K, V], replaced for model rows
         if not rest:
             return out
-        sub = DraftBatch([batch.reqs[b] for b in rest], [batch.ks[b] for b in rest],
-                         None if batch.sampling is None else
-                         SamplingBatch.from_params([batch.sampling.rows[b] for b in rest], batch.vocab_size,
-                                                   batch.device),
-                         None if batch.seen is None else batch.seen[rest], [batch.generators[b] for b in rest],
-                         batch.vocab_size, batch.device, batch.keep_logits)
-        mp = self.model.propose(sub)
+        mp = self.model.propose(_sub_batch(batch, rest))
         out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
         rows = torch.tensor(rest, device=batch.device)
         out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts

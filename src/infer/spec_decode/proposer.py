@@ -13,6 +13,8 @@ Invariants every proposer keeps (the round relies on them for losslessness):
   a proposer never touches the target's KV cache;
 - where q is given, q[b, j] is computed with the row's sampling pipeline (``logits_to_probs`` with the same
   params as the target, the penalty context grown by drafts[b, :j]) and drafts[b, j] is a draw from it;
+- a tree (``propose_tree``, proposers with ``supports_tree``) holds deterministic candidates: a function of the
+  same inputs, never of a row's generator, so verification follows the matching child exactly (spec_decode.tree);
 - state a proposer keeps per request (a draft KV slot, an n-gram index) describes tokens of the sequence only,
   never unaccepted drafts: the round rolls the draft KV back with the target's (KVManager.rollback).
 """
@@ -26,6 +28,7 @@ import torch
 
 from ..request import Request
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
+from .tree import DraftTree
 
 
 @dataclass
@@ -63,10 +66,16 @@ class Proposer(ABC):
     name = "?"
     uses_draft_model = False  # True: the KV manager keeps a draft pool in lockstep with the target's
     uses_features = False  # True: the runner hands over the target's hidden states (``observe``)
+    supports_tree = False  # True: ``propose_tree`` drafts token trees
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
         """Up to ``batch.ks[b]`` drafts for each row."""
+
+    def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
+        """A tree per row (rooted at its last token), up to ``batch.ks[b]`` deep, ``width`` children kept a depth
+        (spec_decode.tree.grow); a row that cannot draft gets its root alone. Before the cut to the node budget."""
+        raise NotImplementedError(f"the {self.name} proposer drafts chains only")
 
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two

@@ -30,7 +30,12 @@ from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .proposer import DraftBatch, Proposer
+from .tree import TreeShape
+from .tree_round import tree_fits, tree_round
 from .verify import greedy_verify, verify
+
+
+AUTO_TREE = TreeShape(depth=5, width=3, budget=15)  # spec_tree="auto" for one request (benchmarks/trees.py)
 
 
 @dataclass
@@ -46,6 +51,7 @@ class RoundRecord:
     p_rejected: float | None = None  # p(t) and q(t) of the rejected draft
     q_rejected: float | None = None
     h_norm: float | None = None  # drafter's normalised entropy (EGAG)
+    nodes: int = 0  # a tree round: draft nodes verified (``drafted`` is then the accepted path; k the tree's depth)
 
     @property
     def tested(self) -> int:
@@ -54,12 +60,22 @@ class RoundRecord:
 
 
 class SpeculativeDecoder:
-    def __init__(self, runner, kv, proposer: Proposer, spec_length, acceptance: AcceptancePolicy | None = None):
+    def __init__(self, runner, kv, proposer: Proposer, spec_length, acceptance: AcceptancePolicy | None = None,
+                 tree: TreeShape | str | None = None):
         """``runner``: executes the target (ModelRunner); ``kv``: the KV manager; ``spec_length``: a policy of
-        spec_decode.spec_length."""
+        spec_decode.spec_length; ``tree``: None (chains), a TreeShape (trees, spec_decode.tree_round) or "auto"."""
         self.runner, self.kv, self.proposer, self.spec_length = runner, kv, proposer, spec_length
         self.acceptance = acceptance or ExactAcceptance()
+        self.tree = tree
         self.on_round = None  # optional callback(RoundRecord, Request), e.g. the debug view
+
+    def tree_shape(self, reqs: list[Request]) -> TreeShape | None:
+        """This round's tree, or None for a chain: a pinned shape always (where it fits), "auto" only for a lone
+        decode request: a tree's wider verify is nearly free on one memory-bound row and not beside others."""
+        shape = AUTO_TREE if self.tree == "auto" and len(reqs) == 1 else self.tree
+        if not isinstance(shape, TreeShape) or not self.proposer.supports_tree or not tree_fits(self, reqs, shape):
+            return None
+        return shape
 
     def caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
@@ -76,6 +92,9 @@ class SpeculativeDecoder:
         ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
         if max(ks) == 0:
             return self._plain(reqs, t_in)
+        shape = self.tree_shape(reqs) if self.tree is not None else None
+        if shape is not None:  # the round's K is each tree's depth, at most the shape's
+            return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
         params = [r.params for r in reqs]
         fast_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from ..cache.base import TreeAttn
 from ..model.draft_heads import EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
 from .acceptance import make_policy
@@ -22,6 +23,8 @@ from .proposer import Proposer
 from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
+from .tree import TreeShape
+from .tree_verify import ancestor_mask, tree_depths
 from .cost_model import CostModel, profile_costs, profile_widths
 from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
 
@@ -72,9 +75,13 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
             proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
     if proposer.uses_features:
         runner.feature_sink = proposer.observe
+    tree = None if cfg.spec_tree is None else "auto" if cfg.spec_tree == "auto" else cfg.tree_shape
+    if isinstance(tree, TreeShape) and not proposer.supports_tree:
+        raise ValueError(f"spec_tree={cfg.spec_tree!r}: the {proposer.name} proposer drafts chains only")
     decoder = SpeculativeDecoder(runner, kv, proposer, None,
-                                 make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta))
-    warm_up_compiled(runner, kv, cfg.max_spec_length)
+                                 make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta),
+                                 tree)
+    warm_up_compiled(runner, kv, cfg.max_spec_length, tree=tree is not None)
     if isinstance(cfg.spec_length, int):
         decoder.spec_length = FixedSpecLength(cfg.spec_length)
     elif cfg.spec_length == "egag":
@@ -92,13 +99,14 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
 
 
 @torch.inference_mode()
-def warm_up_compiled(runner, kv, k_max: int) -> None:
+def warm_up_compiled(runner, kv, k_max: int, tree: bool = False) -> None:
     """Build, now, every graph a lone request's rounds will need from a compiled target.
 
     Inductor specialises a graph on the sizes it first sees (context length, the first block's row, mask widths)
     and recompiles, ~40 s for SmolLM2, when they change. One-row decode and verify steps on two slots, at two
     contexts and in two places of the pool, make those sizes dynamic before the first request rather than in the
-    middle of its first rounds."""
+    middle of its first rounds. ``tree``: tree verifies too (their plan differs: positions apart from the columns
+    written)."""
     if getattr(runner.model, "compiled", None) is None:
         return
     held = []
@@ -114,6 +122,12 @@ def warm_up_compiled(runner, kv, k_max: int) -> None:
                 hidden = runner.forward(runner.model, kv.pool, [slot], [[1] * t])
                 runner.model.compute_logits(hidden), runner.model.compute_logits(hidden[:, -1])  # verify, decode
                 kv.pool.truncate_to(slot, ctx)
+                if tree and t > 1:  # a star: every node a child of the root
+                    parents = torch.tensor([[-1] + [0] * (t - 1)])
+                    attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
+                    kv.pool.truncate_to(slot, ctx - 1)
+                    runner.model.compute_logits(runner.forward(runner.model, kv.pool, [slot], [[1] * t], attn))
+                    kv.pool.truncate_to(slot, ctx)
     finally:
         for slot in held:  # the second slot sat after the first in the pool: another first block
             kv.pool.free(slot)
