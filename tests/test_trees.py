@@ -14,6 +14,7 @@ from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.base import TreeAttn
 from infer.engine import Engine, EngineConfig
 from infer.generate import autoregressive_generate
+from infer.request import Request
 from infer.sampling import SamplingParams
 from infer.spec_decode import tree_round as tree_round_module
 from infer.spec_decode.tree import DraftTree, TreeShape, grow
@@ -173,11 +174,12 @@ PARAMS = [SamplingParams(temperature=1.0, max_tokens=4),
 PROMPT = [1, 2]
 
 
-def _pvalue(kind, params):
+def _pvalue(kind, params, backend="paged"):
     """N concurrent requests, batched tree rounds: token 1 from the prefill, tokens 2 and 3 from one tree round
     (depth 2, two children a node) -> the chi-square p-value of (x2, x3) against the target's exact joint."""
     target = random_llama(V, seed=0)
-    eng = _engine(target, kind, spec_length=2, spec_tree="2x2", max_batch_size=32, block_size=4, seed=1234)
+    eng = _engine(target, kind, spec_length=2, spec_tree="2x2", max_batch_size=32, block_size=4, seed=1234,
+                  kv_cache_backend=backend)
     reqs = eng.run([eng.add_request(PROMPT, params) for _ in range(N)])
     counts = torch.zeros(V, V)
     for r in reqs:
@@ -186,10 +188,11 @@ def _pvalue(kind, params):
     return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT))
 
 
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p+penalty"])
 @pytest.mark.parametrize("kind", ["draft", "medusa"])
-def test_joint_distribution_equals_target(kind, params):
-    assert _pvalue(kind, params) > 0.001
+def test_joint_distribution_equals_target(kind, params, backend):
+    assert _pvalue(kind, params, backend) > 0.001
 
 
 def test_wrong_tree_sampler_is_detected(monkeypatch):
@@ -208,6 +211,44 @@ def test_auto_trees_for_a_lone_request_chains_beside_others():
     assert alone > 0
     eng.run([eng.add_request([4, 5, 6, 7], params, eos_token_ids=[]) for _ in range(3)])
     assert eng.stats.tree_rounds == alone and eng.stats.num_drafts > alone  # three rows: chains only
+
+
+def test_auto_follows_the_cost_model():
+    """With a cost model (auto K), "auto" drafts a tree of the chain's K nodes at least, and more where the cost model
+    prices the wider verify about as the chain's: a flat cost (a memory-bound target) gets 12 nodes at K = 4, a cost
+    that grows with the tokens (this CPU's int8 verify, a batch) 4."""
+    from infer.spec_decode.cost_model import CostModel
+
+    target = random_llama(64, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for slope, budget in ((0.0, 12), (0.3, 4)):
+        eng = _engine(target, "draft", spec_length="auto", spec_length_max=4, spec_tree="auto", max_batch_size=1)
+        costs = CostModel.from_points(1, 15, {(1, t): 1e-3 * (1 + slope * (t - 1)) for t in (1, 2, 16)}, {1: 1e-6})
+        eng.decoder.spec_length.costs = costs
+        shape = eng.decoder.tree_shape([Request([1, 2, 3], params)], 4)
+        assert (shape.depth, shape.width, shape.budget) == (4, 3 if budget == 12 else 2, budget)  # lookahead 15
+        want = autoregressive_generate(target, [1, 2, 3], params, eos_token_ids=[]).output_ids
+        assert eng.run([eng.add_request([1, 2, 3], params, eos_token_ids=[])])[0].output_ids == want
+        assert eng.stats.tree_rounds > 0
+        two = [Request([1, 2, 3], params), Request([4, 5], params)]  # beside another row: more nodes, or a chain
+        assert (eng.decoder.tree_shape(two, 4) is None) == (budget == 4)
+
+
+def test_library_call_and_debug_view_show_tree_rounds():
+    from infer.spec_decode import speculative_generate
+    from infer.spec_decode.debug import format_round
+
+    target = random_llama(64, seed=0)
+    drafter, _ = _drafters(target, "draft")
+    params = SamplingParams(temperature=0, max_tokens=20)
+    records = []
+    out, stats = speculative_generate(target, drafter, [1, 2, 3], params, spec_length=3, spec_tree="3x2",
+                                      eos_token_ids=[], debug=lambda rec, req: records.append(rec))
+    assert out.output_ids == autoregressive_generate(target, [1, 2, 3], params, eos_token_ids=[]).output_ids
+    assert records and all(0 < r.nodes <= 6 and r.k <= 3 for r in records)
+    assert stats.expected_acceptance is None  # trees report no E[accept] (it is a chain's quantity)
+    line = format_round(1, records[0], str, color=False)
+    assert line.startswith(f"round   1 tree of {records[0].nodes} nodes, depth {records[0].k}")
 
 
 def test_switch_errors_name_the_problem():

@@ -33,6 +33,9 @@ class _EngineCollector:
         yield CounterMetricFamily("infer_spec_drafts", "Speculation rounds (per request)", value=st.num_drafts)
         yield CounterMetricFamily("infer_spec_draft_tokens", "Drafted tokens", value=st.num_draft_tokens)
         yield CounterMetricFamily("infer_spec_accepted_tokens", "Accepted draft tokens", value=st.num_accepted_tokens)
+        yield CounterMetricFamily("infer_spec_tree_rounds", "Speculation rounds that verified a token tree (per "
+                                  "request)", value=st.tree_rounds)
+        yield CounterMetricFamily("infer_spec_tree_nodes", "Draft nodes verified in token trees", value=st.tree_nodes)
         per_pos = CounterMetricFamily("infer_spec_accepted_tokens_per_position",
                                       "Rounds whose draft at this position was accepted", labels=["position"])
         for i, n in enumerate(st.accepted_per_position):

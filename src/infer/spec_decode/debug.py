@@ -33,6 +33,8 @@ def format_round(idx: int, record, token_text, color: bool) -> str:
         parts.append(paint(BLUE, f"{kind} {final}") if color else f"-> {kind} {final}")
     judged = record.expected_accept[: record.tested]  # positions after the first rejection are never judged
     exp = sum(judged) / len(judged) if judged else float("nan")
+    if record.nodes:  # a tree round: the accepted path, then the final token (the other nodes are not shown)
+        return f"round {idx:3d} tree of {record.nodes} nodes, depth {record.k}: accepted {n}: " + " ".join(parts)
     head = f"round {idx:3d} K={record.k} accepted {n}/{record.k} (E[accept]={exp:.2f}"
     head += f", H_norm={record.h_norm:.2f})" if record.h_norm is not None else ")"
     return f"{head}: " + " ".join(parts)

@@ -30,12 +30,17 @@ from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .proposer import DraftBatch, Proposer
-from .tree import TreeShape
+from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
 from .verify import greedy_verify, verify
 
 
-AUTO_TREE = TreeShape(depth=5, width=3, budget=15)  # spec_tree="auto" for one request (benchmarks/trees.py)
+# spec_tree="auto": the shape a lone request gets without a cost model, and the lookahead "auto" reserves
+AUTO_TREE = TreeShape(depth=5, width=3, budget=15)
+# "auto" gives a tree more nodes than the chain's K only while its verify costs at most this much more than the
+# chain's (benchmarks/trees.py: on the 2-vCPU CPU a verify is compute-bound beyond ~3 tokens, and the ~1.3x longer
+# accepted length of a 15-node tree does not pay for a verify ~2.7x as dear as the 5-token chain's)
+TREE_SLACK = 0.10
 
 
 @dataclass
@@ -69,10 +74,27 @@ class SpeculativeDecoder:
         self.tree = tree
         self.on_round = None  # optional callback(RoundRecord, Request), e.g. the debug view
 
-    def tree_shape(self, reqs: list[Request]) -> TreeShape | None:
-        """This round's tree, or None for a chain: a pinned shape always (where it fits), "auto" only for a lone
-        decode request: a tree's wider verify is nearly free on one memory-bound row and not beside others."""
-        shape = AUTO_TREE if self.tree == "auto" and len(reqs) == 1 else self.tree
+    def tree_shape(self, reqs: list[Request], k: int) -> TreeShape | None:
+        """This round's tree, or None for a chain. A pinned shape: always (where it fits). "auto" with a cost model
+        (auto K): a tree of at least the chain's k nodes, cut by the drafter's scores (at equal verify width the best
+        k nodes of a tree accept more than the top-1 chain of k: benchmarks/trees.py), and more nodes as far as the
+        cost model prices the wider verify within TREE_SLACK of the chain's (many where extra rows are nearly free,
+        a memory-bound target; none on a compute-bound CPU verify). Beside other rows, a tree only where it gets more
+        nodes than the chain, else the chain (a tree's draft steps feed w tokens a row). Without a cost model
+        (pinned K, EGAG): AUTO_TREE for a lone request, chains beside others."""
+        shape = self.tree
+        if shape == "auto":
+            costs = getattr(self.spec_length, "costs", None)
+            shape = AUTO_TREE if costs is None and len(reqs) == 1 else None
+            if costs is not None and 0 < k < MAX_NODES:
+                B, chain = len(reqs), costs.verify_cost(len(reqs), k + 1)
+                n = max(m for m in range(k, MAX_NODES) if m == k or
+                        costs.verify_cost(B, m + 1) <= (1 + TREE_SLACK) * chain)
+                d = min(k, AUTO_TREE.depth)  # deeper paths rarely survive to their end
+                width = min(max(2, -(-n // d)), self.kv.lookahead // d)
+                # beside other rows, no more nodes than the chain's: a chain (a tree drafts w tokens a row a step)
+                if width >= 2 and (B == 1 or n > k):
+                    shape = TreeShape(d, width, min(n, d * width, MAX_NODES - 1))
         if not isinstance(shape, TreeShape) or not self.proposer.supports_tree or not tree_fits(self, reqs, shape):
             return None
         return shape
@@ -92,7 +114,7 @@ class SpeculativeDecoder:
         ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
         if max(ks) == 0:
             return self._plain(reqs, t_in)
-        shape = self.tree_shape(reqs) if self.tree is not None else None
+        shape = self.tree_shape(reqs, max(ks)) if self.tree is not None else None
         if shape is not None:  # the round's K is each tree's depth, at most the shape's
             return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device

@@ -23,7 +23,7 @@ from .proposer import Proposer
 from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
-from .tree import TreeShape
+from .tree import MAX_NODES, TreeShape
 from .tree_verify import ancestor_mask, tree_depths
 from .cost_model import CostModel, profile_costs, profile_widths
 from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
@@ -88,10 +88,12 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         decoder.spec_length = EntropySpecLength(cfg.spec_length_min, cfg.spec_length_max, cfg.egag_ema_beta)
     else:
         max_batch = min(cfg.max_batch_size, cfg.spec_max_batch_size or cfg.max_batch_size)
-        key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, cfg.spec_length_max)
+        # with trees, verify widths up to a tree's nodes are priced too ("auto" compares a tree's verify with a chain's)
+        widest = cfg.spec_length_max if tree is None else max(cfg.spec_length_max, MAX_NODES - 1)
+        key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, widest)
         cache = _COSTS.setdefault(runner.model, {})
         if costs is None:
-            costs = cache.get(key) or measure_costs(decoder, max_batch, cfg.spec_length_max)
+            costs = cache.get(key) or measure_costs(decoder, max_batch, widest)
         cache[key] = costs
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)
         decoder.spec_length.pending = proposer.pending

@@ -77,6 +77,9 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
         res = tree_verify(tokens, parents, num_nodes, p, None, gens)
     paths, n_acc, out_tokens = res.path.tolist(), res.num_accepted.tolist(), res.output_tokens.tolist()
     t2 = time.perf_counter()
+    costs = getattr(dec.spec_length, "costs", None)
+    if costs is not None:  # what a verify of N tokens a row costs now ("auto" weighs trees by it)
+        costs.refresh_verify(B, N, t2 - t1)
     runner.stats.tree_rounds += 1
     runner.stats.tree_nodes += sum(num_nodes) - B
 
@@ -103,7 +106,6 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
         dec.spec_length.observe(r, k, n, None)
         if k and dec.on_round is not None:
             dec.on_round(RoundRecord(k, [trees[b].tokens[i] for i in path], n, emitted, bool(res.is_bonus[b]),
-                                     [float("nan")] * k, nodes=len(trees[b]) - 1), r)
+                                     [], nodes=len(trees[b]) - 1), r)  # no E[accept] for a tree
     dec.spec_length.round_overhead(B, True, time.perf_counter() - t_in - (t2 - t0))
-    dec.last_tree_timing = (t1 - t0, t2 - t1)
     return outputs
