@@ -216,3 +216,22 @@ def test_serve_rejects_bad_flags_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(tmp_path), "--kv-cache-backend", "ring"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "kv_cache_backend" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_speculation_off_per_request_and_the_spec_extension(client):
+    kw = dict(model=NAME, prompt="def fib(n):", max_tokens=16, temperature=0)
+    spec = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True, "speculation": False})
+    assert plain.choices[0].text == spec.choices[0].text  # same output, no drafts
+    assert plain.usage.model_dump()["num_draft_tokens"] == 0 < spec.usage.model_dump()["num_draft_tokens"]
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "include_spec": True}))
+    tokens = [t for c in chunks if c.choices for t in c.choices[0].model_dump()["spec"]["tokens"]]
+    assert len(tokens) == 16 and {t["source"] for t in tokens} <= {"target", "accepted", "recovered", "bonus"}
+    ends = [t for t in tokens if t["source"] in ("recovered", "bonus")]  # one per speculative round
+    accepted = sum(t["source"] == "accepted" for t in tokens)
+    assert ends and all(t["k"] > 0 for t in ends)
+    usage = chunks[-1].usage.model_dump()
+    assert accepted == usage["num_accepted_tokens"] and sum(t["k"] for t in ends) == usage["num_draft_tokens"]
+    plain_chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    assert all("spec" not in c.choices[0].model_dump() for c in plain_chunks if c.choices)  # only when asked

@@ -36,7 +36,7 @@ class ScriptedStream:
         self.outs = [StepOutput(request_id, ord(ch), ch, finished=i == len(reply) - 1,
                                 finish_reason="length" if i == len(reply) - 1 else None)
                      for i, ch in enumerate(reply)]
-        self.closed = False
+        self.closed = self.finished = False
 
     def __aiter__(self):
         return self
@@ -44,7 +44,9 @@ class ScriptedStream:
     async def __anext__(self):
         if not self.outs:
             raise StopAsyncIteration
-        return self.outs.pop(0)
+        out = self.outs.pop(0)
+        self.finished = out.finished
+        return out
 
     def close(self):
         self.closed = True
@@ -58,7 +60,7 @@ class FakeEngine:
         self.error = None
         self.added: list[tuple[list[int], object, ScriptedStream]] = []
 
-    async def add_request(self, prompt_ids, params, request_id):
+    async def add_request(self, prompt_ids, params, request_id, speculate=True):
         if len(self.added) >= self.capacity:
             raise QueueFullError("waiting queue full")
         stream = ScriptedStream(request_id, self.reply)
@@ -69,7 +71,7 @@ class FakeEngine:
 def fake_state(engine=None) -> ServerState:
     engine = engine or FakeEngine()
     return ServerState(engine=engine, served_model_name=NAME, metrics=ServerMetrics(engine),
-                       tokenizer=CharTokenizer(), speculative=False, max_seq_len=64)
+                       tokenizer=CharTokenizer(), speculative=False, max_seq_len=64, vocab_size=0x110000)
 
 
 def mount(router, state, api_key=None, max_body_bytes=None) -> TestClient:

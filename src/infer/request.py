@@ -71,6 +71,7 @@ class Request:
         self.speculation_acceptance_rates: list[float] = []  # per round: accepted / drafted
         self.accepted_per_position: list[int] = []  # [k]: rounds whose draft k was accepted
         self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
+        self.speculate = True  # False: this request never drafts (plain decoding beside speculating requests)
         # engine state
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running
@@ -187,6 +188,11 @@ class StepOutput:
     num_accepted_tokens: int = 0
     logprob: float | None = None  # log p(token) under the target's (processed) distribution
     top_logprobs: list[tuple[int, float]] | None = None
+    # how the token came: "target" (a plain step: prefill or decode), "accepted" (a draft the target accepted),
+    # "recovered" (drawn from the residual at a rejection), "bonus" (after every draft of its round was accepted);
+    # round_k: drafts in its round (0 for a plain step)
+    source: str = "target"
+    round_k: int = 0
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Sampling parameters and the one logits -> probabilities pipeline used everywhere.
 
 Order (Hugging Face's): repetition penalty -> temperature -> top-k -> top-p -> min-p. Temperature 0 is greedy:
-the distribution is one-hot on the argmax of the penalised logits. Speculative decoding applies exactly this
+the distribution is one-hot on the argmax of the penalised logits; so is any temperature below GREEDY_TEMPERATURE
+(as vLLM does below 1e-5): dividing logits by a temperature near 1e-38 overflows float32 and would sample garbage. Speculative decoding applies exactly this
 pipeline to the drafter (q) and the target (p), so truncated supports and penalties are accounted for in the
 acceptance test. Randomness comes only from each request's own ``torch.Generator``.
 """
@@ -12,6 +13,10 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (SamplingParams sets them to 0)
+SEED_RANGE = (0, 2**64)  # a torch.Generator's seeds; outside them it would overflow or wrap (-1 == 2**64 - 1)
 
 
 @dataclass
@@ -34,6 +39,8 @@ class SamplingParams:
 
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             bad("top_k", "must be an integer (<= 0 means off)")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -52,8 +59,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            bad("seed", "must be an integer in [0, 2**64) or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20] or None")

@@ -65,7 +65,8 @@ class AsyncEngine:
 
     # -- client side (any thread / event loop) -----------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                          request_id: str | None = None, prompt: str | None = None) -> RequestStream:
+                          request_id: str | None = None, prompt: str | None = None,
+                          speculate: bool = True) -> RequestStream:
         if self.error is not None:
             raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
         if request_id is None:
@@ -73,7 +74,8 @@ class AsyncEngine:
             request_id = f"areq-{self._ids}"
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         accepted = loop.create_future()
-        self._cmds.put(("add", (list(prompt_ids), params or SamplingParams(), request_id, prompt), loop, q, accepted))
+        self._cmds.put(("add", (list(prompt_ids), params or SamplingParams(), request_id, prompt, speculate), loop, q,
+                        accepted))
         self._wake.set()
         await accepted  # raises what Engine.add_request raised
         return RequestStream(self, request_id, q)
@@ -90,6 +92,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
         self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each stream ends with a final output (finish_reason "abort")."""
+        for rid in list(self._streams):
+            self.abort(rid)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -111,9 +118,9 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, (ids, params, rid, prompt), loop, q, accepted = cmd
+            _, (ids, params, rid, prompt, speculate), loop, q, accepted = cmd
             try:
-                self.engine.add_request(ids, params, rid, prompt)
+                self.engine.add_request(ids, params, rid, prompt, speculate=speculate)
             except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
                 loop.call_soon_threadsafe(_settle, accepted, e)
                 return

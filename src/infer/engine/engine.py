@@ -137,9 +137,11 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None,
-                    generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None) -> Request:
+                    generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None,
+                    speculate: bool = True) -> Request:
         """Queue one request. ``generator`` / ``eos_token_ids`` override the request's own RNG (from params.seed)
-        and the engine's EOS ids (library calls on loaded models use them)."""
+        and the engine's EOS ids (library calls on loaded models use them); ``speculate=False`` decodes it plainly
+        on a speculating engine (its output is the same either way: only its speed differs)."""
         params = params or SamplingParams()
         self.check_request(prompt_ids, params)
         if request_id is not None and request_id in self.requests:
@@ -151,6 +153,7 @@ class Engine:
             generator = self._generator(params)
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt)
+        req.speculate = speculate
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req

@@ -64,14 +64,17 @@ class ModelRunner:
         probs = logits_to_probs(logits, batch, seen)
         return sample(probs, [r.generator for r in reqs], [p.greedy for p in params]).tolist()
 
-    def emit(self, req: Request, token: int, logits: torch.Tensor | None = None) -> StepOutput:
+    def emit(self, req: Request, token: int, logits: torch.Tensor | None = None, source: str = "target",
+             round_k: int = 0) -> StepOutput:
         """Append one token to the request (stop conditions live in Request.append) -> its StepOutput.
 
-        ``logits`` [V]: the target's logits for this position, for requests that asked for logprobs.
+        ``logits`` [V]: the target's logits for this position, for requests that asked for logprobs; ``source`` and
+        ``round_k``: how a speculative round produced it (StepOutput).
         """
         done = req.append(token)  # stamps first_token_time
         self.stats.generation_tokens += 1
-        out = StepOutput(req.request_id, token, req.stream_text(), done, req.finish_reason)
+        out = StepOutput(req.request_id, token, req.stream_text(), done, req.finish_reason, source=source,
+                         round_k=round_k)
         if req.params.logprobs is not None and logits is not None:
             out.logprob, out.top_logprobs = token_logprobs(logits, token, req.params.logprobs)
         if done and req.num_draft_tokens:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+
+import uvicorn
 
 from ..cli_args import add_dataclass_args, add_model_args, add_spec_args, config_kwargs
 from ..engine.config import EngineConfig
@@ -22,17 +25,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds requests in flight may take to finish; then they are aborted "
+                        "(each stream ends with a final event, finish_reason 'abort') and the server exits "
+                        "(default: 10)")
 
 
 def engine_config(a) -> EngineConfig:
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    if not a.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
     return EngineConfig(**config_kwargs(a, EngineConfig))
 
 
 def serve(a) -> int:
-    import uvicorn
-
     from ..engine.async_engine import AsyncEngine
     from .app import build_app
 
@@ -41,11 +48,30 @@ def serve(a) -> int:
     app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes)
     spec = f", speculative ({cfg.proposer}, K={cfg.spec_length})" if cfg.use_speculative_decoding else ""
     print(f"infer: serving {a.model}{spec} on http://{a.host}:{a.port}", file=sys.stderr)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
+                            timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        GracefulServer(config, engine, a.shutdown_timeout).run()
     finally:
         engine.shutdown()
     return 0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a deadline on shutdown: at SIGTERM/SIGINT it stops accepting connections and lets the
+    requests in flight finish for ``grace`` seconds; then it aborts what is left (every stream gets its final event
+    and [DONE], every non-streaming request its partial answer) and exits. A second SIGINT still exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            timer = threading.Timer(self.grace, self.engine.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> int:

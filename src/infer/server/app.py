@@ -3,12 +3,17 @@
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
 is full. The routes live in routers (meta, completions) that read a ServerState from ``app.state.server``; errors
-and middlewares are in errors.py.
+and middlewares are in errors.py. ``/`` serves the playground (static/: chat or completion, streamed, each token
+coloured by how speculation produced it).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
 from . import completions, meta
@@ -16,9 +21,46 @@ from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}}}
+ERRORS = {"400": "invalid parameter or a prompt that cannot fit", "401": "wrong or missing API key",
+          "404": "unknown model", "413": "request body too large", "503": "queue full (Retry-After) or engine down"}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema with the errors this server sends: OpenAI-shaped 400 where FastAPI would document 422."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+        name = app.state.server.served_model_name  # the one model id this server answers to (else 404)
+        for body in ("CompletionRequest", "ChatCompletionRequest"):
+            props = schema["components"]["schemas"].get(body, {}).get("properties", {})
+            if "model" in props:
+                props["model"] = {"type": "string", "enum": [name], "title": "Model"}
+        ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        for path, ops in schema["paths"].items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                codes = ERRORS if op.get("requestBody") else {k: v for k, v in ERRORS.items() if k in ("401", "503")}
+                for code, text in codes.items():
+                    if path == "/health" and code == "401":  # liveness stays open
+                        continue
+                    responses.setdefault(code, {"description": text, "content": ref})
+        schema["components"]["schemas"].pop("HTTPValidationError", None)
+        schema["components"]["schemas"].pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20) -> FastAPI:
     app = FastAPI(title="infer", docs_url=None, redoc_url=None)
+    app.openapi = lambda: openapi_schema(app)
     app.state.server = ServerState.from_engine(engine, served_model_name)
     install_error_handlers(app)
     if api_key:
@@ -26,4 +68,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.add_middleware(BodySizeLimit, limit=max_body_bytes)  # added last: outermost, so it refuses first
     app.include_router(meta.router)
     app.include_router(completions.router)
+    # the playground: plain HTML, CSS and a JS module, no build step (static/)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
     return app
+
+
+STATIC = Path(__file__).parent / "static"

@@ -1,6 +1,7 @@
 """/v1/completions and /v1/chat/completions: a request becomes (prompt x n) engine streams, answered as one JSON
-body or as server-sent events. A client that disconnects mid-stream aborts its requests, which frees their KV
-blocks at once."""
+body or as server-sent events. A client that disconnects aborts its requests, streaming or not (a non-streaming
+request watches its connection while it waits), which frees their KV blocks at once; aborted requests are counted.
+Tokenisation runs in a worker thread: a megabyte of prompt never stalls the event loop (other requests, /health)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import asyncio
 import json
 import time
 
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..engine import QueueFullError
 from ..engine.async_engine import RequestStream
@@ -21,25 +23,31 @@ from .state import CurrentState, ServerState
 router = APIRouter()
 
 
-@router.post("/v1/completions")
-async def completions(body: P.CompletionRequest, state: CurrentState):
+# the JSON and SSE answers (the OpenAPI schema documents both; errors are OpenAI-shaped 4xx/5xx, app.py)
+ANSWERS = {200: {"content": {"application/json": {}, "text/event-stream": {}},
+                 "description": "one JSON body, or server-sent events with stream: true"}}
+
+
+@router.post("/v1/completions", responses=ANSWERS)
+async def completions(body: P.CompletionRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
     tok = state.tokenizer
-    prompts = _prompt_ids(tok, body.prompt)
-    echo = [tok.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
-    return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, chat=False, echo=echo)
+    prompts = await run_in_threadpool(_prompt_ids, tok, body.prompt, state.vocab_size)
+    echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+    return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState):
+@router.post("/v1/chat/completions", responses=ANSWERS)
+async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-    ids = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+    ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
+                                                            for m in body.messages])
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(state, body, [ids], max_tokens, top, chat=True, echo=[""])
+    return await _serve(state, body, [ids], max_tokens, top, True, [""], request)
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -48,17 +56,25 @@ def _check_model(state: ServerState, name: str) -> None:
                        "not_found_error", "model")
 
 
-def _prompt_ids(tok, prompt) -> list[list[int]]:
+def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", param="prompt")
+
+
+def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt (text tokenised; ids range-checked before anything decodes them)."""
     if isinstance(prompt, str):
         return [tok.encode(prompt)]
     if prompt and isinstance(prompt[0], str):
         return [tok.encode(p) for p in prompt]
-    if prompt and isinstance(prompt[0], list):
-        return [list(p) for p in prompt]
-    return [list(prompt)]
+    prompts = [list(p) for p in prompt] if prompt and isinstance(prompt[0], list) else [list(prompt)]
+    _check_ids(prompts, vocab_size)
+    return prompts
 
 
-async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo):
+async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     streams: list[RequestStream] = []
     try:
@@ -66,7 +82,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
             for j in range(body.n):
                 try:
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
-                    streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}"))
+                    kw = {} if body.speculation else {"speculate": False}
+                    streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
                 except QueueFullError as e:
                     state.metrics.requests.labels("rejected").inc()
                     raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"})
@@ -79,18 +96,42 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         raise
     choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n]) for k, s in enumerate(streams)]
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream_events(state, rid, body.model, choices, chat, include_usage, logprobs),
-                                 media_type="text/event-stream")
+        opts = body.stream_options
+        events = _stream_events(state, rid, body.model, choices, chat, bool(opts and opts.include_usage), logprobs,
+                                bool(opts and opts.include_spec))
+        return StreamingResponse(events, media_type="text/event-stream")
+    work = asyncio.ensure_future(asyncio.gather(*[c.consume(state.metrics) for c in choices]))
+    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.gather(*[c.consume(state.metrics) for c in choices])
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client has gone: nobody will read the answer (499: nginx's "client closed")
+            work.cancel()
+            return Response(status_code=499)
+        work.result()
     finally:
-        for c in choices:
-            c.stream.close()
+        watch.cancel()
+        _close(choices, state.metrics)
     return _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative)
 
 
-async def _stream_events(state: ServerState, rid, model, choices, chat, include_usage, logprobs):
+DISCONNECT_POLL_S = 0.1  # how soon a non-streaming request notices that its client has gone
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _close(choices, metrics: ServerMetrics) -> None:
+    """Abort whatever still runs (its KV is freed at once), counted as aborted requests."""
+    for c in choices:
+        if not c.stream.finished:
+            metrics.requests.labels("abort").inc()
+        c.stream.close()
+
+
+async def _stream_events(state: ServerState, rid, model, choices, chat, include_usage, logprobs, include_spec=False):
     created = P.now()
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -124,6 +165,8 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 yield _sse(P.error_body(f"generation failed: {out}", "server_error", None, 500))
                 continue
             finish = _finish_reason(out) if out.finished else None
+            if include_spec and out.token_id is not None:
+                c.spec.append({"source": out.source, "k": out.round_k})
             if not out.text and finish is None and logprobs is None:
                 continue  # nothing visible yet (text held back for a stop string or partial UTF-8)
             lp = (_logprobs_payload(state.tokenizer, [out], chat)
@@ -133,6 +176,8 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                           "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": finish}
+            if include_spec:  # the tokens whose text this chunk carries (several when text was held back)
+                choice["spec"], c.spec = {"tokens": c.spec}, []
             yield _sse(P.completion_chunk(rid, model, created, [choice], chat=chat))
         if include_usage:
             yield _sse(P.completion_chunk(rid, model, created, [], _usage(choices, state.speculative), chat=chat))
@@ -140,8 +185,7 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
     finally:  # normal end, client disconnect (cancellation) or error: abort whatever still runs
         for t in tasks:
             t.cancel()
-        for c in choices:
-            c.stream.close()
+        _close(choices, state.metrics)
 
 
 class _Choice:
@@ -153,6 +197,7 @@ class _Choice:
         self.text = ""
         self.finish_reason = None
         self.draft = self.accepted = 0
+        self.spec: list[dict] = []  # stream_options.include_spec: tokens not yet sent in a chunk
         self.t0 = time.monotonic()
         self.t_last: float | None = None
 
@@ -178,7 +223,8 @@ class _Choice:
 
 
 def _finish_reason(out) -> str:
-    return "length" if out.finish_reason == "length" else "stop"
+    """OpenAI's "length" / "stop"; "abort" for a request the server stopped (shutdown past its grace period)."""
+    return out.finish_reason if out.finish_reason in ("length", "abort") else "stop"
 
 
 def _usage(choices: list[_Choice], speculative: bool) -> dict:

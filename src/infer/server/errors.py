@@ -31,15 +31,22 @@ async def _api_error(_, e: ApiError):
 
 async def _validation(_, e: RequestValidationError):
     err = e.errors()[0] if e.errors() else {}
+    if err.get("type") == "json_invalid":  # loc ("body", offset): the offset is no parameter
+        why = (err.get("ctx") or {}).get("error", "")
+        return error_response(400, f"the request body is not valid JSON{': ' + why if why else ''}",
+                              "invalid_request_error")
     loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
     param = ".".join(loc) or None
+    if param is None:
+        return error_response(400, f"invalid request body: {err.get('msg', 'invalid')} (a JSON object is expected)",
+                              "invalid_request_error")
     return error_response(400, f"invalid parameter {param}: {err.get('msg', 'invalid')}", "invalid_request_error",
                           param)
 
 
 async def _http(_, e: StarletteHTTPException):
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(e.status_code, str(e.detail), type_)
+    return error_response(e.status_code, str(e.detail), type_, headers=e.headers)  # 405 keeps its Allow header
 
 
 async def _internal(_, e: Exception):  # a bug must answer as JSON, never take the server down
@@ -53,15 +60,22 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _internal)
 
 
+def _open(path: str) -> bool:
+    """Routes without a key: liveness probes, and the playground's page (it asks for the key itself)."""
+    return path in ("/health", "/") or path.startswith("/static/")
+
+
 class ApiKeyAuth(BaseHTTPMiddleware):
-    """401 unless the request carries ``Authorization: Bearer <api_key>``; /health stays open to liveness probes."""
+    """401 unless the request carries ``Authorization: Bearer <api_key>``; /health and the playground's static page
+    stay open."""
 
     def __init__(self, app, api_key: str):
         super().__init__(app)
         self.api_key = api_key
 
     async def dispatch(self, request: Request, call_next):
-        if request.url.path != "/health" and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        path = request.url.path
+        if not _open(path) and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
                                   "authentication_error")
         return await call_next(request)

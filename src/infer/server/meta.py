@@ -26,6 +26,8 @@ async def models(state: CurrentState):
                                         "owned_by": "infer"}]}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition format"}})
 async def prometheus(state: CurrentState):
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -6,17 +6,42 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SamplingParams
 
 
+# Strict types, as OpenAI's API: "16" is not an integer and "yes" not a boolean (an integer is still a number).
+# Unknown OpenAI fields (user, ...) are accepted and ignored.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def valid_text(value):
+    """Strings (nested in lists) must be encodable Unicode: JSON's "\\ud800" decodes to a lone surrogate, which no
+    tokenizer can encode."""
+    items = value if isinstance(value, list) else [value]
+    for v in items:
+        if isinstance(v, list):
+            valid_text(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"contains {v[e.start:e.end]!r}, a lone surrogate: not valid Unicode text") from None
+    return value
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
+    # infer's extension (OpenAI clients ignore it): each chunk's choice carries "spec": {"tokens": [{"source":
+    # "target" | "accepted" | "recovered" | "bonus", "k": drafts in that token's round}, ...]}, one per token
+    include_spec: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, ...) are accepted and ignored
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -31,6 +56,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    speculation: bool = True  # infer's extension: false decodes this request plainly (same output, its own speed)
+
+    _valid_stop = field_validator("stop")(valid_text)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
@@ -44,16 +72,31 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
+    _valid_prompt = field_validator("prompt")(valid_text)
+
+
+class ContentPart(BaseModel):
+    """One part of a chat message's content; only text parts are read (an image part is ignored)."""
+
+    model_config = STRICT
+
+    type: str
+    text: str | None = None
+
+    _valid_text = field_validator("text")(valid_text)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
+
+    _valid_content = field_validator("content")(valid_text)
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 

@@ -21,12 +21,13 @@ class ServerState:
     tokenizer: Tokenizer
     speculative: bool  # usage reports an acceptance rate only when a drafter runs
     max_seq_len: int  # a chat request without max_tokens may fill the context
+    vocab_size: int  # token-id prompts are checked against it before anything decodes them (echo)
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, served_model_name: str) -> ServerState:
         eng = engine.engine
         return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
-                   eng.max_seq_len)
+                   eng.max_seq_len, eng.model.config.vocab_size)
 
 
 async def server_state(request: Request) -> ServerState:  # async: FastAPI runs a sync dependency in a thread pool

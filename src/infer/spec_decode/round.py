@@ -43,6 +43,13 @@ AUTO_TREE = TreeShape(depth=5, width=3, budget=15)
 TREE_SLACK = 0.10
 
 
+def token_source(j: int, n: int, k: int, bonus) -> str:
+    """StepOutput.source of the j-th token a row emits in a round of k drafts, n of them accepted."""
+    if not k:
+        return "target"
+    return "accepted" if j < n else "bonus" if bool(bonus) else "recovered"
+
+
 @dataclass
 class RoundRecord:
     """One request's part of one round (the debug view and SpecStats read these)."""
@@ -101,11 +108,12 @@ class SpeculativeDecoder:
 
     def caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
-        max_seq_len (the overflow guard); none when the batch is too large to speculate."""
+        max_seq_len (the overflow guard); none when the batch is too large to speculate or the request asked not
+        to (``Request.speculate``)."""
         if not self.kv.speculating(len(reqs)):
             return [0] * len(reqs)
         return [max(0, min(self.kv.lookahead, r.params.max_tokens - len(r.output_ids) - 1,
-                           self.kv.max_seq_len - r.num_tokens)) for r in reqs]
+                           self.kv.max_seq_len - r.num_tokens)) if r.speculate else 0 for r in reqs]
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
@@ -180,7 +188,7 @@ class SpeculativeDecoder:
                 r.num_target_forwards += 1
             emitted = []
             for j, t in enumerate(out_tokens[b][: n + 1]):  # token j was judged by the target's p_j
-                outputs.append((r, runner.emit(r, t, logits[b, j])))
+                outputs.append((r, runner.emit(r, t, logits[b, j], token_source(j, n, k, res.is_bonus[b]), k)))
                 emitted.append(t)
                 if r.finished:
                     break

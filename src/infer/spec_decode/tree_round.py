@@ -41,7 +41,7 @@ def tree_fits(dec, reqs, shape: TreeShape) -> bool:
 @torch.inference_mode()
 def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     """One round of ``dec`` (a SpeculativeDecoder) over trees up to ``depths[b]`` deep -> [(request, StepOutput)]."""
-    from .round import RoundRecord  # round.py imports this module
+    from .round import RoundRecord, token_source  # round.py imports this module
 
     runner, kv = dec.runner, dec.kv
     B, V, dev = len(reqs), runner.vocab_size, runner.device
@@ -99,7 +99,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
             r.num_target_forwards += 1
         emitted = []
         for j, t in enumerate(out_tokens[b][:n + 1]):  # token j was judged at the path's node j - 1 (root first)
-            outputs.append((r, runner.emit(r, t, logits[b, 0 if j == 0 else path[j - 1]])))
+            outputs.append((r, runner.emit(r, t, logits[b, 0 if j == 0 else path[j - 1]],
+                                           token_source(j, n, k, res.is_bonus[b]), k)))
             emitted.append(t)
             if r.finished:
                 break

@@ -1,0 +1,209 @@
+"""What an adversarial run against ``infer serve`` found, each answered (issue 18, part 2), through the real server:
+bad input is a 400 naming the field (never a 500), a non-streaming request whose client has gone is aborted and its
+KV freed, tiny temperatures are greedy, a megabyte of prompt does not stall /health, the OpenAPI schema documents
+what the server sends, and SIGTERM drains within its grace period with a final event on every stream."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from infer.engine import EngineConfig
+from infer.engine.async_engine import AsyncEngine
+from infer.llm import LLM
+from infer.sampling import SamplingParams
+from infer.server import build_app
+from infer.server.thread import ServerThread
+from infer.testing import make_tiny_llama
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("long"), "gqa", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(long_ckpt):
+    engine = AsyncEngine(EngineConfig(model=long_ckpt, max_batch_size=16, block_size=16, max_waiting_requests=64))
+    with ServerThread(build_app(engine, NAME, max_body_bytes=4 << 20)) as srv:
+        srv.engine = engine
+        yield srv
+    engine.shutdown()
+
+
+def _post(server, path, body, timeout=30):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _kv_free(engine) -> bool:
+    return engine.engine.free_kv_tokens() == engine.engine.initial_free_kv_tokens
+
+
+CHAT = "/v1/chat/completions"
+BAD = [  # (route, raw JSON body, the parameter the 400 must name)
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "messages.0.content"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2, 99999], "echo": true}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": 36893488147419103232}', "seed"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -1}', "seed"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "16"}', "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', "stream"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(server, route, body, param):
+    status, r = _post(server, route, body)
+    assert status == 400, r
+    assert r["error"]["param"].startswith(param) and r["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_json_says_so(server):
+    status, r = _post(server, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in r["error"]["message"] and r["error"]["param"] is None
+    status, r = _post(server, "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in r["error"]["message"]
+
+
+def test_tiny_temperatures_are_greedy(server, long_ckpt):
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    want = LLM(long_ckpt).generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    status, r = _post(server, "/v1/completions", {"model": NAME, "prompt": "def f(x):", "max_tokens": 12,
+                                                   "temperature": 1e-38, "ignore_eos": True})
+    assert status == 200 and r["choices"][0]["text"] == want.text
+
+
+def test_abandoned_non_streaming_requests_are_aborted_and_free_their_kv(server):
+    eng = server.engine
+    before = _aborted(server)
+    body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 3000, "ignore_eos": True}).encode()
+
+    def give_up():
+        try:
+            _post(server, "/v1/completions", body, timeout=0.5)
+        except (TimeoutError, socket.timeout, urllib.error.URLError):
+            pass
+
+    clients = [threading.Thread(target=give_up) for _ in range(10)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    gone = time.monotonic()  # every client has closed its connection by now
+    while not _kv_free(eng) and time.monotonic() - gone < 5:
+        time.sleep(0.02)
+    freed = time.monotonic() - gone
+    assert _kv_free(eng) and not eng.engine.has_unfinished
+    assert freed < 1.0, f"KV freed {freed:.2f} s after the clients left"
+    assert _aborted(server) - before == 10
+
+
+def _aborted(server) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('infer_requests_total{status="abort"}'):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_megabyte_prompt_does_not_stall_health(server):
+    prompt = "def f(x): return x * 2  # " * 40000  # ~1 MB: tokenised in a worker thread, not on the event loop
+    done, worst = threading.Event(), [0.0]
+
+    def big():
+        _post(server, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 1}, timeout=120)
+        done.set()
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.05)
+    while not done.is_set():
+        t0 = time.monotonic()
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        worst[0] = max(worst[0], time.monotonic() - t0)
+        time.sleep(0.02)
+    t.join()
+    assert worst[0] < 0.25, f"/health took {worst[0]:.2f} s while a 1 MB prompt was tokenised"
+
+
+def test_openapi_documents_what_the_server_sends(server):
+    with urllib.request.urlopen(server.url + "/openapi.json", timeout=10) as r:
+        schema = json.loads(r.read())
+    comp = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in comp and {"400", "404", "413", "503"} <= set(comp)
+    assert "text/event-stream" in comp["200"]["content"]
+    assert "/metrics" in schema["paths"] and "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"][
+        "content"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_within_the_grace_period_and_ends_every_stream(long_ckpt):
+    grace, port = 1.0, _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infer.server", "--model", str(long_ckpt), "--port", str(port),
+                             "--max-batch-size", "8", "--shutdown-timeout", str(grace)],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        ends: list = [None] * 8
+        body = json.dumps({"model": str(long_ckpt), "prompt": "x", "max_tokens": 3900, "ignore_eos": True,
+                           "stream": True}).encode()
+
+        def stream(i):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            events = []
+            with urllib.request.urlopen(req, timeout=60) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].strip())
+            last = json.loads(events[-2])["choices"][0]
+            ends[i] = (events[-1], last["finish_reason"])
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # all eight are streaming
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace + 10)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=5)
+        assert took < grace + 2, f"exited {took:.1f} s after SIGTERM"
+        assert ends == [(b"[DONE]", "abort")] * 8  # every stream got its final event, then [DONE]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
