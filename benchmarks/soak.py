@@ -91,16 +91,16 @@ class Client(threading.Thread):
             try:
                 with urllib.request.urlopen(req, timeout=0.3 if close_early and not body["stream"] else 300) as resp:
                     if body["stream"]:
-                        events = 0
+                        events, last = 0, b""
                         for line in resp:
-                            if line.startswith(b"data: "):
-                                events += 1
+                            if line.startswith(b"data: "):  # events are "data: ...\n" then a blank line
+                                events, last = events + 1, line.strip()
                                 if close_early and events >= 3:
                                     break
                         if close_early:
                             self.closed += 1
                             continue
-                        if line.strip() != b"data: [DONE]":
+                        if last != b"data: [DONE]":
                             self.failures.append("stream without [DONE]")
                             continue
                     else:
