@@ -1,0 +1,137 @@
+"""Tensor parallelism for the Llama runtime, Megatron-style, over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+    torch.distributed.init_process_group("gloo", rank=r, world_size=n, ...)   # in every rank's process
+    model = load_model(path); shard_model(model)                                # each rank keeps its 1/n
+
+Sharding (Shoeybi et al. 2019):
+- attention: the fused q/k/v projection column-parallel by heads (rank r keeps query heads r*H/n .. and KV heads
+  r*Hkv/n ..; with contiguous slices grouped-query heads still find their KV head), ``o_proj`` row-parallel, then
+  one all-reduce;
+- MLP: gate and up column-parallel (each rank's slice of the intermediate), ``down_proj`` row-parallel, one
+  all-reduce;
+- embedding vocabulary-parallel (each rank embeds the ids in its slice, zeros elsewhere; all-reduce) and the LM head
+  likewise (each rank's slice of the logits, all-gathered into the whole vocabulary before sampling).
+Row-parallel biases are kept on rank 0 only (the all-reduce sums them once). ``model.config`` becomes the rank's
+local shape (its heads, KV heads and intermediate size) so a KV pool built for the model holds the rank's KV heads;
+the vocabulary size stays global (logits are gathered).
+
+The model stays a plain nn.Module: every rank runs the same forward on the same inputs (SPMD), and the collectives
+keep them in step. An engine on every rank, fed the same requests, makes the same scheduling decisions, so KV pools,
+rollbacks and tree compaction stay in step by construction; a drafter runs unsharded (TP 1) on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .llama import LlamaForCausalLM
+
+
+class AllReduce(nn.Module):
+    """``inner(x)`` summed over the ranks: the end of a row-parallel product."""
+
+    def __init__(self, inner: nn.Module, group=None):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of the embedding; ids outside embed as zeros, the all-reduce fills them in."""
+
+    def __init__(self, weight: torch.Tensor, lo: int, group=None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.lo, self.hi, self.group = lo, lo + weight.shape[0], group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.lo) & (ids < self.hi)
+        x = nn.functional.embedding((ids - self.lo).clamp(0, self.hi - self.lo - 1), self.weight)
+        x = x * mine[..., None].to(x.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head's rows for the rank's vocabulary slice; the logits are all-gathered: [..., V]."""
+
+    def __init__(self, weight: torch.Tensor, group=None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from .layers import linear
+
+        part = linear(hidden, self.weight).contiguous()  # [..., V/n]
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, -1)
+
+
+def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return w[start:start + n].clone()
+
+
+def check_shardable(cfg, world: int) -> None:
+    """Raise ValueError naming what ``world`` does not divide."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, name) % world:
+            raise ValueError(f"tensor_parallel_size={world} must divide {name} ({getattr(cfg, name)})")
+
+
+@torch.no_grad()
+def shard_model(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
+    """Keep this rank's shard of every layer (module docstring); in place, returns the model."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = model.config
+    check_shardable(cfg, world)
+    if model.quantization is not None:
+        raise ValueError("shard the model before quantizing it")
+    H, Hkv, D = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.head_dim
+    I, V = cfg.intermediate_size // world, cfg.vocab_size // world
+    for layer in model.layers:
+        attn = layer.self_attn
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        q0, k0 = rank * H * D, attn.q_size + rank * Hkv * D
+        v0 = attn.q_size + attn.kv_size + rank * Hkv * D
+        attn.qkv_proj.weight = nn.Parameter(torch.cat([_rows(w, q0, H * D), _rows(w, k0, Hkv * D),
+                                                       _rows(w, v0, Hkv * D)]), requires_grad=False)
+        if b is not None:
+            attn.qkv_proj.bias = nn.Parameter(torch.cat([_rows(b, q0, H * D), _rows(b, k0, Hkv * D),
+                                                         _rows(b, v0, Hkv * D)]), requires_grad=False)
+        o = attn.o_proj
+        o.weight = nn.Parameter(o.weight[:, rank * H * D:(rank + 1) * H * D].clone(), requires_grad=False)
+        if o.bias is not None and rank:
+            o.bias.zero_()  # summed once, by rank 0's
+        attn.n_heads, attn.n_kv, attn.q_size, attn.kv_size = H, Hkv, H * D, Hkv * D
+        attn.o_proj = AllReduce(o, group)
+
+        mlp = layer.mlp
+        w, b, full = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.intermediate
+        mlp.gate_up_proj.weight = nn.Parameter(torch.cat([_rows(w, rank * I, I), _rows(w, full + rank * I, I)]),
+                                               requires_grad=False)
+        if b is not None:
+            mlp.gate_up_proj.bias = nn.Parameter(torch.cat([_rows(b, rank * I, I), _rows(b, full + rank * I, I)]),
+                                                 requires_grad=False)
+        d = mlp.down_proj
+        d.weight = nn.Parameter(d.weight[:, rank * I:(rank + 1) * I].clone(), requires_grad=False)
+        if d.bias is not None and rank:
+            d.bias.zero_()
+        mlp.intermediate = I
+        mlp.down_proj = AllReduce(d, group)
+
+    head = model.lm_head_weight  # the embedding itself when tied
+    model.lm_head = VocabParallelHead(_rows(head, rank * V, V), group)
+    model.embed_tokens = VocabParallelEmbedding(_rows(model.embed_tokens.weight, rank * V, V), rank * V, group)
+    model.config = replace(cfg, num_attention_heads=H, num_key_value_heads=Hkv, intermediate_size=I)
+    model.tensor_parallel = (rank, world)
+    return model
