@@ -75,6 +75,7 @@ def test_page_streams_coloured_tokens_with_the_api_key(page, server):
 def test_stop_midway_aborts_the_request_and_frees_its_kv(page, server):
     eng = server.engine
     eng.engine.eos_token_ids = []  # nothing ends this generation but the Stop button
+    page.fill("#prompt", "import os\n")
     page.fill("#max_tokens", "900")  # the demo pair holds 1,024 positions
     page.click("#send")
     page.wait_for_function("Number(document.getElementById('ntok').textContent) >= 20", timeout=60_000)

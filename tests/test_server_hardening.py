@@ -25,6 +25,7 @@ from infer.server.thread import ServerThread
 from infer.testing import make_tiny_llama
 
 NAME = "tiny"
+KEY = "hardening-key"  # with a key: the auth middleware must not hide a client's disconnect from the route
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def long_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(long_ckpt):
     engine = AsyncEngine(EngineConfig(model=long_ckpt, max_batch_size=16, block_size=16, max_waiting_requests=64))
-    with ServerThread(build_app(engine, NAME, max_body_bytes=4 << 20)) as srv:
+    with ServerThread(build_app(engine, NAME, api_key=KEY, max_body_bytes=4 << 20)) as srv:
         srv.engine = engine
         yield srv
     engine.shutdown()
@@ -43,7 +44,8 @@ def server(long_ckpt):
 
 def _post(server, path, body, timeout=30):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json"})
+    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json",
+                                                                         "authorization": f"Bearer {KEY}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -118,8 +120,13 @@ def test_abandoned_non_streaming_requests_are_aborted_and_free_their_kv(server):
     assert _aborted(server) - before == 10
 
 
+def _get(server, path):
+    return urllib.request.urlopen(urllib.request.Request(server.url + path, headers={"authorization": f"Bearer {KEY}"}),
+                                  timeout=10)
+
+
 def _aborted(server) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+    with _get(server, "/metrics") as r:
         for line in r.read().decode().splitlines():
             if line.startswith('infer_requests_total{status="abort"}'):
                 return float(line.split()[-1])
@@ -148,7 +155,7 @@ def test_a_megabyte_prompt_does_not_stall_health(server):
 
 
 def test_openapi_documents_what_the_server_sends(server):
-    with urllib.request.urlopen(server.url + "/openapi.json", timeout=10) as r:
+    with _get(server, "/openapi.json") as r:
         schema = json.loads(r.read())
     comp = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "422" not in comp and {"400", "404", "413", "503"} <= set(comp)

@@ -151,6 +151,8 @@ def quantize_model(model, quantization: str | None, group_size: int = 32):
     if model.quantization is not None:
         raise ValueError(f"the model is already quantized ({model.quantization}); load it again to quantize it "
                          f"as {quantization}")
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError("this model is sharded for tensor parallelism, which runs unquantized weights for now")
     if getattr(model, "compiled", None) is not None:
         # compiled steps do not re-check the model's weights (infer.model.compile.step_guards): swapping them
         # under a compiled graph would run the old float layers' code on the new int8 buffers

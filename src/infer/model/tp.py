@@ -17,7 +17,12 @@ the vocabulary size stays global (logits are gathered).
 
 The model stays a plain nn.Module: every rank runs the same forward on the same inputs (SPMD), and the collectives
 keep them in step. An engine on every rank, fed the same requests, makes the same scheduling decisions, so KV pools,
-rollbacks and tree compaction stay in step by construction; a drafter runs unsharded (TP 1) on every rank.
+rollbacks and tree compaction stay in step, provided every decision is a function of the inputs: a pinned K (auto K
+and auto trees decide from each rank's own timings) and seeded requests (an unseeded request draws its seed from each
+rank's own entropy). A rank that decides differently runs collectives of other shapes: an error or a hang. The
+executor that makes rank 0's decisions for all (issue 19) lifts both conditions. A separate draft model runs
+unsharded (TP 1) on every rank; EAGLE and Medusa heads borrow the target's embedding and LM head, which are sharded
+here, so they do not work under tensor parallelism yet. Weights are unquantized.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def shard_model(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
     cfg = model.config
     check_shardable(cfg, world)
     if model.quantization is not None:
-        raise ValueError("shard the model before quantizing it")
+        raise ValueError("tensor parallelism runs unquantized weights for now: load the model without quantization")
     H, Hkv, D = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.head_dim
     I, V = cfg.intermediate_size // world, cfg.vocab_size // world
     for layer in model.layers:

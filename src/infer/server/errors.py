@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from . import protocol as P
 
@@ -65,20 +64,23 @@ def _open(path: str) -> bool:
     return path in ("/health", "/") or path.startswith("/static/")
 
 
-class ApiKeyAuth(BaseHTTPMiddleware):
-    """401 unless the request carries ``Authorization: Bearer <api_key>``; /health and the playground's static page
-    stay open."""
+class ApiKeyAuth:
+    """ASGI middleware: 401 unless the request carries ``Authorization: Bearer <api_key>``; /health and the
+    playground's static page stay open. Plain ASGI, not BaseHTTPMiddleware: that one wraps ``receive`` in a task
+    group, where a route's ``request.is_disconnected()`` poll never sees the client leave."""
 
     def __init__(self, app, api_key: str):
-        super().__init__(app)
-        self.api_key = api_key
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
 
-    async def dispatch(self, request: Request, call_next):
-        path = request.url.path
-        if not _open(path) and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-            return error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                  "authentication_error")
-        return await call_next(request)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or _open(scope["path"]) or dict(scope.get("headers") or []).get(
+                b"authorization", b"") == self.expected:
+            return await self.app(scope, receive, send)
+        body = json.dumps(P.error_body("invalid or missing API key (Authorization: Bearer ...)",
+                                       "authentication_error", None, 401)).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class BodySizeLimit:

@@ -125,7 +125,7 @@ def warm_up_compiled(runner, kv, k_max: int, tree: bool = False) -> None:
                 runner.model.compute_logits(hidden), runner.model.compute_logits(hidden[:, -1])  # verify, decode
                 kv.pool.truncate_to(slot, ctx)
                 if tree and t > 1:  # a star: every node a child of the root
-                    parents = torch.tensor([[-1] + [0] * (t - 1)])
+                    parents = torch.tensor([[-1] + [0] * (t - 1)], device=runner.device)
                     attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
                     kv.pool.truncate_to(slot, ctx - 1)
                     runner.model.compute_logits(runner.forward(runner.model, kv.pool, [slot], [[1] * t], attn))
