@@ -4,9 +4,9 @@
     model = load_model(path); shard_model(model)                                # each rank keeps its 1/n
 
 Sharding (Shoeybi et al. 2019):
-- attention: the fused q/k/v projection column-parallel by heads (rank r keeps query heads r*H/n .. and KV heads
-  r*Hkv/n ..; with contiguous slices grouped-query heads still find their KV head), ``o_proj`` row-parallel, then
-  one all-reduce;
+- attention: the fused q/k/v projection column-parallel by KV-head groups (rank r keeps a contiguous run of KV heads
+  and their query heads, as even as the count allows: SmolLM2's 3 KV heads over 2 ranks are 1 + 2), ``o_proj``
+  row-parallel, then one all-reduce;
 - MLP: gate and up column-parallel (each rank's slice of the intermediate), ``down_proj`` row-parallel, one
   all-reduce;
 - embedding vocabulary-parallel (each rank embeds the ids in its slice, zeros elsewhere; all-reduce) and the LM head
@@ -86,9 +86,19 @@ def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return w[start:start + n].clone()
 
 
+def kv_groups(num_kv_heads: int, world: int) -> list[int]:
+    """Bounds of each rank's run of KV heads (with their query heads): as even as possible, e.g. 3 heads over 2 ranks
+    -> [0, 1, 3]. Uneven runs are fine: each rank keeps whole query groups, so grouped-query attention stays a uniform
+    H/Hkv per rank, and the all-reduces are over the hidden size, the same on every rank."""
+    return [num_kv_heads * r // world for r in range(world + 1)]
+
+
 def check_shardable(cfg, world: int) -> None:
-    """Raise ValueError naming what ``world`` does not divide."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+    """Raise ValueError naming what ``world`` cannot split."""
+    if cfg.num_key_value_heads < world:
+        raise ValueError(f"tensor_parallel_size={world} exceeds num_key_value_heads ({cfg.num_key_value_heads}): "
+                         "every rank needs a KV head of its own")
+    for name in ("intermediate_size", "vocab_size"):
         if getattr(cfg, name) % world:
             raise ValueError(f"tensor_parallel_size={world} must divide {name} ({getattr(cfg, name)})")
 
@@ -101,20 +111,22 @@ def shard_model(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
     check_shardable(cfg, world)
     if model.quantization is not None:
         raise ValueError("tensor parallelism runs unquantized weights for now: load the model without quantization")
-    H, Hkv, D = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.head_dim
+    G, D = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    g0, g1 = kv_groups(cfg.num_key_value_heads, world)[rank:rank + 2]
+    Hkv, H = g1 - g0, (g1 - g0) * G  # this rank's KV heads and their query heads
     I, V = cfg.intermediate_size // world, cfg.vocab_size // world
     for layer in model.layers:
         attn = layer.self_attn
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-        q0, k0 = rank * H * D, attn.q_size + rank * Hkv * D
-        v0 = attn.q_size + attn.kv_size + rank * Hkv * D
+        q0, k0 = g0 * G * D, attn.q_size + g0 * D
+        v0 = attn.q_size + attn.kv_size + g0 * D
         attn.qkv_proj.weight = nn.Parameter(torch.cat([_rows(w, q0, H * D), _rows(w, k0, Hkv * D),
                                                        _rows(w, v0, Hkv * D)]), requires_grad=False)
         if b is not None:
             attn.qkv_proj.bias = nn.Parameter(torch.cat([_rows(b, q0, H * D), _rows(b, k0, Hkv * D),
                                                          _rows(b, v0, Hkv * D)]), requires_grad=False)
         o = attn.o_proj
-        o.weight = nn.Parameter(o.weight[:, rank * H * D:(rank + 1) * H * D].clone(), requires_grad=False)
+        o.weight = nn.Parameter(o.weight[:, q0:q0 + H * D].clone(), requires_grad=False)
         if o.bias is not None and rank:
             o.bias.zero_()  # summed once, by rank 0's
         attn.n_heads, attn.n_kv, attn.q_size, attn.kv_size = H, Hkv, H * D, Hkv * D
