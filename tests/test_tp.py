@@ -83,7 +83,7 @@ def tp2(ckpt_dirs, tmp_path_factory):
 
 
 def test_tp2_greedy_equals_tp1_with_and_without_speculation(tp2, ckpt_dirs):
-    target, drafter = load_model(ckpt_dirs["gqa"]), load_model(ckpt_dirs["mha"])
+    target = load_model(ckpt_dirs["gqa"])
     want = [autoregressive_generate(target, p, GREEDY, eos_token_ids=[]).output_ids for p in PROMPTS]
     for rank in (0, 1):
         plain, spec, _, _, _ = tp2[rank]

@@ -153,8 +153,9 @@ def grow(trees: list[DraftTree], first: tuple[torch.Tensor, torch.Tensor], step:
     w = score.shape[1]
     host_tok, host_score = tok.tolist(), score.tolist()
     frontier = [[trees[b].add(0, host_tok[b][i], host_score[b][i]) for i in range(w)] for b in range(n)]
+    parent_slot = None  # depth 1's parent is the root
     for d in range(2, max(depths) + 1):
-        vals, ids = step(tok, None if d == 2 else parent_slot)  # [n, w, k]
+        vals, ids = step(tok, parent_slot)  # [n, w, k]
         k = vals.shape[2]
         total = (score[:, :, None] + vals).reshape(n, w * k)  # path log probability of each candidate child
         score, best = total.topk(min(width, w * k), -1)  # [n, w']
