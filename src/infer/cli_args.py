@@ -27,7 +27,8 @@ HELP = {
     "spec_length": "K, drafts per round: auto (goodput-optimal per request per round, 0 allowed) | egag | an integer",
     "spec_length_min": "EGAG's smallest K",
     "spec_length_max": "the largest K of auto and egag (and the KV lookahead)",
-    "spec_tree": "token trees: none (chains) | auto (a tree for a lone request) | DEPTHxWIDTH[:NODES], e.g. 5x3:15",
+    "spec_tree": "token trees: none (chains) | auto (K nodes or more, as far as the cost model prices them nearly "
+                 "free) | DEPTHxWIDTH[:NODES], e.g. 5x3:15",
     "spec_max_batch_size": "speculate only while the decode batch is at most this large",
     "prompt_lookup_min": "smallest n-gram the prompt-lookup proposer matches",
     "prompt_lookup_max": "largest n-gram the prompt-lookup proposer matches",

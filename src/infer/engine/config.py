@@ -33,7 +33,8 @@ class EngineConfig:
     spec_max_batch_size: int | None = None
     # Token trees (spec_decode.tree_round): None drafts chains; "DEPTHxWIDTH[:NODES]" (e.g. "5x3:15") drafts a tree
     # per request each round, depth = the round's K (at most DEPTH), WIDTH children kept a depth, NODES drafts
-    # verified; "auto": a tree for a lone decode request, chains beside others.
+    # verified; "auto": with auto K, a tree of at least K nodes and more where the cost model prices them nearly free
+    # (SpeculativeDecoder.tree_shape); with K pinned, a tree for a lone decode request, chains beside others.
     spec_tree: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes the "ngram" / "hybrid" proposers match, longest first
     prompt_lookup_max: int = 4
