@@ -123,3 +123,41 @@ def test_kv_groups_split_as_evenly_as_they_can():
     from infer.model.tp import kv_groups
 
     assert kv_groups(3, 2) == [0, 1, 3] and kv_groups(8, 4) == [0, 2, 4, 6, 8] and kv_groups(2, 2) == [0, 1, 2]
+
+
+def _losing_worker(rank, rdzv, target_dir, out):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from infer.model.tp import TensorParallelError, shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    model = shard_model(load_model(target_dir))
+    x = torch.tensor([[1, 2, 3]])
+    model(x)
+    if rank == 1:
+        os._exit(3)  # this worker dies after one step
+    try:
+        for _ in range(100):
+            model(x)
+        out.put("no error")
+    except TensorParallelError as e:
+        out.put(str(e))
+
+
+def test_a_lost_rank_fails_the_next_step_with_a_clear_error(ckpt_dirs, tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_losing_worker, args=(r, str(tmp_path / "rdzv"), str(ckpt_dirs["gqa"]), out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    message = out.get(timeout=120)  # within seconds, not a hang
+    for p in procs:
+        p.join(timeout=30)
+    assert "failed on rank 0 of 2: another rank is gone" in message, message
+    assert [p.exitcode for p in procs] == [0, 3]

@@ -19,7 +19,10 @@ The model stays a plain nn.Module: every rank runs the same forward on the same 
 keep them in step. An engine on every rank, fed the same requests, makes the same scheduling decisions, so KV pools,
 rollbacks and tree compaction stay in step, provided every decision is a function of the inputs: a pinned K (auto K
 and auto trees decide from each rank's own timings) and seeded requests (an unseeded request draws its seed from each
-rank's own entropy). A rank that decides differently runs collectives of other shapes: an error or a hang. The
+rank's own entropy). A rank that decides differently runs collectives of other shapes: an error or a hang. A rank
+that dies makes the others' next collective fail at once with a TensorParallelError (gloo sees the connection
+close), which an engine's loop turns into an error for every request in flight; ``init_process_group(timeout=...)``
+bounds a rank that hangs instead. The
 executor that makes rank 0's decisions for all (issue 19) lifts both conditions. A separate draft model runs
 unsharded (TP 1) on every rank; EAGLE and Medusa heads borrow the target's embedding and LM head, which are sharded
 here, so they do not work under tensor parallelism yet. Weights are unquantized.
@@ -36,6 +39,21 @@ from torch import nn
 from .llama import LlamaForCausalLM
 
 
+class TensorParallelError(RuntimeError):
+    """A collective failed: a rank is gone (its process died, its connection closed) or timed out."""
+
+
+def _collective(op, *args, group=None):
+    """Run a torch.distributed collective; a failure (gloo reports a lost peer at once, and every collective times
+    out after init_process_group's ``timeout``) becomes a TensorParallelError saying what happened."""
+    try:
+        op(*args, group=group)
+    except RuntimeError as e:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        raise TensorParallelError(f"tensor-parallel {op.__name__} failed on rank {rank} of {world}: another rank "
+                                  f"is gone or timed out ({str(e).splitlines()[0][:200]})") from e
+
+
 class AllReduce(nn.Module):
     """``inner(x)`` summed over the ranks: the end of a row-parallel product."""
 
@@ -45,7 +63,7 @@ class AllReduce(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
-        dist.all_reduce(y, group=self.group)
+        _collective(dist.all_reduce, y, group=self.group)
         return y
 
 
@@ -61,7 +79,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (ids >= self.lo) & (ids < self.hi)
         x = nn.functional.embedding((ids - self.lo).clamp(0, self.hi - self.lo - 1), self.weight)
         x = x * mine[..., None].to(x.dtype)
-        dist.all_reduce(x, group=self.group)
+        _collective(dist.all_reduce, x, group=self.group)
         return x
 
 
@@ -78,7 +96,7 @@ class VocabParallelHead(nn.Module):
 
         part = linear(hidden, self.weight).contiguous()  # [..., V/n]
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, part, group=self.group)
+        _collective(dist.all_gather, parts, part, group=self.group)
         return torch.cat(parts, -1)
 
 
