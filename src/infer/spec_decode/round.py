@@ -175,23 +175,11 @@ class SpeculativeDecoder:
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------
         outputs = []
-        sink = runner.feature_sink
         for b, r in enumerate(reqs):
             k, n = nd[b], n_acc[b]
-            self.kv.rollback(r, lens[b] + n)  # keep g and the n accepted drafts
-            if sink is not None:  # the target's states at g and the accepted drafts, never at rejected ones
-                sink(r, lens[b] - 1, hidden[b, :n + 1])
-            if k:
-                r.record_round(k, n)
-                runner.stats.record_round(k, n)
-            else:
-                r.num_target_forwards += 1
-            emitted = []
-            for j, t in enumerate(out_tokens[b][: n + 1]):  # token j was judged by the target's p_j
-                outputs.append((r, runner.emit(r, t, logits[b, j], token_source(j, n, k, res.is_bonus[b]), k)))
-                emitted.append(t)
-                if r.finished:
-                    break
+            # keep g and the n accepted drafts; token j was judged by the target's p_j
+            emitted = self.settle(r, lens[b], k, n, out_tokens[b], hidden[b, :n + 1], logits[b], range(n + 1),
+                                  res.is_bonus[b], outputs)
             h = self.spec_length.observe(r, k, n, None if prop.logits is None else prop.logits[b, :k])
             if k and self.on_round is not None:
                 rec = RoundRecord(k, host[b][:k], n, emitted, bool(res.is_bonus[b]),
@@ -202,6 +190,28 @@ class SpeculativeDecoder:
         if prop.catch_up <= 2:  # a lazy prefill's round says nothing about a round's bookkeeping
             self.spec_length.round_overhead(B, True, time.perf_counter() - t_in - forwards_s)
         return outputs
+
+    def settle(self, r: Request, length: int, k: int, n: int, tokens: list[int], kept_states: torch.Tensor,
+               logits: torch.Tensor, judged_at, bonus, outputs: list) -> list[int]:
+        """One row's round after verification (chain or tree): roll the caches back to g and the n accepted drafts
+        (``length`` + n positions), hand the target's states there to the proposer, count the round, and emit
+        ``tokens[:n + 1]`` (token j judged at ``logits[judged_at[j]]``) until a stop. Returns the tokens emitted."""
+        runner = self.runner
+        self.kv.rollback(r, length + n)
+        if runner.feature_sink is not None:  # states at g and the accepted drafts only, never at rejected ones
+            runner.feature_sink(r, length - 1, kept_states)
+        if k:
+            r.record_round(k, n)
+            runner.stats.record_round(k, n)
+        else:
+            r.num_target_forwards += 1
+        emitted = []
+        for j, t in enumerate(tokens[:n + 1]):
+            outputs.append((r, runner.emit(r, t, logits[judged_at[j]], token_source(j, n, k, bonus), k)))
+            emitted.append(t)
+            if r.finished:
+                break
+        return emitted
 
     def _plain(self, reqs: list[Request], t_in: float) -> list[tuple[Request, StepOutput]]:
         """K = 0 for every row: one ordinary decode step (the drafter catches up lazily when it drafts again)."""

@@ -41,7 +41,7 @@ def tree_fits(dec, reqs, shape: TreeShape) -> bool:
 @torch.inference_mode()
 def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     """One round of ``dec`` (a SpeculativeDecoder) over trees up to ``depths[b]`` deep -> [(request, StepOutput)]."""
-    from .round import RoundRecord, token_source  # round.py imports this module
+    from .round import RoundRecord  # round.py imports this module
 
     runner, kv = dec.runner, dec.kv
     B, V, dev = len(reqs), runner.vocab_size, runner.device
@@ -83,27 +83,15 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     runner.stats.tree_rounds += 1
     runner.stats.tree_nodes += sum(num_nodes) - B
 
-    outputs, sink = [], runner.feature_sink
+    outputs, depth_of = [], depth.max(1).values.tolist()  # a tree's depth: the round's K for its row
     for b, r in enumerate(reqs):
-        n, k = n_acc[b], (max(trees[b].depth(i) for i in range(len(trees[b]))) if len(trees[b]) > 1 else 0)
+        n, k = n_acc[b], depth_of[b]
         path = paths[b][:n]
         if path != list(range(1, n + 1)):  # the accepted nodes to the positions their tokens hold
             kv.pool.move(r.slot, [base[b] + i for i in path], [lens[b] + j for j in range(n)])
-        kv.rollback(r, lens[b] + n)
-        if sink is not None:  # the target's states at g and the accepted path, never at other nodes
-            sink(r, lens[b] - 1, hidden[b, [0] + path])
-        if k:
-            r.record_round(k, n)
-            runner.stats.record_round(k, n)
-        else:
-            r.num_target_forwards += 1
-        emitted = []
-        for j, t in enumerate(out_tokens[b][:n + 1]):  # token j was judged at the path's node j - 1 (root first)
-            outputs.append((r, runner.emit(r, t, logits[b, 0 if j == 0 else path[j - 1]],
-                                           token_source(j, n, k, res.is_bonus[b]), k)))
-            emitted.append(t)
-            if r.finished:
-                break
+        # token j was judged at the path's node j - 1 (the root first)
+        emitted = dec.settle(r, lens[b], k, n, out_tokens[b], hidden[b, [0] + path], logits[b], [0] + path,
+                             res.is_bonus[b], outputs)
         dec.spec_length.observe(r, k, n, None)
         if k and dec.on_round is not None:
             dec.on_round(RoundRecord(k, [trees[b].tokens[i] for i in path], n, emitted, bool(res.is_bonus[b]),
