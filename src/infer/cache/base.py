@@ -18,7 +18,11 @@ Invariants every implementation keeps:
 - ``move`` copies only the entries it names (a tree's accepted path), never a whole slot;
 - entries beyond a slot's length are garbage and are never attended to (the mask or the slice excludes them);
 - padded query rows (a batch row with fewer new tokens than the widest) write to a scratch location, never
-  over a valid entry of any slot.
+  over a valid entry of any slot;
+- storage is written only by ``update`` (addressed entirely by the AttnMeta) and by copies that go through
+  ``_replay`` (addressed by storage coordinates, not by slot bookkeeping): a pool of the same ``layout()`` that
+  receives the same metas and replays fed to it ends with the same contents. The tensor-parallel executor
+  (engine.tp_executor) keeps every worker's shard of the pool in step that way, with no bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -73,6 +77,21 @@ class KVCachePool(ABC):
 
     num_layers: int
     max_seq_len: int
+    # called as mirror(pool, op, args) before each storage copy outside a forward (_replay): the tensor-parallel
+    # executor forwards it to the workers' pools
+    mirror = None
+
+    @abstractmethod
+    def layout(self) -> dict:
+        """The keyword arguments of ``for_model(model, **layout)`` that build a pool addressed exactly like this one
+        (for another shard of the model: its own KV heads)."""
+
+    def _replay(self, op: str, *args) -> None:
+        """Run the storage copy ``self.<op>(*args)`` (plain ints and lists: storage coordinates), announcing it to
+        ``mirror`` first."""
+        if self.mirror is not None:
+            self.mirror(self, op, args)
+        getattr(self, op)(*args)
 
     @abstractmethod
     def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:

@@ -174,16 +174,23 @@ class PagedKVCachePool(KVCachePool):
     def num_used_slots(self) -> int:
         return len(self._tables)
 
-    def _rows(self, slot: int, positions: list[int]) -> torch.Tensor:
+    def _rows(self, slot: int, positions: list[int]) -> list[int]:
         table, bs = self._tables[slot], self.block_size
-        return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
+        return [table[p // bs] * bs + p % bs for p in positions]
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        if not src:
-            return
-        si, di = self._rows(slot, src), self._rows(slot, dst)
+        if src:
+            self._replay("_move_rows", self._rows(slot, src), self._rows(slot, dst))
+
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
         for kc, vc in zip(self.k, self.v):  # advanced indexing reads into a new tensor first: overlaps are safe
             kc[di], vc[di] = kc[si], vc[si]
+
+    def layout(self) -> dict:
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "max_seq_len": self.max_seq_len,
+                "max_slots": self.max_slots}
 
     def prepare(self, slots: list[int], num_new: list[int], device=None, tree: TreeAttn | None = None) -> AttnMeta:
         device = device or self.device

@@ -85,18 +85,26 @@ class SlottedKVCache(KVCachePool):
         """Copy whole slots (beam search reorders beams; this is not a rollback path)."""
         if not src:
             return
-        si = torch.tensor(src, dtype=torch.long, device=self.device)
-        di = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for kc, vc in zip(self.k, self.v):
-            kc[di], vc[di] = kc[si], vc[si]
+        self._replay("_copy_slots", list(src), list(dst))
         lens = [self._lens[s] for s in src]
         for d, n in zip(dst, lens):
             self._lens[d] = n
 
+    def _copy_slots(self, src: list[int], dst: list[int]) -> None:
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for kc, vc in zip(self.k, self.v):
+            kc[di], vc[di] = kc[si], vc[si]
+
+    def layout(self) -> dict:
+        return {"max_seq_len": self.max_seq_len, "max_slots": self.max_slots}
+
     # -- forward -----------------------------------------------------------------------------------------------
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        if not src:
-            return
+        if src:
+            self._replay("_move_columns", slot, list(src), list(dst))
+
+    def _move_columns(self, slot: int, src: list[int], dst: list[int]) -> None:
         si = torch.tensor(src, dtype=torch.long, device=self.device)
         di = torch.tensor(dst, dtype=torch.long, device=self.device)
         for kc, vc in zip(self.k, self.v):  # advanced indexing reads into a new tensor first: overlaps are safe

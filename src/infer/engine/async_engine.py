@@ -25,6 +25,10 @@ from .config import EngineConfig
 from .engine import Engine
 
 
+class EngineStoppedError(RuntimeError):
+    """The engine loop has died (e.g. a tensor-parallel worker was lost): no request can run any more."""
+
+
 class RequestStream:
     """The StepOutputs of one request, in order; iterating to the end or closing it early are both fine."""
 
@@ -68,7 +72,7 @@ class AsyncEngine:
                           request_id: str | None = None, prompt: str | None = None,
                           speculate: bool = True) -> RequestStream:
         if self.error is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.error!r}")
+            raise EngineStoppedError(f"the engine loop has stopped: {self.error}")
         if request_id is None:
             self._ids += 1
             request_id = f"areq-{self._ids}"
@@ -102,6 +106,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # -- model thread ------------------------------------------------------------------------------------------
     def _push(self, request_id: str, item) -> None:
@@ -151,7 +156,7 @@ class AsyncEngine:
             traceback.print_exc()
             self.error = e
             for rid in list(self._streams):
-                self._push(rid, RuntimeError(f"engine failure: {e!r}"))
+                self._push(rid, EngineStoppedError(f"engine failure: {e}"))
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

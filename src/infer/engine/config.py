@@ -68,6 +68,9 @@ class EngineConfig:
     # start-up; tiny models (tests, the demo pair) stay eager. False: never.
     compile: bool | None = None
     seed: int | None = None  # seeds requests that bring no seed of their own
+    # Shard the target over this many processes (engine.tp_executor, model/tp.py): rank 0 is this process and runs
+    # the engine, the others hold the other shards. Eager, unquantized weights; a draft model or n-gram drafts.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def bad(msg):
@@ -154,6 +157,15 @@ class EngineConfig:
             bad(f"compile must be True, False or None (auto), got {self.compile!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer or None, got {self.seed!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            bad(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1:
+            if self.quantization is not None:
+                bad("tensor_parallel_size > 1 shards unquantized weights: drop quantization")
+            if self.compile:
+                bad("tensor_parallel_size > 1 runs eager (the collectives are not compiled): drop compile")
+            self.compile = False
         if self.max_seq_len is not None and self.use_speculative_decoding and self.max_seq_len < 2:
             bad("max_seq_len must be >= 2 with speculative decoding")
 

@@ -45,11 +45,18 @@ class Engine:
         ``draft_vocab`` instead of ``config.draft_vocab_size`` (whose ranking is read beside the drafter)."""
         self.config = cfg = config
         self.device = torch.device(cfg.device)
+        self.tp = None  # the tensor-parallel executor when tensor_parallel_size > 1
         if model is None:
             self.model_path = resolve_model_path(cfg.model)
             self.dtype = checkpoint_dtype(self.model_path) if cfg.dtype == "auto" else parse_dtype(cfg.dtype)
-            self.model = load_model(self.model_path, self.dtype, self.device)
+            if cfg.tensor_parallel_size > 1:
+                self._start_tensor_parallel()
+            else:
+                self.model = load_model(self.model_path, self.dtype, self.device)
             tokenizer = Tokenizer(cfg.tokenizer or self.model_path, extra_eos_token_ids=self.model.config.eos_token_ids)
+        elif cfg.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 loads the checkpoint in every rank's process: give its path "
+                             "(EngineConfig.model), not a loaded model")
         else:
             self.model_path, self.model, self.dtype = str(cfg.model), model, model.dtype
         if cfg.quantization and self.model.quantization != cfg.quantization:
@@ -67,6 +74,10 @@ class Engine:
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
                 # a kind this version cannot run is named before anything loads
+                if self.tp is not None and drafter_kind(self.draft_path) != "draft_model":
+                    raise ValueError(f"drafter {self.draft_path} is {drafter_kind(self.draft_path)} heads, which borrow "
+                                     "the target's embedding and LM head; under tensor parallelism those are sharded: "
+                                     "use a draft model or proposer='ngram'")
                 if drafter_kind(self.draft_path) == "draft_model":
                     self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
                     self._check_draft_tokenizer()
@@ -96,6 +107,23 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.kv.free_kv_tokens()
+
+    def _start_tensor_parallel(self) -> None:
+        """Load rank 0's copy, check that it shards, start the workers, keep rank 0's shard (engine.tp_executor)."""
+        from ..model.tp import check_shardable
+        from .tp_executor import TensorParallelExecutor
+
+        world = self.config.tensor_parallel_size
+        model = load_model(self.model_path, self.dtype, "cpu")  # moved after sharding: 1/N of it on the device
+        check_shardable(model.config, world)
+        self.tp = TensorParallelExecutor(world, self.model_path, self.dtype, self.config.device)
+        self.device = self.tp.device
+        self.model = self.tp.wrap(model).to(self.device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; an engine without them has nothing to close)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _maybe_compile(self, model: LlamaForCausalLM) -> bool:
         """Compile the target's decode/verify steps if ``config.compile`` says so (None: by model size)."""

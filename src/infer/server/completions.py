@@ -14,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..engine import QueueFullError
-from ..engine.async_engine import RequestStream
+from ..engine.async_engine import EngineStoppedError, RequestStream
 from . import protocol as P
 from .errors import ApiError
 from .metrics import ServerMetrics
@@ -84,6 +84,9 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
                     kw = {} if body.speculation else {"speculate": False}
                     streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
+                except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
+                    state.metrics.requests.labels("rejected").inc()
+                    raise ApiError(503, str(e), "server_error")
                 except QueueFullError as e:
                     state.metrics.requests.labels("rejected").inc()
                     raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"})
@@ -107,7 +110,10 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         if not work.done():  # the client has gone: nobody will read the answer (499: nginx's "client closed")
             work.cancel()
             return Response(status_code=499)
-        work.result()
+        try:
+            work.result()
+        except EngineStoppedError as e:  # the engine died under the request (a lost tensor-parallel worker)
+            raise ApiError(503, str(e), "server_error") from e
     finally:
         watch.cancel()
         _close(choices, state.metrics)
