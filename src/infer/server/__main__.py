@@ -25,6 +25,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--replicas", type=int, default=None,
+                   help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
+                        "default: one engine in this process, no Ray")
+    p.add_argument("--max-replicas", type=int, default=None,
+                   help="with --replicas: let Ray Serve autoscale up to this many replicas on requests in flight")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica (default: 1)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish; then they are aborted "
                         "(each stream ends with a final event, finish_reason 'abort') and the server exits "
@@ -44,6 +50,14 @@ def serve(a) -> int:
     from .app import build_app
 
     cfg = engine_config(a)  # every bad combination fails here, before any model is loaded
+    if a.replicas is not None or a.max_replicas is not None:
+        from .replicas import serve_replicas
+
+        if a.replicas is None or a.replicas < 1:
+            raise ValueError(f"--replicas must be an integer >= 1, got {a.replicas}")
+        if not a.replica_cpus > 0:
+            raise ValueError(f"--replica-cpus must be > 0, got {a.replica_cpus}")
+        return serve_replicas(a, cfg)
     engine = AsyncEngine(cfg)
     app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes)
     spec = f", speculative ({cfg.proposer}, K={cfg.spec_length})" if cfg.use_speculative_decoding else ""

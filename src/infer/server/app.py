@@ -57,15 +57,35 @@ def openapi_schema(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+class ReplicaHeader:
+    """ASGI middleware: every response says which replica served it (``x-infer-replica``; server/replicas.py)."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.header = app, (b"x-infer-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_tagged(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20) -> FastAPI:
+              max_body_bytes: int = 1 << 20, replica: str | None = None) -> FastAPI:
     app = FastAPI(title="infer", docs_url=None, redoc_url=None)
     app.openapi = lambda: openapi_schema(app)
     app.state.server = ServerState.from_engine(engine, served_model_name)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
-    app.add_middleware(BodySizeLimit, limit=max_body_bytes)  # added last: outermost, so it refuses first
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)  # added last but one: it refuses first
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, replica=replica)
     app.include_router(meta.router)
     app.include_router(completions.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
