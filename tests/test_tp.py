@@ -1,7 +1,15 @@
-"""Tensor parallelism (model/tp.py) at TP = 2: two processes on this machine, gloo collectives. Greedy output equals
-TP = 1 in float32 for 32 tokens, with and without speculation (the drafter unsharded on every rank), on a tiny
-checkpoint and on SmolLM2-135M (3 KV heads: ranks of 1 and 2), and the joint law of two tokens from one speculative
-round, through the batched engine on both ranks, is the target's (chi-square)."""
+"""Tensor parallelism at TP = 2: two processes on this machine, gloo collectives.
+
+Run SPMD (model/tp.py: every rank runs the same engine): greedy output equals TP = 1 in float32 for 32 tokens, with
+and without speculation (the drafter unsharded on every rank), on a tiny checkpoint and on SmolLM2-135M (3 KV heads:
+ranks of 1 and 2), and the joint law of two tokens from one speculative round, through the batched engine on both
+ranks, is the target's (chi-square).
+
+Through the executor (engine/tp_executor.py: ``LLM(..., tensor_parallel_size=2)``, rank 0 decides, the worker repeats
+its target calls): greedy output equals TP = 1 with auto K, token trees on both pool kinds (whose compaction the worker
+replays), prefix-cache hits and n-gram drafting, on the tiny checkpoint and on SmolLM2; and a server whose worker is
+killed mid-stream fails that stream with an error naming the worker, answers 503 saying why, and still stops on
+SIGTERM."""
 
 import functools
 import json
@@ -244,6 +252,13 @@ def test_executor_refuses_what_it_cannot_shard(ckpt_dirs):
         Engine(EngineConfig(model="m", tensor_parallel_size=2), model=random_llama(8))
     with pytest.raises(ValueError, match="num_key_value_heads"):  # named before any worker starts
         Engine(EngineConfig(model=ckpt_dirs["gqa"], tensor_parallel_size=4))
+    from infer.drafters import drafter_paths
+
+    with pytest.raises(ValueError, match="eagle heads, which borrow the target's embedding"):
+        Engine(EngineConfig(model=ckpt_dirs["gqa"], draft_model=drafter_paths()["eagle"], tensor_parallel_size=2))
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # no worker was started, no process group left behind
 
 
 def _spawned_children(pid: int) -> list[int]:

@@ -74,10 +74,6 @@ class Engine:
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
                 # a kind this version cannot run is named before anything loads
-                if self.tp is not None and drafter_kind(self.draft_path) != "draft_model":
-                    raise ValueError(f"drafter {self.draft_path} is {drafter_kind(self.draft_path)} heads, which borrow "
-                                     "the target's embedding and LM head; under tensor parallelism those are sharded: "
-                                     "use a draft model or proposer='ngram'")
                 if drafter_kind(self.draft_path) == "draft_model":
                     self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
                     self._check_draft_tokenizer()
@@ -113,10 +109,14 @@ class Engine:
         from ..model.tp import check_shardable
         from .tp_executor import TensorParallelExecutor
 
-        world = self.config.tensor_parallel_size
+        cfg, world = self.config, self.config.tensor_parallel_size
+        if cfg.proposer in ("draft", "hybrid") and drafter_kind(resolve_model_path(cfg.draft_model)) != "draft_model":
+            raise ValueError(f"drafter {cfg.draft_model} is {drafter_kind(resolve_model_path(cfg.draft_model))} heads, "
+                             "which borrow the target's embedding and LM head; under tensor parallelism those are "
+                             "sharded: use a draft model or proposer='ngram'")
         model = load_model(self.model_path, self.dtype, "cpu")  # moved after sharding: 1/N of it on the device
-        check_shardable(model.config, world)
-        self.tp = TensorParallelExecutor(world, self.model_path, self.dtype, self.config.device)
+        check_shardable(model.config, world)  # both named before any worker starts
+        self.tp = TensorParallelExecutor(world, self.model_path, self.dtype, cfg.device)
         self.device = self.tp.device
         self.model = self.tp.wrap(model).to(self.device)
 

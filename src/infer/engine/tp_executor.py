@@ -23,6 +23,9 @@ needed, unlike running the engine SPMD on every rank. The drafter (a draft model
 ``broadcast_object_list`` over a gloo group of their own (CPU tensors, also under NCCL); the shards' collectives use
 the default group (gloo on CPU, NCCL on CUDA).
 
+Sizing: every rank's pool has rank 0's layout (blocks, slots); ``kv_cache_memory_mb`` is priced with rank 0's KV
+heads, so a rank holding more heads (SmolLM2's 3 over 2 ranks: 1 + 2) uses proportionally more.
+
 Failure: a worker that exits is seen before the next message (its process is gone) or inside a collective (gloo sees
 the connection close); both raise TensorParallelError naming the rank, which the engine loop turns into an error for
 every request in flight. Rank 0 exiting closes the workers' control channel: they exit too.

@@ -23,9 +23,10 @@ rank's own entropy). A rank that decides differently runs collectives of other s
 that dies makes the others' next collective fail at once with a TensorParallelError (gloo sees the connection
 close), which an engine's loop turns into an error for every request in flight; ``init_process_group(timeout=...)``
 bounds a rank that hangs instead. The
-executor that makes rank 0's decisions for all (issue 19) lifts both conditions. A separate draft model runs
-unsharded (TP 1) on every rank; EAGLE and Medusa heads borrow the target's embedding and LM head, which are sharded
-here, so they do not work under tensor parallelism yet. Weights are unquantized.
+executor (engine/tp_executor.py, ``tensor_parallel_size``) lifts both conditions: rank 0 makes every decision and the
+workers only repeat its target calls. Run SPMD, a separate draft model runs unsharded (TP 1) on every rank; EAGLE and
+Medusa heads borrow the target's embedding and LM head, which are sharded here, so they do not work under tensor
+parallelism. Weights are unquantized.
 """
 
 from __future__ import annotations
