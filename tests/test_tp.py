@@ -7,7 +7,8 @@ ranks, is the target's (chi-square).
 
 Through the executor (engine/tp_executor.py: ``LLM(..., tensor_parallel_size=2)``, rank 0 decides, the worker repeats
 its target calls): greedy output equals TP = 1 with auto K, token trees on both pool kinds (whose compaction the worker
-replays), prefix-cache hits and n-gram drafting, on the tiny checkpoint and on SmolLM2; and a server whose worker is
+replays), prefix-cache hits and n-gram drafting, on the tiny checkpoint and on SmolLM2; the joint law of a speculative
+round's two tokens over unseeded requests is the target's (chi-square); and a server whose worker is
 killed mid-stream fails that stream with an error naming the worker, answers 503 saying why, and still stops on
 SIGTERM."""
 
@@ -330,3 +331,46 @@ def test_server_that_loses_a_worker_fails_the_request_and_stays_up(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _tiny_vocab_pair(root) -> tuple:
+    """A target and a noisy copy as drafter, vocabulary V (the chi-square test's), written as HF checkpoints: the
+    executor loads from disk in every process. The tokenizer (any: the requests are token ids) is the tiny one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infer.testing import build_tokenizer
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=None)
+    dirs = []
+    for name, noise in (("target", 0.0), ("drafter", 0.3)):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).float()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 * (3.0 if p.dim() == 2 else 1.0))
+                if noise:
+                    p.add_(noise * torch.randn(p.shape) / p.shape[-1] ** 0.5)
+        model.save_pretrained(root / name, safe_serialization=True)
+        build_tokenizer().save_pretrained(root / name)
+        dirs.append(root / name)
+    return tuple(dirs)
+
+
+def test_executor_tp2_speculative_joint_law_is_the_targets(tmp_path):
+    """N requests through LLM(tensor_parallel_size=2), speculating with K = 2, unseeded: the second and third tokens
+    (one speculative round) follow the target's joint law (chi-square), as computed from the unsharded target."""
+    from infer import LLM
+
+    target, drafter = _tiny_vocab_pair(tmp_path)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    with LLM(target, draft_model=drafter, tensor_parallel_size=2, spec_length=2,
+             max_batch_size=64, draft_vocab_size=None) as llm:
+        outs = llm.generate([[1, 2, 3]] * N, params)
+        acc = llm.engine.stats.acceptance_rate
+    assert 0.1 < acc < 0.95
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    assert chi2_pvalue(counts, exact_joint(load_model(target), params, first=2, prompt=[1, 2, 3])) > 0.001

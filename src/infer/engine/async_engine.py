@@ -106,7 +106,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        self.engine.close()
+        if not self._thread.is_alive():  # a step still running owns the tensor-parallel channel: leave it to exit
+            self.engine.close()
 
     # -- model thread ------------------------------------------------------------------------------------------
     def _push(self, request_id: str, item) -> None:

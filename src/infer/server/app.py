@@ -83,7 +83,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
-    app.add_middleware(BodySizeLimit, limit=max_body_bytes)  # added last but one: it refuses first
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)  # outside auth and the routes: it refuses first
     if replica is not None:
         app.add_middleware(ReplicaHeader, replica=replica)
     app.include_router(meta.router)
