@@ -36,8 +36,11 @@ _loaded: bool | None = None
 def _flags() -> list[str]:
     # no FMA contraction: the scalar tails must round the same way in every instantiation (batch invariance)
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]  # the last: ATen's vec headers use AVX2
+    if capability == "AVX512" and os.environ.get("INFER_CPU_AVX512", "1") != "0":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # infer::linear's 16-lane tiles
     return flags
 
 

@@ -31,6 +31,48 @@ using namespace infer_kernels;
 
 constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead of the current one each thread prefetches
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512: one 16-lane accumulator per (weight row, activation row) pair over k in blocks of 16, and 32 registers:
+// tiles of up to 4 weight rows x 6 activation rows (24 accumulators, 6 activation vectors, one weight vector), so a
+// verify of 16 rows widens each int8/bfloat16 weight vector 3 times instead of 6 and issues half the FMAs. The
+// arithmetic of one pair is again the same in every tile shape (16 lanes, a fixed horizontal sum, the scalar tail
+// in order, the scale): batch invariant. No lane permutation: a bfloat16 block widens in order.
+constexpr bool kWide = true;
+constexpr int kMaxActRows = 6;
+
+template <typename W, int NT, int MT>
+inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, float* y, int64_t N,
+                 bool prefetch_ahead) {
+  V16 acc[NT][MT];
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = zero16();
+  const int64_t K16 = K & ~int64_t(15);
+  const int64_t tile_bytes = NT * K * int64_t(sizeof(W));
+  const int64_t lines_per_step = K16 ? (tile_bytes / 64 + K16 / 16 - 1) / (K16 / 16) : 0;
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchTiles * tile_bytes;
+  prefetch_ahead = prefetch_ahead && (sizeof(W) < 4 || NT > 1);
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (prefetch_ahead)
+      for (int64_t l = 0; l < lines_per_step; ++l) prefetch(ahead + ((k / 16) * lines_per_step + l) * 64);
+    V16 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = load16(xp + m * K + k);
+    for (int r = 0; r < NT; ++r) {
+      const V16 wv = load16(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = fma16(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float s = hsum16(acc[r][m]);
+      for (int64_t j = K16; j < K; ++j) s += to_float(w[r * K + j]) * x[m * K + j];
+      y[m * N + r] = s * (scale ? scale[r] : 1.0f);
+    }
+}
+
+#else
+constexpr bool kWide = false;
+constexpr int kMaxActRows = 3;
+
 // One register tile: y[m, r] for NT weight rows r and MT activation rows m, one 8-lane accumulator per (r, m) pair.
 // w: NT rows K apart; xp: MT activation rows K apart, in the lane order of lo16/hi16 for the first K16 columns
 // (x itself for the scalar tail); y[m * N + r]. Each 16-column block runs in two halves so that only MT activation
@@ -70,19 +112,23 @@ inline void tile(const W* w, int64_t K, const float* xp, const float* x, const f
       y[m * N + r] = s * (scale ? scale[r] : 1.0f);
     }
 }
+#endif
 
-// Every activation row against NT weight rows starting at w: tiles of 3 activation rows, then the rest.
-template <typename W, int NT>
+// Every activation row against NT weight rows starting at w: tiles of kMaxActRows activation rows, then the rest.
+// (The first tile of the block prefetches ahead: the weights' first pass.)
+template <typename W, int NT, int MT = kMaxActRows>
 inline void row_block(const W* w, int64_t K, const float* xp, const float* x, int64_t M, const float* scale,
-                      float* y, int64_t N) {
+                      float* y, int64_t N, bool first = true) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile<W, NT, 3>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
-  if (M - m == 2) tile<W, NT, 2>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
-  else if (M - m == 1) tile<W, NT, 1>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, m == 0);
+  for (; m + MT <= M; m += MT) tile<W, NT, MT>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, first && m == 0);
+  if constexpr (MT > 1) {
+    if (M > m) row_block<W, NT, MT - 1>(w, K, xp + m * K, x + m * K, M - m, scale, y + m * N, N, first && m == 0);
+  }
 }
 
 // Weight rows per tile: as few as keep the FMA latency hidden (every row is one more interleaved memory stream, and
-// the hardware prefetchers lose track of many), as many as the 16 registers hold with 3 activation rows (4).
+// the hardware prefetchers lose track of many), as many as the registers hold with 3 (AVX2) or 6 (AVX-512)
+// activation rows (4).
 // Decode (one activation row) reads W at the memory bandwidth with 1 float32, 2 bfloat16 or 8 int8 rows.
 template <typename W>
 constexpr int kDecodeRows = sizeof(W) == 4 ? 1 : sizeof(W) == 2 ? 2 : 8;
@@ -112,7 +158,7 @@ void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, i
   // the calling thread's own and reused, so a step's ~200 calls allocate nothing)
   thread_local std::vector<float> permuted;
   const float* xp = x;
-  if (kPermutedLanes<W>) {
+  if (!kWide && kPermutedLanes<W>) {
     permuted.assign(x, x + M * K);
     for (int64_t m = 0; m < M; ++m) permute16(permuted.data() + m * K, K);
     xp = permuted.data();

@@ -76,6 +76,25 @@ template <typename W>
 constexpr bool kPermutedLanes = false;
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16-lane float32 arithmetic for infer::linear where the build targets AVX-512 (kernels/__init__.py's flags).
+using V16 = __m512;
+inline V16 zero16() { return _mm512_setzero_ps(); }
+inline V16 fma16(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline V16 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline V16 load16(const int8_t* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+inline float hsum16(V16 v) {  // a fixed order: the two halves added, then hsum8's
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+#endif
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
