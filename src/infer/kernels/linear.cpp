@@ -31,58 +31,61 @@ using namespace infer_kernels;
 
 constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead of the current one each thread prefetches
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// AVX-512: one 16-lane accumulator per (weight row, activation row) pair over k in blocks of 16, and 32 registers:
-// tiles of up to 4 weight rows x 6 activation rows (24 accumulators, 6 activation vectors, one weight vector), so a
-// verify of 16 rows widens each int8/bfloat16 weight vector 3 times instead of 6 and issues half the FMAs. The
-// arithmetic of one pair is again the same in every tile shape (16 lanes, a fixed horizontal sum, the scalar tail
-// in order, the scale): batch invariant. No lane permutation: a bfloat16 block widens in order.
+// The accumulators: one per (weight row, activation row) pair over k in blocks of 16 columns.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// AVX-512: one 16-lane accumulator per pair and 32 registers: tiles of up to 4 weight rows x 6 activation rows (24
+// accumulators, 6 activation vectors, one weight vector), so a verify of 16 rows widens each int8/bfloat16 weight
+// vector 3 times instead of 6 and issues half the FMAs. No lane permutation: a bfloat16 block widens in order.
+using Acc = V16;
 constexpr bool kWide = true;
 constexpr int kMaxActRows = 6;
+inline Acc acc_zero() { return zero16(); }
+inline float acc_sum(Acc v) { return hsum16(v); }
 
 template <typename W, int NT, int MT>
-inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, float* y, int64_t N,
-                 bool prefetch_ahead) {
-  V16 acc[NT][MT];
-  for (int r = 0; r < NT; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = zero16();
-  const int64_t K16 = K & ~int64_t(15);
-  const int64_t tile_bytes = NT * K * int64_t(sizeof(W));
-  const int64_t lines_per_step = K16 ? (tile_bytes / 64 + K16 / 16 - 1) / (K16 / 16) : 0;
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchTiles * tile_bytes;
-  prefetch_ahead = prefetch_ahead && (sizeof(W) < 4 || NT > 1);
-  for (int64_t k = 0; k < K16; k += 16) {
-    if (prefetch_ahead)
-      for (int64_t l = 0; l < lines_per_step; ++l) prefetch(ahead + ((k / 16) * lines_per_step + l) * 64);
-    V16 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = load16(xp + m * K + k);
-    for (int r = 0; r < NT; ++r) {
-      const V16 wv = load16(w + r * K + k);
-      for (int m = 0; m < MT; ++m) acc[r][m] = fma16(wv, xv[m], acc[r][m]);
-    }
+inline void block16(const W* w, int64_t K, const float* xp, int64_t k, Acc (&acc)[NT][MT]) {
+  V16 xv[MT];
+  for (int m = 0; m < MT; ++m) xv[m] = load16(xp + m * K + k);
+  for (int r = 0; r < NT; ++r) {
+    const V16 wv = load16(w + r * K + k);
+    for (int m = 0; m < MT; ++m) acc[r][m] = fma16(wv, xv[m], acc[r][m]);
   }
-  for (int r = 0; r < NT; ++r)
-    for (int m = 0; m < MT; ++m) {
-      float s = hsum16(acc[r][m]);
-      for (int64_t j = K16; j < K; ++j) s += to_float(w[r * K + j]) * x[m * K + j];
-      y[m * N + r] = s * (scale ? scale[r] : 1.0f);
-    }
 }
-
 #else
+// AVX2 (or portable): one 8-lane accumulator per pair and 16 registers: tiles of up to 4 x 3. Each 16-column block
+// runs in two halves so that only MT activation vectors are live (xp is in the lane order of lo16/hi16).
+using Acc = V8;
 constexpr bool kWide = false;
 constexpr int kMaxActRows = 3;
+inline Acc acc_zero() { return zero8(); }
+inline float acc_sum(Acc v) { return hsum8(v); }
 
-// One register tile: y[m, r] for NT weight rows r and MT activation rows m, one 8-lane accumulator per (r, m) pair.
-// w: NT rows K apart; xp: MT activation rows K apart, in the lane order of lo16/hi16 for the first K16 columns
-// (x itself for the scalar tail); y[m * N + r]. Each 16-column block runs in two halves so that only MT activation
-// vectors are live: 16 registers hold NT * MT accumulators, MT activations and one weight vector.
+template <typename W, int NT, int MT>
+inline void block16(const W* w, int64_t K, const float* xp, int64_t k, Acc (&acc)[NT][MT]) {
+  V8 xv[MT];
+  for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k);
+  for (int r = 0; r < NT; ++r) {
+    const V8 wv = lo16(w + r * K + k);
+    for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
+  }
+  for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k + 8);
+  for (int r = 0; r < NT; ++r) {
+    const V8 wv = hi16(w + r * K + k);
+    for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
+  }
+}
+#endif
+
+// One register tile: y[m, r] for NT weight rows r and MT activation rows m. w: NT rows K apart; xp: MT activation
+// rows K apart (permuted for block16 where the build needs it; x itself for the scalar tail); y[m * N + r]. The
+// arithmetic of one pair is the same in every tile shape (the build's accumulator over the 16-column blocks, a fixed
+// horizontal sum, the scalar tail in order, the scale): batch invariant.
 template <typename W, int NT, int MT>
 inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, float* y, int64_t N,
                  bool prefetch_ahead) {
-  V8 acc[NT][MT];
+  Acc acc[NT][MT];
   for (int r = 0; r < NT; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = zero8();
+    for (int m = 0; m < MT; ++m) acc[r][m] = acc_zero();
   const int64_t K16 = K & ~int64_t(15);
   // the tile's NT rows are one contiguous run of memory: prefetch the run kPrefetchTiles tiles ahead, spread evenly
   // over the k loop (only on the first pass over the tile; prefetches never fault past the end of W)
@@ -93,26 +96,15 @@ inline void tile(const W* w, int64_t K, const float* xp, const float* x, const f
   for (int64_t k = 0; k < K16; k += 16) {
     if (prefetch_ahead)
       for (int64_t l = 0; l < lines_per_step; ++l) prefetch(ahead + ((k / 16) * lines_per_step + l) * 64);
-    V8 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k);
-    for (int r = 0; r < NT; ++r) {
-      const V8 wv = lo16(w + r * K + k);
-      for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
-    }
-    for (int m = 0; m < MT; ++m) xv[m] = load8(xp + m * K + k + 8);
-    for (int r = 0; r < NT; ++r) {
-      const V8 wv = hi16(w + r * K + k);
-      for (int m = 0; m < MT; ++m) acc[r][m] = fma8(wv, xv[m], acc[r][m]);
-    }
+    block16<W, NT, MT>(w, K, xp, k, acc);
   }
   for (int r = 0; r < NT; ++r)
     for (int m = 0; m < MT; ++m) {
-      float s = hsum8(acc[r][m]);
+      float s = acc_sum(acc[r][m]);
       for (int64_t j = K16; j < K; ++j) s += to_float(w[r * K + j]) * x[m * K + j];
       y[m * N + r] = s * (scale ? scale[r] : 1.0f);
     }
 }
-#endif
 
 // Every activation row against NT weight rows starting at w: tiles of kMaxActRows activation rows, then the rest.
 // (The first tile of the block prefetches ahead: the weights' first pass.)

@@ -76,7 +76,7 @@ template <typename W>
 constexpr bool kPermutedLanes = false;
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // 16-lane float32 arithmetic for infer::linear where the build targets AVX-512 (kernels/__init__.py's flags).
 using V16 = __m512;
 inline V16 zero16() { return _mm512_setzero_ps(); }
