@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import re
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +46,13 @@ def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server a benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median(xs):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,20 +28,14 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, update_doc_section, write_json  # noqa: E402
+from common import ROOT, free_port, machine, update_doc_section, write_json  # noqa: E402
 
 from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(extra: list[str]) -> tuple[subprocess.Popen, str]:
     target, drafter = demo_model_paths()
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "infer.server", "--model", str(target), "--draft-model", str(drafter),
            "--served-model-name", "demo", "--max-batch-size", "16", "--max-seq-len", "1024", "--port", str(port),
            *extra]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, update_doc_section, write_json  # noqa: E402
+from common import free_port, machine, update_doc_section, write_json  # noqa: E402
 
 from infer.bench_serve import bench  # noqa: E402
 from infer.demo import demo_model_paths  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> dict[str, float]:

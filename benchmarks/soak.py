@@ -28,17 +28,11 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from common import RESULTS, free_port, machine, update_doc_section, write_json  # noqa: E402
 
 PROMPTS = ["Explain why the sky is blue.", "Write a Python function that reverses a list.", "def fibonacci(n):",
            "List three uses of a hash map.", "import os\nfor root, dirs, files in os.walk('.'):",
            "Summarise the plot of a detective story in two sentences."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:

@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, update_doc_section, write_json  # noqa: E402
+from common import ROOT, free_port, machine, update_doc_section, write_json  # noqa: E402
 
 K = 3
 SIDES = ("tp1", "executor", "spmd")
@@ -114,11 +114,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     sides, procs = {}, []
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     for side in SIDES:
         ranks = (0, 1) if side == "spmd" else (0,)
         sides[side] = [ctx.Queue() for _ in ranks]

@@ -110,10 +110,10 @@ class Engine:
         from .tp_executor import TensorParallelExecutor
 
         cfg, world = self.config, self.config.tensor_parallel_size
-        if cfg.proposer in ("draft", "hybrid") and drafter_kind(resolve_model_path(cfg.draft_model)) != "draft_model":
-            raise ValueError(f"drafter {cfg.draft_model} is {drafter_kind(resolve_model_path(cfg.draft_model))} heads, "
-                             "which borrow the target's embedding and LM head; under tensor parallelism those are "
-                             "sharded: use a draft model or proposer='ngram'")
+        kind = drafter_kind(resolve_model_path(cfg.draft_model)) if cfg.proposer in ("draft", "hybrid") else None
+        if kind not in (None, "draft_model"):
+            raise ValueError(f"drafter {cfg.draft_model} is {kind} heads, which borrow the target's embedding and LM "
+                             "head; under tensor parallelism those are sharded: use a draft model or proposer='ngram'")
         model = load_model(self.model_path, self.dtype, "cpu")  # moved after sharding: 1/N of it on the device
         check_shardable(model.config, world)  # both named before any worker starts
         self.tp = TensorParallelExecutor(world, self.model_path, self.dtype, cfg.device)
