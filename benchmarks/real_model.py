@@ -114,7 +114,7 @@ def main():
     torch.set_num_threads(a.threads)
     path = real_model_path()
     t0 = time.perf_counter()
-    llms = {name: LLM(path, compile=True, **kw) for name, kw in OURS.items()}
+    llms = {name: LLM(path, compile=True, compile_in_background=False, **kw) for name, kw in OURS.items()}
     print(f"loaded our variants in {time.perf_counter() - t0:.1f}s", flush=True)
     tok = next(iter(llms.values())).tokenizer
     prompts = {"chat": tok.apply_chat_template(PROMPTS["chat"]), "code": tok.encode(PROMPTS["code"])}

@@ -133,7 +133,7 @@ def main() -> None:
         plot(res)
         return
     torch.manual_seed(0)
-    path, S = real_model_path(), dict(REAL_MODEL_SETTINGS)
+    path, S = real_model_path(), dict(REAL_MODEL_SETTINGS, compile_in_background=False)  # timed: graphs first
     sh = Shared(path, S)
     kinds = [k for k in NAMES if k in sh.paths]
     prompts = eval_prompts()

@@ -12,6 +12,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 warnings.filterwarnings("ignore", message=".*generation flags.*")
 
 
+@pytest.fixture(autouse=True)
+def profile_dir(tmp_path, monkeypatch):
+    """A fresh cost-profile store per test (spec_decode.profile_store): no test reads a profile another test, or the
+    user's own runs, left in ~/.cache."""
+    path = tmp_path / "profiles"
+    monkeypatch.setattr("infer.spec_decode.profile_store.default_dir", lambda: path)
+    monkeypatch.setattr("infer.model.gguf.cache_dir", lambda name: tmp_path / name)  # GGUF indexes too
+    return path
+
+
 @pytest.fixture(scope="session")
 def ckpt_dirs(tmp_path_factory):
     """One tiny random HF checkpoint per fixture shape (mha, gqa, llama3, tied)."""

@@ -35,20 +35,22 @@ def test_compiled_greedy_equals_eager(gqa_dir, eager, backend):
 def test_compiled_speculation_equals_eager_and_does_not_recompile(gqa_dir, eager):
     llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
     assert _ids(llm.generate(PROMPTS, GREEDY)) == eager
+    assert llm.engine.wait_until_ready(timeout=600)  # the background warm-up (engine.warmup) is done
     # Every step shape (decode, K+1 verify, logits) has been seen: new lengths must reuse the graphs.
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = llm.generate(["x" * 7, "a b c d e f g h i j"], SamplingParams(temperature=0, max_tokens=40))
     assert all(o.token_ids for o in out)
 
 
-def test_compiled_bf16_speculation_equals_eager_and_compiles_before_the_first_request(gqa_dir):
+def test_compiled_bf16_speculation_equals_eager_and_builds_every_graph_at_start_up(gqa_dir):
     """bfloat16: inductor rounds fused work differently in the decode and the verify graphs unless a speculating
-    engine asks for exact casts (compile.EXACT_CAST_OPTIONS); and the engine builds at start-up every graph a lone
-    request needs, so its first rounds never stop to compile."""
+    engine asks for exact casts (compile.EXACT_CAST_OPTIONS); and the warm-up builds every graph a lone request
+    needs, so once it is done no round stops to compile."""
     plain = LLM(gqa_dir, dtype="bfloat16", compile=False, max_batch_size=1)
     compile_model(plain.model, exact_casts=True)  # plain decoding through the same kind of graphs
     llm = LLM(gqa_dir, dtype="bfloat16", draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
     expected = _ids(plain.generate(PROMPTS, GREEDY))
+    assert llm.engine.wait_until_ready(timeout=600)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the speculating engine's graphs exist already
         assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
     assert llm.engine.stats.num_draft_tokens > 0

@@ -297,3 +297,24 @@ def test_llm_end_to_end_on_a_gguf(ggufs):
     out = llm.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and isinstance(out.text, str)
     assert out.token_ids == _greedy(load_model(file), llm.tokenizer.encode("The quick brown fox"), 8)
+
+
+def test_the_index_is_reused_and_a_damaged_one_rebuilt(src, tmp_path):
+    """GGUFIndex: the second open reads no metadata (the index answers), a rewritten file is not served from the old
+    index, and a corrupt index is reported naming it, then rebuilt."""
+    from infer.model.gguf import GGUFCheckpoint, GGUFIndex
+
+    file = write_gguf(src, tmp_path / "t.gguf")
+    first = GGUFCheckpoint(file)
+    index = GGUFIndex(file)
+    assert index.load() is not None
+    second = GGUFCheckpoint(file)
+    assert second.config == first.config
+    assert all(np.array_equal(second.array(n), first.array(n)) for n in first.by_name)
+    index.path.write_text(index.path.read_text()[:30])
+    with pytest.warns(RuntimeWarning, match=f"GGUF index {index.path} is corrupt"):
+        third = GGUFCheckpoint(file)
+    assert third.config == first.config and GGUFIndex(file).load() is not None
+    write_gguf(src, file, Q.Q8_0)  # rewritten in place: another key
+    assert GGUFIndex(file).path != index.path
+    assert GGUFCheckpoint(file).by_name["blk.0.attn_q.weight"].tensor_type == Q.Q8_0

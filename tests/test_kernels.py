@@ -136,6 +136,36 @@ def test_attention_rejects_bad_shapes():
         torch.ops.infer.attention(q, k, v, None)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [576, 64, 37])  # 37: a tail shorter than the 16 partial sums
+def test_rms_norm_matches_reference_and_is_batch_invariant(dt, h):
+    """infer::rms_norm (kernels/norm.cpp): Hugging Face's math and rounding, and each row's bits independent of the
+    rows beside it, so a step computes the same norm alone or in a batch, eager or compiled."""
+    gen = torch.Generator().manual_seed(h)
+    x = (torch.randn(kernels.MAX_ROWS, h, generator=gen) * 3).to(dt)
+    w = (1 + torch.randn(h, generator=gen) / 10).to(dt)
+    y = torch.ops.infer.rms_norm(x, w, 1e-5)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref = normed * w.float() if dt == torch.float32 else (w * normed.to(dt)).float()
+    tol = 1e-5 if dt == torch.float32 else 1e-2
+    assert y.dtype == dt and (y.float() - ref).abs().max() <= tol * ref.abs().max()
+    for i in range(x.shape[0]):
+        assert torch.equal(torch.ops.infer.rms_norm(x[i:i + 1], w, 1e-5), y[i:i + 1])
+
+
+def test_rms_norm_rejects_bad_input():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.infer.rms_norm(x, torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.infer.rms_norm(x, w.bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infer.rms_norm(x.half(), w.half(), 1e-5)
+    with pytest.raises(RuntimeError, match="rows, hidden"):
+        torch.ops.infer.rms_norm(x[None], w, 1e-5)
+
+
 def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):
     """The same greedy tokens with the kernels and with INFER_CPU_KERNELS=0 (ATen), on a float32 tiny model."""
     script = ("import sys, json, torch; torch.set_num_threads(1)\n"

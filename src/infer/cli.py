@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from . import progress
+
+    progress.enable()  # start-up stages on stderr (the library itself stays silent)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:  # bad input: one clear line, no traceback

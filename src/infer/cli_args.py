@@ -40,6 +40,8 @@ HELP = {
     "device": "cpu | cuda | cuda:N",
     "quantization": "weight-only quantization of the target: int8 (per channel) | int4 (groups of 32)",
     "compile": "torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)",
+    "compile_in_background": "compile in a background thread and serve at once (steps without a graph yet run "
+                             "eagerly, same tokens); --no-compile-in-background builds every graph first",
     "tensor_parallel_size": "shard the target over N processes on this machine (rank 0 runs the engine; gloo on "
                             "CPU, NCCL on N GPUs)",
     "kv_cache_backend": "paged | contiguous",
@@ -57,7 +59,8 @@ HELP = {
 
 FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' name for the flag
 
-MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "tensor_parallel_size")
+MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_in_background",
+                "tensor_parallel_size")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
                "draft_vocab_size")

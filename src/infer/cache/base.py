@@ -27,9 +27,11 @@ Invariants every implementation keeps:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -72,6 +74,20 @@ class TreeAttn:
     visible: torch.Tensor  # [B, T, W] bool, W >= (start - base) + T for every row
 
 
+def kv_storage(shape: tuple, dtype: torch.dtype, device: torch.device, lazy: bool = False) -> torch.Tensor:
+    """One layer's K or V storage, zero-filled: masked keys still meet the attention matmul with weight 0, and
+    0 * NaN from uninitialised memory would poison the row. On the CPU the zeros come from calloc (numpy), whose
+    large blocks are fresh anonymous pages, zero by the OS and committed only when first written: a pool sized for
+    every slot's longest sequence (~0.8 GB for SmolLM2) costs nothing until used, where torch.zeros writes it all at
+    start-up (~3 s here). ``lazy``: not even zeroed (KVCachePool.twin, whose results are thrown away)."""
+    if lazy:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCachePool(ABC):
     """Storage of K/V for many sequences, addressed by (slot, position)."""
 
@@ -85,6 +101,12 @@ class KVCachePool(ABC):
     def layout(self) -> dict:
         """The keyword arguments of ``for_model(model, **layout)`` that build a pool addressed exactly like this one
         (for another shard of the model: its own KV heads)."""
+
+    def twin(self, model) -> KVCachePool:
+        """A pool addressed exactly like this one (``layout``) over storage of its own, allocated lazily (pages are
+        committed only where written) and never zeroed: for running steps whose results are thrown away, such as
+        compiling graphs off the engine's thread (engine.warmup), without touching this pool."""
+        return type(self).for_model(model, **self.layout(), lazy=True)
 
     def _replay(self, op: str, *args) -> None:
         """Run the storage copy ``self.<op>(*args)`` (plain ints and lists: storage coordinates), announcing it to

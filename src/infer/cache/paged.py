@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, tree_plan
+from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, kv_storage, tree_plan
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -42,6 +42,7 @@ class PagedKVCachePool(KVCachePool):
         enable_prefix_caching: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        lazy: bool = False,  # storage left unzeroed and uncommitted (KVCachePool.twin): results are thrown away
     ):
         if num_blocks <= 0 or block_size <= 0 or max_seq_len <= 0 or max_slots <= 0:
             raise ValueError(f"num_blocks, block_size, max_seq_len and max_slots must be > 0, got "
@@ -52,10 +53,10 @@ class PagedKVCachePool(KVCachePool):
         self.device = torch.device(device)
         self.scratch = num_blocks * block_size
         shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
-        # zeros: masked keys still meet the matmul with weight 0, and 0 * NaN would poison the row.
+        # zeros (kv_storage says why, and why they cost nothing until written)
         # One tensor per layer (not views of one): compiled, writes into a tensor of its own stay in place.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k = [kv_storage(shape, dtype, self.device, lazy) for _ in range(num_layers)]
+        self.v = [kv_storage(shape, dtype, self.device, lazy) for _ in range(num_layers)]
         # a min-heap: the lowest free block goes first, so a sequence alone in the pool (or one that grows after
         # others left) gets consecutive blocks, which attention reads as a plain slice instead of a gather
         self._free_blocks = list(range(num_blocks))
@@ -70,10 +71,10 @@ class PagedKVCachePool(KVCachePool):
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, max_seq_len: int, max_slots: int,
-                  enable_prefix_caching: bool = False) -> PagedKVCachePool:
+                  enable_prefix_caching: bool = False, lazy: bool = False) -> PagedKVCachePool:
         cfg, p = model.config, next(model.parameters())
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size,
-                   max_seq_len, max_slots, enable_prefix_caching, dtype=p.dtype, device=p.device)
+                   max_seq_len, max_slots, enable_prefix_caching, dtype=p.dtype, device=p.device, lazy=lazy)
 
     # -- blocks ------------------------------------------------------------------------------------------------
     def _take_block(self) -> int:

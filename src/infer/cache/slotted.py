@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, tree_plan
+from .base import AttnMeta, KVCachePool, TreeAttn, build_positions, kv_storage, tree_plan
 
 
 class SlottedKVCache(KVCachePool):
@@ -22,28 +22,28 @@ class SlottedKVCache(KVCachePool):
         max_slots: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        lazy: bool = False,  # storage left unzeroed and uncommitted (KVCachePool.twin): results are thrown away
     ):
         if max_seq_len <= 0 or max_slots <= 0:
             raise ValueError(f"max_seq_len and max_slots must be > 0, got {max_seq_len}, {max_slots}")
         self.num_layers, self.max_seq_len, self.max_slots = num_layers, max_seq_len, max_slots
         self.device = torch.device(device)
         shape = (max_slots, num_kv_heads, max_seq_len + 1, head_dim)
-        # Zeros, not empty: masked keys still enter the attention matmul with weight 0, and 0 * NaN from
-        # uninitialised memory would be NaN. Stale entries written by the model are always finite.
+        # zeros (kv_storage says why, and why they cost nothing until written)
         # One tensor per layer, not views of one: under torch.compile a write into a view of a larger input is
         # functionalised into a copy of the whole base; a write into a tensor of its own is done in place.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k = [kv_storage(shape, dtype, self.device, lazy) for _ in range(num_layers)]
+        self.v = [kv_storage(shape, dtype, self.device, lazy) for _ in range(num_layers)]
         self._lens = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._used: set[int] = set()
 
     @classmethod
-    def for_model(cls, model, max_seq_len: int, max_slots: int = 1) -> SlottedKVCache:
+    def for_model(cls, model, max_seq_len: int, max_slots: int = 1, lazy: bool = False) -> SlottedKVCache:
         cfg = model.config
         p = next(model.parameters())
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_seq_len, max_slots,
-                   dtype=p.dtype, device=p.device)
+                   dtype=p.dtype, device=p.device, lazy=lazy)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:

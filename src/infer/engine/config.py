@@ -67,6 +67,11 @@ class EngineConfig:
     # COMPILE_AUTO_MIN_PARAMS parameters, where the step is bound by memory bandwidth and compiling pays for its
     # start-up; tiny models (tests, the demo pair) stay eager. False: never.
     compile: bool | None = None
+    # With compile: build the compiled steps in a background thread and serve meanwhile (a step without its graph
+    # yet runs eagerly, bit for bit the same: engine.warmup); False builds them all before the engine serves.
+    # Engines whose eager and compiled steps differ in rounding (bfloat16 without exact casts: a plain, non-speculating
+    # engine) always build first.
+    compile_in_background: bool = True
     seed: int | None = None  # seeds requests that bring no seed of their own
     # Shard the target over this many processes (engine.tp_executor, model/tp.py): rank 0 is this process and runs
     # the engine, the others hold the other shards. Eager, unquantized weights; a draft model or n-gram drafts.
@@ -155,6 +160,8 @@ class EngineConfig:
                 bad(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.compile not in (None, True, False):
             bad(f"compile must be True, False or None (auto), got {self.compile!r}")
+        if not isinstance(self.compile_in_background, bool):
+            bad(f"compile_in_background must be True or False, got {self.compile_in_background!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer or None, got {self.seed!r}")
         tp = self.tensor_parallel_size

@@ -9,6 +9,8 @@ Not thread-safe: one thread drives it (AsyncEngine runs it in a background threa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from .. import kernels
@@ -30,6 +32,7 @@ from .kv_manager import KVManager
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .warmup import Warmup
 
 
 class QueueFullError(RuntimeError):
@@ -97,12 +100,51 @@ class Engine:
         pooled = self.draft_model if getattr(self.draft_model, "has_kv", True) else None  # Medusa keeps no cache
         self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, pooled, cfg.max_spec_length)
         self.runner = ModelRunner(self.model, self.kv, self.stats)
-        self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab) \
-            if cfg.use_speculative_decoding else None
+        self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab,
+                                     defer_profile=self.compiled) if cfg.use_speculative_decoding else None
+        self.warmup = self._start_warmup() if self.compiled else None
         self.scheduler = Scheduler(cfg, self.kv)
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.kv.free_kv_tokens()
+
+    def _start_warmup(self) -> Warmup | None:
+        """Build the compiled steps (engine.warmup): in a background thread where a step run eagerly meanwhile gives
+        the same bits (CPU kernels, and float32 or exact casts), else now. None if this model's graphs for this pool
+        layout and these widths were built already (another engine over the same model)."""
+        decoder = self.decoder
+        warmup = Warmup(self, self.config.max_spec_length if decoder else 0, tree=bool(decoder and decoder.tree))
+        if warmup.key in self.model.compiled.warmed:
+            self._finish_warmup(warmup)
+            return None
+        self.model.compiled.warmed.add(warmup.key)
+        exact = self.model.dtype == torch.float32 or self.config.use_speculative_decoding  # exact casts otherwise
+        background = self.config.compile_in_background and exact and self.device.type == "cpu" and \
+            kernels.available()
+        if decoder is not None:
+            decoder.ready = False  # drafts wait for compiled verify steps and a cost model (_finish_warmup)
+        warmup.start(background)
+        if not background:
+            self._finish_warmup(warmup)
+        return warmup
+
+    def _finish_warmup(self, warmup: Warmup | None) -> None:
+        """Once the compiled steps exist: profile a missing cost model (now fast: no graph left to build), save it,
+        and let the decoder draft."""
+        decoder = self.decoder
+        if decoder is None or decoder.ready or (warmup is not None and not warmup.ready):
+            return
+        if decoder.profile_now is not None and decoder.spec_length.costs is None:
+            decoder.profile_now()
+        decoder.ready = True
+
+    def wait_until_ready(self, timeout: float | None = None) -> bool:
+        """Block until the compiled steps are built and the decoder drafts (True), or ``timeout`` seconds pass
+        (False). Only timings need it: the engine serves the same tokens before."""
+        if self.warmup is not None and not self.warmup.wait(timeout):
+            return False
+        self._finish_warmup(self.warmup)
+        return True
 
     def _start_tensor_parallel(self) -> None:
         """Load rank 0's copy, check that it shards, start the workers, keep rank 0's shard (engine.tp_executor)."""
@@ -208,10 +250,13 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one batched forward (or one speculative round), retire what finished."""
+        if self.decoder is not None and not self.decoder.ready:
+            self._finish_warmup(self.warmup)  # a no-op until the background warm-up is done
         plan = self.scheduler.schedule()
-        outputs = self.runner.prefill(plan.prefill)
-        if plan.decode:
-            outputs += (self.decoder or self.runner).decode(plan.decode)
+        with self.warmup.engine_turn() if self.warmup is not None else nullcontext():
+            outputs = self.runner.prefill(plan.prefill)
+            if plan.decode:
+                outputs += (self.decoder or self.runner).decode(plan.decode)
         for req in self.scheduler.retire():
             self.requests.pop(req.request_id, None)
             self._count_finished(req)

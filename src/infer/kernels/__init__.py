@@ -4,6 +4,10 @@
     if kernels.available():
         y = torch.ops.infer.linear(x, weight, scale)     # x [M, K] float32/bf16; weight [N, K] f32/bf16/int8
 
+``infer::rms_norm`` (norm.cpp) is the few-token steps' RMSNorm: as an opaque op it makes a compiled step bit-identical
+to the same step run eagerly (inductor's fused norm sums in another order), which lets the engine serve eagerly
+while graphs compile in the background (engine.warmup).
+
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
 result does not depend on how many rows share the call. ATen has no kernel that does both on this CPU: its one-row
@@ -21,12 +25,13 @@ import hashlib
 import os
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear.cpp", HERE / "attention.cpp"]
+SOURCES = [HERE / "linear.cpp", HERE / "attention.cpp", HERE / "norm.cpp"]
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infer" / "kernels"
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 
@@ -44,6 +49,16 @@ def _flags() -> list[str]:
     return flags
 
 
+def build_name() -> str:
+    """The build's name: one per source text, flags, torch and Python, so a cache shared by machines or versions
+    never mixes them (cost profiles carry it too: spec_decode.profile_store)."""
+    key = hashlib.sha256()
+    for src in sorted(HERE.glob("*.[ch]*")):
+        key.update(src.read_bytes())
+    key.update(" ".join(_flags() + [torch.__version__, str(sys.version_info[:2])]).encode())
+    return f"infer_kernels_{key.hexdigest()[:12]}"
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
@@ -55,12 +70,7 @@ def _build() -> None:
     except ImportError:
         pass  # a system ninja, if any, is found on PATH
     flags = _flags()
-    # One build per source text, flags, torch and Python: a cache shared by machines or versions never mixes them.
-    key = hashlib.sha256()
-    for src in sorted(HERE.glob("*.[ch]*")):
-        key.update(src.read_bytes())
-    key.update(" ".join(flags + [torch.__version__, str(sys.version_info[:2])]).encode())
-    name = f"infer_kernels_{key.hexdigest()[:12]}"
+    name = build_name()
     build_dir = CACHE_DIR / name
     build_dir.mkdir(parents=True, exist_ok=True)
     load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
@@ -69,6 +79,10 @@ def _build() -> None:
     @torch.library.register_fake("infer::linear")
     def _(x, weight, scale=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("infer::rms_norm")
+    def _(x, weight, eps):  # [M, H] -> [M, H]
+        return torch.empty_like(x)
 
     @torch.library.register_fake("infer::attention")
     def _(q, k, v, mask=None):  # [B, H, T, D], stored as [B, T, H, D]
@@ -84,7 +98,12 @@ def available() -> bool:
             _loaded = False
         else:
             try:
-                _build()
+                from .. import progress
+
+                built = (CACHE_DIR / build_name() / f"{build_name()}.so").is_file()
+                with progress.stage("building infer's CPU kernels (first start only, ~30 s)") if not built \
+                        else nullcontext():
+                    _build()
                 _loaded = True
             except Exception as e:  # no compiler, no ninja, a read-only cache, ...: ATen serves every call
                 why = str(e).strip().splitlines()[-1] if str(e).strip() else ""  # the compiler's log is long

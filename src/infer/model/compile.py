@@ -29,10 +29,12 @@ The eager path stays the reference: ``compile=False`` (``--no-compile``) never t
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import threading
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -57,6 +59,19 @@ EXACT_CAST_OPTIONS = {"emulate_precision_casts": True}
 CPU_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
+def cpu_options() -> dict:
+    """CPU_INDUCTOR_OPTIONS with the thread count fixed at this (the engine's) thread's: inductor otherwise plans its
+    C++ kernels for the compiling thread's count, and the background warm-up compiles with one thread
+    (engine.warmup: a second OpenMP team slows every parallel region of the engine's). ``dynamic_threads``: the
+    kernels take the caller's count at run time (``#pragma omp parallel``), so the warm-up's runs stay on one."""
+    return {**CPU_INDUCTOR_OPTIONS, "cpp.threads": torch.get_num_threads(), "cpp.dynamic_threads": True}
+
+
+# Each structural variant of a step (one row or a batch, one token or several, a tree's mask, a paged gather, ...) is
+# one graph; allow more than Dynamo's default 8 before it gives up and runs the step eagerly.
+RECOMPILE_LIMIT = 32
+
+
 # Dynamo guards every tensor a graph reads: ~370 for SmolLM2 (weights, 60 KV tensors, rotary tables) plus the module
 # tree, ~0.5 ms a call. Once compiled, the model's weights and modules never change shape (quantize_model refuses a
 # compiled model) and a pool's layers all share one shape, so only these guards tell one step's graph from another:
@@ -65,16 +80,36 @@ _KV_LAYER_GUARD = re.compile(r"kv\.[kv]\[[1-9]")
 
 
 def step_guards(entries) -> list[bool]:
-    """torch.compile's guard_filter_fn: keep a guard unless it is on the model's own state or on a KV layer > 0."""
-    return [not ((e.name.startswith("self") and "rotary" not in e.name) or _KV_LAYER_GUARD.match(e.name))
-            for e in entries]
+    """torch.compile's guard_filter_fn: keep a guard unless it is on the model's own state or on a KV layer > 0, or
+    is GLOBAL_STATE. That one holds the calling thread's torch thread count (besides autocast and the default dtype,
+    which infer never changes): the background warm-up compiles with one thread (engine.warmup) for an engine that
+    runs with two, and the kernels are planned for the engine's count either way (``cpu_options``)."""
+    return [not ((e.name.startswith("self") and "rotary" not in e.name) or _KV_LAYER_GUARD.match(e.name)
+                 or e.guard_type == "GLOBAL_STATE") for e in entries]
 
 
 @dataclass
 class CompiledSteps:
+    """The compiled steps and, for each, a run-only twin over the same graphs.
+
+    While a background warm-up compiles (engine.warmup), ``compiling`` holds its thread's id: calls from any other
+    thread take the run-only twins, which use a graph where one exists and otherwise run the step's own code
+    eagerly instead of compiling (torch._dynamo.run). Eager and compiled steps give the same bits (every reduction
+    of a few-token step is an infer kernel: kernels/norm.cpp), so which one ran never shows in the tokens."""
+
     forward: Callable  # (input_ids [B, T], positions [B, T], kv, attn_meta) -> hidden [B, T, H]
     logits: Callable  # hidden [..., H] -> float32 logits [..., V]
     max_tokens: int  # steps with at most this many tokens per row use them
+    run_forward: Callable | None = None  # run-only twins: never compile
+    run_logits: Callable | None = None
+    compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
+    warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
+
+    def steps(self) -> tuple[Callable, Callable]:
+        """(forward, logits) for the calling thread."""
+        if self.compiling is None or self.compiling == threading.get_ident():
+            return self.forward, self.logits
+        return self.run_forward, self.run_logits
 
 
 def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -97,8 +132,8 @@ def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def _compile_method(model, name: str, exact_casts: bool = False) -> Callable:
-    """torch.compile ``model.<name>`` with graphs of its own.
+def _compile_method(model, name: str, exact_casts: bool = False) -> tuple[Callable, Callable]:
+    """torch.compile ``model.<name>`` with graphs of its own -> (compiling, run-only) callables over one cache.
 
     Dynamo keeps its compiled graphs on the function's code object, shared by every instance of the class; with the
     guards on the model's state filtered out (``step_guards``), another model would match this one's graphs. A copy
@@ -106,10 +141,14 @@ def _compile_method(model, name: str, exact_casts: bool = False) -> Callable:
     """
     fn = getattr(type(model), name)
     code = fn.__code__.replace(co_name=f"{name}_{id(model):x}")
-    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    options = {**(CPU_INDUCTOR_OPTIONS if model.device.type == "cpu" else INDUCTOR_OPTIONS),
+    own = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
+                           model)
+    options = {**(cpu_options() if model.device.type == "cpu" else INDUCTOR_OPTIONS),
                **(EXACT_CAST_OPTIONS if exact_casts else {}), "guard_filter_fn": step_guards}
-    return torch.compile(types.MethodType(own, model), dynamic=None, options=options)
+    # the limit goes with the function: Dynamo's config is per thread, and the warm-up compiles in a thread of its own
+    limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in inspect.signature(torch.compile).parameters \
+        else {}
+    return torch.compile(own, dynamic=None, options=options, **limit), torch._dynamo.run(own)
 
 
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None, exact_casts: bool = False):
@@ -120,10 +159,8 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:
         configure_cache(cache_dir)
-        # Each structural variant (decode, masked verify, paged gather, ...) is one graph; allow a few more than
-        # the default 8 before dynamo gives up and runs eager.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        model.compiled = CompiledSteps(_compile_method(model, "_forward", exact_casts),
-                                       _compile_method(model, "_logits", exact_casts), max_tokens)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)  # old torch
+        (fwd, run_fwd), (logits, run_logits) = (_compile_method(model, n, exact_casts) for n in ("_forward", "_logits"))
+        model.compiled = CompiledSteps(fwd, logits, max_tokens, run_fwd, run_logits)
     model.compiled.max_tokens = max_tokens
     return model

@@ -13,19 +13,26 @@ Three things differ from a Hugging Face checkpoint and are undone here:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cached_property
+from importlib.metadata import version
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
+from ..cachedir import cache_dir, write_atomic
 from ..config import ModelConfig, RopeConfig
 
 _Q = gguf.GGMLQuantizationType
+_GGUF_VERSION = version("gguf")
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K,
                    _Q.Q5_K, _Q.Q6_K)  # floats, legacy and K-quants (all tested); IQ*, TQ*, MXFP4 ... are refused
 
@@ -115,28 +122,90 @@ def rope_from_freq_factors(factors: np.ndarray, theta: float, head_dim: int,
                      "per-frequency table")
 
 
+@dataclass
+class _Tensor:
+    """What loading needs of one tensor: gguf's type, its ggml shape and its bytes (a view of the mapped file)."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
+
+
+def _field_value(f):
+    """A field as ``GGUFCheckpoint.field`` returns it: scalar, string, or an array's length."""
+    kind = f.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        return len(f.data)
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
+    return f.parts[f.data[0]][0].item()
+
+
+class GGUFIndex:
+    """The index of one GGUF file in the cache: {"key", "fields", "tensors"}; the key names the file (resolved path,
+    size, times, inode), gguf's version and the index format, so a rewritten file or another reader is never served from
+    it. A damaged or foreign entry is reported in one warning naming it and rebuilt; writes are atomic."""
+
+    FORMAT = 1
+
+    def __init__(self, file: Path):
+        st = file.stat()
+        self.key = {"format": self.FORMAT, "file": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                    "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "gguf": _GGUF_VERSION}
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:24]
+        self.path = cache_dir("gguf") / f"{file.stem}-{digest}.json"
+
+    def load(self) -> dict | None:
+        try:
+            text = self.path.read_text()
+        except OSError:
+            return None
+        try:
+            entry = json.loads(text)
+            if entry.get("key") != self.key:
+                raise ValueError("it indexes another file or version")
+            if not isinstance(entry["fields"], dict) or not all(len(t) == 6 for t in entry["tensors"]):
+                raise ValueError("unexpected layout")
+            return entry
+        except (ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"GGUF index {self.path} is corrupt or stale ({type(e).__name__}: {e}); reading the file "
+                          "anew", RuntimeWarning, stacklevel=3)
+            return None
+
+    def save(self, entry: dict) -> None:
+        write_atomic(self.path, json.dumps({"key": self.key, **entry}))
+
+
 class GGUFCheckpoint:
-    """One .gguf file: ``config`` from the metadata (on first use), ``tensors()`` yields (where, HF name, load)."""
+    """One .gguf file: ``config`` from the metadata (on first use), ``tensors()`` yields (where, HF name, load).
+
+    gguf's reader parses every metadata array element by element (SmolLM2's 49k tokens and 48k merges: ~3 s), while
+    loading needs only the scalars and where each tensor lies. Both are kept, once read, in a small index under
+    ``$XDG_CACHE_HOME/infer/gguf`` (``GGUFIndex``); a later start maps the file and reads the tensors from there."""
 
     def __init__(self, file: str | os.PathLike):
         self.file = Path(file)
-        try:
-            self.reader = gguf.GGUFReader(self.file)
-        except (ValueError, OSError, IndexError) as e:
-            raise ValueError(f"{self.file}: not a readable GGUF file ({e})") from None
-        self.by_name = {t.name: t for t in self.reader.tensors}
+        index = GGUFIndex(self.file)
+        entry = index.load()
+        if entry is None:
+            try:
+                reader = gguf.GGUFReader(self.file)
+            except (ValueError, OSError, IndexError) as e:
+                raise ValueError(f"{self.file}: not a readable GGUF file ({e})") from None
+            entry = {"fields": {k: _field_value(f) for k, f in reader.fields.items()},
+                     "tensors": [[t.name, int(t.tensor_type), [int(n) for n in t.shape], list(t.data.shape),
+                                  t.data.dtype.str, int(t.data_offset)] for t in reader.tensors]}
+            index.save(entry)
+        self.fields: dict = entry["fields"]
+        data = np.memmap(self.file, mode="r")
+        self.by_name = {name: _Tensor(name, _Q(kind), np.array(shape, dtype=np.uint32),
+                                      np.ndarray(tuple(dshape), np.dtype(dtype), buffer=data, offset=offset))
+                        for name, kind, shape, dshape, dtype, offset in entry["tensors"]}
 
     def field(self, key: str, default=None):
         """A scalar or string metadata value; arrays come back as their length."""
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        kind = f.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            return len(f.data)
-        if kind == gguf.GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode("utf-8")
-        return f.parts[f.data[0]][0].item()
+        return self.fields.get(key, default)
 
     def _required(self, key: str):
         value = self.field(key)

@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.compiled
         # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
         if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
-            return c.forward(input_ids, positions, kv, attn_meta)
+            return c.steps()[0](input_ids, positions, kv, attn_meta)
         return self._forward(input_ids, positions, kv, attn_meta)
 
     def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
         c = self.compiled
         if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1]:
-            return c.logits(hidden)
+            return c.steps()[1](hidden)
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

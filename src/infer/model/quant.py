@@ -72,9 +72,10 @@ class Int8Linear(_WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype):
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        w = weight.detach().to(torch.float32, copy=True)  # a copy: worked on in place below (a tied head's
+        lo, hi = w.aminmax(dim=1)  # weight is the embedding too); max |w| without a temporary |w|
+        scale = (torch.maximum(-lo, hi) / 127).clamp(min=1e-12)  # [out]
+        self.register_buffer("qweight", w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale)  # float32: what infer::linear multiplies by
         # the same scales in the dtype of ATen's kernel (prefill, CUDA, or no infer kernels): cast once, not per call
         self.register_buffer("scale_compute", scale.to(compute_dtype), persistent=False)

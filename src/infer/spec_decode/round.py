@@ -80,6 +80,8 @@ class SpeculativeDecoder:
         self.acceptance = acceptance or ExactAcceptance()
         self.tree = tree
         self.on_round = None  # optional callback(RoundRecord, Request), e.g. the debug view
+        self.ready = True  # False: decode plainly (the engine's warm-up is still building compiled steps / costs)
+        self.profile_now = None  # auto K: measures the cost model (spec_decode.setup.build_decoder)
 
     def tree_shape(self, reqs: list[Request], k: int) -> TreeShape | None:
         """This round's tree, or None for a chain. A pinned shape: always (where it fits). "auto" with a cost model
@@ -109,8 +111,9 @@ class SpeculativeDecoder:
     def caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
         max_seq_len (the overflow guard); none when the batch is too large to speculate or the request asked not
-        to (``Request.speculate``)."""
-        if not self.kv.speculating(len(reqs)):
+        to (``Request.speculate``), or before the decoder is ``ready`` (its compiled steps and cost model are still
+        being built: engine.warmup)."""
+        if not self.ready or not self.kv.speculating(len(reqs)):
             return [0] * len(reqs)
         return [max(0, min(self.kv.lookahead, r.params.max_tokens - len(r.output_ids) - 1,
                            self.kv.max_seq_len - r.num_tokens)) if r.speculate else 0 for r in reqs]

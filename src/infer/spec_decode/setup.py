@@ -2,17 +2,19 @@
 
 The cost model of ``spec_length="auto"`` is profiled once per (target, drafter, pool backend, batch limit, K_max)
 and kept on the target model, so a second engine over the same models (or the library's ``speculative_generate``,
-which builds a batch-of-one engine per call) reuses it; every round then refreshes it with what it measured.
+which builds a batch-of-one engine per call) reuses it, and on disk (profile_store), so a later process on the same
+machine and setting starts with it; every round then refreshes it with what it measured.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
 import torch
 
-from ..cache.base import TreeAttn
+from .. import progress
 from ..model.draft_heads import EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
 from .acceptance import make_policy
@@ -24,8 +26,8 @@ from .draft_vocab import DraftVocab, load_ranking, recommended_size
 from .ngram import HybridProposer, NgramProposer
 from .round import SpeculativeDecoder
 from .tree import MAX_NODES, TreeShape
-from .tree_verify import ancestor_mask, tree_depths
-from .cost_model import CostModel, profile_costs, profile_widths
+from .cost_model import CostModel, profile_costs
+from .profile_store import ProfileStore, file_identity, profile_key
 from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
 
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: CostModel}
@@ -66,7 +68,11 @@ def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None) -> Propo
 
 
 def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab: DraftVocab | None,
-                  costs: CostModel | None = None) -> SpeculativeDecoder:
+                  costs: CostModel | None = None, defer_profile: bool = False) -> SpeculativeDecoder:
+    """The decoder for ``cfg``. Auto K's cost model comes from, in order: ``costs``; this process (another engine
+    over the same models and settings); the profile store on disk (profile_store); a measurement now, unless
+    ``defer_profile`` (the compiled steps are still being built: engine.warmup), in which case the decoder does not
+    draft until ``decoder.profile_now()`` has run."""
     if cfg.proposer == "ngram":
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     else:
@@ -81,7 +87,6 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
     decoder = SpeculativeDecoder(runner, kv, proposer, None,
                                  make_policy(cfg.acceptance, cfg.lenience, cfg.typical_epsilon, cfg.typical_delta),
                                  tree)
-    warm_up_compiled(runner, kv, cfg.max_spec_length, tree=tree is not None)
     if isinstance(cfg.spec_length, int):
         decoder.spec_length = FixedSpecLength(cfg.spec_length)
     elif cfg.spec_length == "egag":
@@ -92,47 +97,51 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         widest = cfg.spec_length_max if tree is None else max(cfg.spec_length_max, MAX_NODES - 1)
         key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, widest)
         cache = _COSTS.setdefault(runner.model, {})
-        if costs is None:
-            costs = cache.get(key) or measure_costs(decoder, max_batch, widest)
-        cache[key] = costs
-        decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)
+        store = CostStore(cfg, runner.model, kv, max_batch, widest)
+        costs = costs or cache.get(key) or store.load()
+        decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
         decoder.spec_length.pending = proposer.pending
+
+        def profile_now() -> None:
+            with progress.stage("profiling what a speculative round costs (first start with these settings)"):
+                cache[key] = decoder.spec_length.costs = measure_costs(decoder, max_batch, widest)
+            store.save(decoder.spec_length.costs)
+
+        decoder.profile_now, decoder.cost_store = profile_now, store
+        if costs is not None:
+            cache[key] = costs
+        elif not defer_profile:
+            profile_now()
     return decoder
 
 
-@torch.inference_mode()
-def warm_up_compiled(runner, kv, k_max: int, tree: bool = False) -> None:
-    """Build, now, every graph a lone request's rounds will need from a compiled target.
+class CostStore:
+    """The profile store (profile_store) bound to one engine's setting: ``load()``, ``save(costs)``."""
 
-    Inductor specialises a graph on the sizes it first sees (context length, the first block's row, mask widths)
-    and recompiles, ~40 s for SmolLM2, when they change. One-row decode and verify steps on two slots, at two
-    contexts and in two places of the pool, make those sizes dynamic before the first request rather than in the
-    middle of its first rounds. ``tree``: tree verifies too (their plan differs: positions apart from the columns
-    written)."""
-    if getattr(runner.model, "compiled", None) is None:
-        return
-    held = []
-    try:
-        for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + k_max + 2):
-            size = ctx + k_max + 1
-            if size > kv.max_seq_len or not kv.pool.can_fit([(None, size)]):
-                return
-            slot = kv.pool.allocate(size)
-            held.append(slot)
-            runner.forward(runner.model, kv.pool, [slot], [[1] * ctx])  # the prompt: eager
-            for t in profile_widths(k_max):
-                hidden = runner.forward(runner.model, kv.pool, [slot], [[1] * t])
-                runner.model.compute_logits(hidden), runner.model.compute_logits(hidden[:, -1])  # verify, decode
-                kv.pool.truncate_to(slot, ctx)
-                if tree and t > 1:  # a star: every node a child of the root
-                    parents = torch.tensor([[-1] + [0] * (t - 1)], device=runner.device)
-                    attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
-                    kv.pool.truncate_to(slot, ctx - 1)
-                    runner.model.compute_logits(runner.forward(runner.model, kv.pool, [slot], [[1] * t], attn))
-                    kv.pool.truncate_to(slot, ctx)
-    finally:
-        for slot in held:  # the second slot sat after the first in the pool: another first block
-            kv.pool.free(slot)
+    def __init__(self, cfg, model: LlamaForCausalLM, kv, max_batch: int, widest: int):
+        from ..model.loader import resolve_model_path
+
+        def identity(path):  # a checkpoint given by path; a model passed in loaded (tests) has none
+            return file_identity(resolve_model_path(path)) if isinstance(path, (str, os.PathLike)) else None
+
+        self.store = ProfileStore()
+        self.key = profile_key(model=identity(cfg.model), dtype=str(model.dtype), quantization=model.quantization,
+                               compiled=model.compiled is not None, device=str(model.device),
+                               drafter=identity(cfg.draft_model), proposer=cfg.proposer, spec_tree=cfg.spec_tree,
+                               draft_vocab_size=cfg.draft_vocab_size, pool=type(kv.pool).__name__,
+                               block_size=cfg.block_size, max_batch=max_batch, widest=widest)
+        # a target passed in loaded (no checkpoint path) has no identity to key a file by: kept in memory only
+        self.enabled = self.key["model"] is not None
+        self.loaded = False  # whether the cost model in use came from the file
+
+    def load(self) -> CostModel | None:
+        costs = self.store.load(self.key) if self.enabled else None
+        self.loaded = costs is not None
+        return costs
+
+    def save(self, costs: CostModel) -> None:
+        if self.enabled:
+            self.store.save(self.key, costs)
 
 
 CATCH_UP_PROFILE = 256  # tokens of the lone drafter prefill that prices a lazy catch-up (a typical prompt)

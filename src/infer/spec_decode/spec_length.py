@@ -110,7 +110,7 @@ class GoodputSpecLength:
 
     needs_logits = False
 
-    def __init__(self, k_max: int, costs: CostModel):
+    def __init__(self, k_max: int, costs: CostModel | None):
         self.k_max, self.costs = k_max, costs
         self.state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> _Acceptance
         # prior: a = 0.6, worth 10 judged drafts: one rejected probe moves it to 0.55, not 0.4 (with the prior worth 2,
@@ -203,17 +203,23 @@ class GoodputSpecLength:
         self.global_judged = 0.99 * self.global_judged + judged
         return None
 
+    # Without a cost model yet (the decoder is not ready: it decodes plainly meanwhile), nothing is refreshed.
     def timed(self, B: int, T: int, verify_s: float, drafting_rows: int, draft_steps: int, draft_s: float) -> None:
+        if self.costs is None:
+            return
         self.costs.refresh_verify(B, T, verify_s)
         if draft_steps:
             self.costs.refresh_draft(drafting_rows, draft_s / draft_steps)
 
     def caught_up(self, tokens: int, seconds: float) -> None:
         """The proposer fed ``tokens`` of lazy prefill in ``seconds``."""
-        self.costs.refresh_catch_up(tokens, seconds)
+        if self.costs is not None:
+            self.costs.refresh_catch_up(tokens, seconds)
 
     def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
         """A step's wall time minus its timed forwards: an EMA per (B, speculative?), clamped like the costs."""
+        if self.costs is None:
+            return
         old = self.overhead.get((B, spec))
         seconds = max(0.0, seconds)
         self.overhead[(B, spec)] = seconds if old is None else \

@@ -1,0 +1,209 @@
+"""Start-up: process start -> ready and -> first streamed token, cold (empty caches) and warm (caches filled).
+
+Real processes, as a user starts them, on SmolLM2-135M-Instruct with each command's default speculation:
+
+  chat   ``infer chat --model <SmolLM2 gguf>`` with a prompt on stdin: ready = its banner, first token = the first
+         byte of the reply
+  demo   ``infer demo --max-tokens 32``: ready = its "[ready in" line, first token = the first byte of the first reply
+  serve  ``infer serve --model <SmolLM2 gguf>``: ready = GET /health answers, first token = the first content chunk
+         of a streamed chat completion sent at once
+
+Cold: every run gets an empty ``XDG_CACHE_HOME`` (infer's kernels, tokenizer, cost profiles and torch's compile
+caches all live there). Warm: one directory filled beforehand by processes that build every graph and profile
+(``Engine.wait_until_ready``), then used by every warm run. Each process is stopped after its first token: the
+background compiling it leaves behind is what the next cold run redoes. 3 runs per cell (median, min, max).
+
+    python benchmarks/startup.py [--runs 3]
+
+Writes benchmarks/results/startup.json and the "startup" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, machine, median, update_doc_section, write_json  # noqa: E402
+
+from infer.demo import real_model_path, real_model_speculation  # noqa: E402
+
+PROMPT = "Explain in two sentences why the sky is blue."
+LIMIT_S = 300  # a run that has not answered by then is recorded as failed
+
+
+class Reader(threading.Thread):
+    """Reads a process's stdout byte by byte; records when a line matching ``ready`` ends and when the first byte
+    after the line matching ``before_reply`` arrives."""
+
+    def __init__(self, proc, t0, ready: str, before_reply: str):
+        super().__init__(daemon=True)
+        self.proc, self.t0, self.ready_mark, self.reply_mark = proc, t0, ready, before_reply
+        self.ready = self.first = None
+        self.text = b""
+        self.done = threading.Event()
+
+    def run(self):
+        line, armed = b"", False
+        while (c := self.proc.stdout.read(1)):
+            now = time.perf_counter() - self.t0
+            self.text += c
+            if armed and self.first is None and c.strip():
+                self.first = now
+                self.done.set()
+            line += c
+            if c == b"\n":
+                s = line.decode(errors="replace")
+                if self.ready is None and self.ready_mark in s:
+                    self.ready = now
+                if self.ready is not None and self.reply_mark in s:
+                    armed = True
+                line = b""
+        self.done.set()
+
+
+def run_cli(cmd: list[str], env: dict, ready: str, before_reply: str, stdin: bytes | None) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    reader = Reader(proc, t0, ready, before_reply)
+    reader.start()
+    if stdin is not None:
+        proc.stdin.write(stdin)
+        proc.stdin.flush()
+    reader.done.wait(LIMIT_S)
+    proc.kill()
+    proc.wait()
+    err = proc.stderr.read().decode(errors="replace")
+    out = {"ready_s": reader.ready, "first_token_s": reader.first}
+    if reader.first is None:
+        out["error"] = (reader.text.decode(errors="replace") + err)[-800:]
+    return out
+
+
+def run_serve(env: dict) -> dict:
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "infer", "serve", "--model", str(real_model_path()), "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    base, out = f"http://127.0.0.1:{port}", {"ready_s": None, "first_token_s": None}
+    try:
+        while time.perf_counter() - t0 < LIMIT_S and proc.poll() is None:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1).read()
+                out["ready_s"] = time.perf_counter() - t0
+                break
+            except OSError:
+                time.sleep(0.05)
+        if out["ready_s"] is not None:
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+                               "max_tokens": 16, "temperature": 0}).encode()
+            req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=LIMIT_S) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                    if delta.get("content"):
+                        out["first_token_s"] = time.perf_counter() - t0
+                        break
+    finally:
+        proc.kill()
+        proc.wait()
+    if out["first_token_s"] is None:
+        out["error"] = proc.stderr.read().decode(errors="replace")[-800:]
+    return out
+
+
+def commands(env: dict) -> dict:
+    model = str(real_model_path())
+    infer = [sys.executable, "-m", "infer"]
+    return {
+        "chat": lambda: run_cli(infer + ["chat", "--model", model, "--max-tokens", "16"], env, "infer chat with",
+                                "infer chat with", (PROMPT + "\n").encode()),
+        "demo": lambda: run_cli(infer + ["demo", "--max-tokens", "16"], env, "[ready in", "> ", None),
+        "serve": lambda: run_serve(env),
+    }
+
+
+FILL = """
+from infer import LLM
+from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation
+chat = LLM(real_model_path(), **REAL_MODEL_SETTINGS, **real_model_speculation())  # chat's and demo's settings
+chat.engine.wait_until_ready()
+serve = LLM(real_model_path())  # serve's defaults
+serve.engine.wait_until_ready()
+"""
+
+
+def fill(env: dict) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", FILL], env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", default="chat,demo,serve")
+    a = ap.parse_args()
+    names = a.only.split(",")
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    root = Path(tempfile.mkdtemp(prefix="infer-startup-"))
+    runs = {f"{kind} {name}": [] for kind in ("cold", "warm") for name in names}
+    try:
+        warm_env = {**base_env, "XDG_CACHE_HOME": str(root / "warm")}
+        fill_s = fill(warm_env)
+        print(f"filled the warm caches in {fill_s:.0f}s", flush=True)
+        for i in range(a.runs):  # cold and warm alternate: a slower stretch of the machine hits both
+            for name in names:
+                cold_dir = root / f"cold-{i}-{name}"
+                r = commands({**base_env, "XDG_CACHE_HOME": str(cold_dir)})[name]()
+                shutil.rmtree(cold_dir, ignore_errors=True)
+                runs[f"cold {name}"].append(r)
+                print(f"cold {name} #{i + 1}: {r}", flush=True)
+                r = commands(warm_env)[name]()
+                runs[f"warm {name}"].append(r)
+                print(f"warm {name} #{i + 1}: {r}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def stats(xs):
+        xs = [x for x in xs if x is not None]
+        return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+    summary = {cell: {m: stats([r[m] for r in rs]) for m in ("ready_s", "first_token_s")} for cell, rs in runs.items()}
+    res = {"machine": machine(), "model": real_model_path().name, "speculation": {
+        "chat/demo": {k: Path(v).name if k == "draft_model" else v for k, v in real_model_speculation().items()},
+        "serve": "none (its default)"}, "prompt": PROMPT, "fill_s": fill_s, "runs": runs, "summary": summary}
+    write_json("startup", res)
+
+    def cell(s):
+        return "failed" if s is None else f"{s['median']:.1f} s ({s['min']:.1f}-{s['max']:.1f})"
+
+    m = res["machine"]
+    md = [f"Process start to ready and to the first streamed token, SmolLM2-135M-Instruct ({res['model']}), each "
+          f"command's default speculation (chat/demo: {res['speculation']['chat/demo']}; serve: none). {m['cpu']}, "
+          f"{m['cores']} cores, torch {m['torch']}, {m['date']}. Cold: empty `XDG_CACHE_HOME` per run; warm: caches "
+          f"filled once ({fill_s:.0f} s of compiling and profiling). Median of {a.runs} runs (min-max). "
+          "`python benchmarks/startup.py`.", "",
+          "| command | cold: ready | cold: first token | warm: ready | warm: first token |", "|---|---|---|---|---|"]
+    for name in names:
+        c, w = summary[f"cold {name}"], summary[f"warm {name}"]
+        md.append(f"| `infer {name}` | {cell(c['ready_s'])} | {cell(c['first_token_s'])} | {cell(w['ready_s'])} | "
+                  f"{cell(w['first_token_s'])} |")
+    update_doc_section("startup", "\n".join(md))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

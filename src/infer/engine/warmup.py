@@ -1,0 +1,214 @@
+"""Building the compiled steps: before the engine serves, or in a background thread while it serves.
+
+Inductor specialises a graph on the sizes it first sees (context length, the first block's row, mask widths, rows)
+and recompiles, ~40 s for SmolLM2 cold and a few seconds warm, when they change. Steps of every width a round may
+verify, at two contexts, in two places of the pool and at a few batch sizes make those sizes dynamic up front, so a
+request's rounds do not stop to compile. That is ~15 graphs: a minute and more even when inductor's on-disk cache
+holds them all (Dynamo re-traces each at every start), which is why it runs in the background.
+
+Background (``EngineConfig.compile_in_background``, the default where it is exact): a thread runs the steps on a
+*twin* of each pool (the same layout, so the same guards, over storage of its own: nothing the engine owns is
+touched), in order of need: the one-row decode step, the one-row verify widths (and tree verifies), then batches.
+Meanwhile the engine's own calls take the run-only steps (model.compile.CompiledSteps): a graph where one is ready,
+else the same code eagerly. Both give the same bits, so the tokens never depend on how far the warm-up got (tests:
+test_warmup.py). The speculative decoder drafts only once ``ready``: an eager verify costs several decode steps, and
+the cost model prices compiled ones. When the thread is done, the engine may compile on a miss again, as before.
+
+An engine whose eager and compiled steps round differently (bfloat16 without exact casts: a plain engine) runs the
+same warm-up in the foreground instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from .. import progress
+from ..cache.base import TreeAttn
+from ..spec_decode.cost_model import profile_widths
+from ..spec_decode.setup import PROFILE_CONTEXT
+from ..spec_decode.tree import MAX_NODES
+from ..spec_decode.tree_verify import ancestor_mask, tree_depths
+# While the warm-up thread runs, each engine step is followed by a pause of this fraction of its duration, so the
+# warm-up progresses under a constant load too (the engine keeps 2/3 of the time).
+WARMUP_SHARE = 0.5
+IDLE_S = 0.02  # the engine counts as idle (the warm-up runs freely) this long after its last step
+
+
+class _Stopped(BaseException):
+    """Raised inside the warm-up thread by ``Warmup.stop``."""
+
+
+@torch.inference_mode()
+def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, tree: bool = False) -> None:
+    """Run decode/verify steps of ``rows`` rows x each of ``widths`` tokens on scratch slots of ``pool``, at two
+    contexts (in two places of the pool: the second slots sit after the first), so every graph those steps need
+    exists afterwards with its sizes dynamic. ``tree``: star-shaped tree verifies of each width too (their plan
+    differs: positions apart from the columns written). Stops early where the pool cannot hold the slots."""
+    model, widest, held = runner.model, max(widths), []
+    try:
+        for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + widest + 1):
+            size = ctx + widest
+            if size > max_seq_len or not pool.can_fit([(None, size)] * rows):
+                return
+            slots = [pool.allocate(size) for _ in range(rows)]
+            held += slots
+            runner.forward(model, pool, slots, [[1] * ctx] * rows)  # the prompt: eager
+            for t in widths:
+                hidden = runner.forward(model, pool, slots, [[1] * t] * rows)
+                model.compute_logits(hidden), model.compute_logits(hidden[:, -1])  # verify, decode
+                for s in slots:
+                    pool.truncate_to(s, ctx)
+                if tree and rows == 1 and t > 1:  # a star: every node a child of the root
+                    parents = torch.tensor([[-1] + [0] * (t - 1)], device=runner.device)
+                    attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
+                    pool.truncate_to(slots[0], ctx - 1)
+                    model.compute_logits(runner.forward(model, pool, slots, [[1] * t], attn))
+                    pool.truncate_to(slots[0], ctx)
+    finally:
+        for s in held:
+            pool.free(s)
+
+
+def warmup_stages(k_max: int, tree: bool, max_batch: int) -> list[tuple[str, dict]]:
+    """(what, run_steps keywords) in order of need: a lone request's decode step, its verify widths (a round's
+    K + 1 tokens; tree verifies up to a tree's nodes), then the batch sizes the cost model profiles (rows of B > 1)."""
+    widths = profile_widths(k_max)
+    stages = [("the decode step", {"widths": [1]})]
+    if k_max:
+        verify = widths if not tree else sorted(set(widths) | {MAX_NODES})
+        stages.append((f"verify steps of up to {max(verify)} tokens", {"widths": verify, "tree": tree}))
+    batches = [b for b in (2, 4, 8, 16, 32, 64) if b <= max_batch]
+    if batches:
+        stages.append((f"batched steps (up to {batches[-1]} rows)", {"widths": widths, "batches": batches}))
+    return stages
+
+
+class Warmup:
+    """Builds an engine's compiled steps; ``start(background)``, then ``ready`` / ``wait()``.
+
+    ``engine``: the Engine (its runner, pools, model and limits are read; the engine itself is never called)."""
+
+    def __init__(self, engine, k_max: int, tree: bool):
+        self.runner, self.kv, self.model = engine.runner, engine.kv, engine.model
+        self.max_seq_len = engine.max_seq_len
+        max_batch = engine.config.max_batch_size
+        self.stages = warmup_stages(k_max, tree, max_batch)
+        # what the built graphs depend on besides the model: another engine with the same key needs no warm-up
+        self.key = (type(self.kv.pool).__name__, repr(sorted(self.kv.pool.layout().items())), k_max, tree, max_batch)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds: dict[str, float] = {}  # stage -> wall seconds, for the start-up benchmark
+        self._thread: threading.Thread | None = None
+        self._open = threading.Event()  # set while the warm-up thread may run (engine_turn, _gate)
+        self._open.set()
+        self._lock = threading.Lock()
+        self._stepping = False  # an engine step is running
+        self._closed_at = 0.0  # when the engine last took the time back
+        self._stop = False
+
+    @property
+    def ready(self) -> bool:
+        return self.done.is_set()
+
+    def start(self, background: bool) -> None:
+        if not background:
+            self._run(self.kv.pool)  # the real pool: nothing else uses it yet
+            return
+        twin = self.kv.pool.twin(self.model)  # allocated before the thread starts: a failure is raised here
+        self._thread = threading.Thread(target=self._run, args=(twin,), name="infer-warmup", daemon=True)
+        self.model.compiled.compiling = -1  # from now on only the warm-up compiles (its ident is set in the thread)
+        self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (w := ref()) is not None and w.stop())
+
+    @contextmanager
+    def engine_turn(self):
+        """Run an engine step with the warm-up thread parked, then give it a share of the time.
+
+        An eager step calls ~700 ATen ops and each releases the GIL; with another Python thread busy (tracing is pure
+        Python), getting it back costs up to a switch interval (5 ms) every time: an eager SmolLM2 step took ~300 ms
+        beside the tracer instead of ~13 ms alone. So the warm-up thread runs only while the engine lets it: for
+        WARMUP_SHARE of each step's time right after the step, and whenever the engine has been idle for IDLE_S
+        (no request). Elsewhere it parks at its next Python call (``_gate``, its trace hook), also while the engine's
+        caller handles a step's outputs and schedules the next."""
+        if self._thread is None or self.done.is_set():
+            yield
+            return
+        with self._lock:
+            self._stepping = True
+            self._open.clear()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            with self._lock:
+                self._stepping = False
+                self._open.set()
+            time.sleep(WARMUP_SHARE * spent)
+            with self._lock:
+                self._open.clear()
+                self._closed_at = time.perf_counter()
+
+    def _gate(self, frame, event, arg):
+        """sys.settrace hook of the warm-up thread, called at each Python call: parks while the engine works; stops
+        the thread once ``stop()`` was called. Returns None: no per-line tracing."""
+        if self._stop:
+            raise _Stopped
+        if self._open.is_set():
+            return
+        while not self._open.wait(IDLE_S):
+            if self._stop:
+                raise _Stopped
+            with self._lock:
+                if not self._stepping and time.perf_counter() - self._closed_at >= IDLE_S:
+                    self._open.set()  # the engine went idle: full speed until its next step
+                    return
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the warm-up thread at its next Python call and wait for it (the compiler it may be waiting on
+        finishes first). Called at interpreter exit: a daemon thread still inside torch's C++ code when Python
+        finalises aborts the process."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._stop = True
+        self._open.set()
+        thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every stage has run (True), or ``timeout`` seconds pass (False)."""
+        return self.done.wait(timeout)
+
+    def _run(self, pool) -> None:
+        compiled = self.model.compiled
+        compiled.compiling = threading.get_ident()
+        if self._thread is not None:
+            # One OpenMP thread here: while a second thread that ran a parallel region lives, libgomp counts more
+            # threads than cores and its workers sleep between regions, making each of the engine's regions wait
+            # for a wake-up (an eager SmolLM2 step ran at half speed). torch.set_num_threads is per thread.
+            torch.set_num_threads(1)
+            sys.settrace(self._gate)  # this thread only
+        try:
+            for what, kw in self.stages:
+                t0 = time.perf_counter()
+                with progress.stage(f"compiling {what}"):
+                    for rows in kw.get("batches", [1]):
+                        run_steps(self.runner, pool, self.max_seq_len, kw["widths"], rows, kw.get("tree", False))
+                self.seconds[what] = time.perf_counter() - t0
+        except _Stopped:
+            pass
+        except Exception as e:  # the engine keeps serving eagerly (same tokens); say why it stays slow
+            self.error = e
+            progress.note(f"compiling failed ({type(e).__name__}: {e}); steps without a graph run eagerly")
+        finally:
+            sys.settrace(None)
+            compiled.compiling = None  # from now on a miss compiles where it happens, as without a warm-up
+            self.done.set()

@@ -1,0 +1,81 @@
+// infer::rms_norm: RMSNorm of few-token steps (decode, verify), one implementation for eager and compiled steps.
+//
+// Why a kernel for 576 multiply-adds: inductor fuses the residual add into the norm's reduction and sums the squares
+// in another order than ATen does, so a compiled step and the same step run eagerly differed in the last bits (every
+// other op of a Llama step agrees bit for bit, products and attention being infer's kernels already). As an opaque op
+// the norm is the same code in both, so the engine may run a step eagerly while its graph still compiles in the
+// background and emit exactly the tokens the graph would (engine.warmup).
+//
+// Math (Hugging Face's order of rounding): r = 1 / sqrt(mean(x^2) + eps) in float32;
+//   float32 x: y = (x * r) * w;   bfloat16 x: y = bf16(w * bf16(x * r)).
+// Batch invariant: each row is reduced alone, in a fixed order (16 partial sums, then added left to right), so a
+// row's result does not depend on the rows beside it; with FP contraction off (kernels._flags) the compiler may
+// vectorise but not reorder, so the AVX2 and AVX-512 builds agree too.
+
+#include <torch/extension.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = static_cast<float>(x[i + l]);
+      part[l] += v * v;
+    }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = static_cast<float>(x[i]);
+    part[l] += v * v;
+  }
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += part[l];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      y[j] = (x[j] * r) * w[j];
+    } else {  // two roundings, as eager bfloat16: the normalised value, then the product with the weight
+      const T normed = static_cast<T>(static_cast<float>(x[j]) * r);
+      y[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2, "infer::rms_norm: x must be [rows, hidden], got ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "infer::rms_norm: weight must be [", x.size(1),
+              "], got ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "infer::rms_norm: x and weight dtypes differ (",
+              x.scalar_type(), " vs ", weight.scalar_type(), ")");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "infer::rms_norm: float32 or bfloat16 only, got ", x.scalar_type());
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  const float e = static_cast<float>(eps);
+  if (xc.scalar_type() == at::kFloat) {
+    for (int64_t m = 0; m < rows; ++m)
+      norm_row(xc.data_ptr<float>() + m * n, wc.data_ptr<float>(), y.data_ptr<float>() + m * n, n, e);
+  } else {
+    using B = at::BFloat16;
+    for (int64_t m = 0; m < rows; ++m)
+      norm_row(xc.data_ptr<B>() + m * n, wc.data_ptr<B>(), y.data_ptr<B>() + m * n, n, e);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+}

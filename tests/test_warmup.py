@@ -1,0 +1,188 @@
+"""Start-up: the cost profile kept on disk (spec_decode.profile_store) and the compiled steps built in the background
+(engine.warmup) while the engine already serves, with the same tokens whatever has been compiled so far."""
+
+import json
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams, kernels
+from infer.engine import warmup
+from infer.spec_decode import setup
+from infer.spec_decode.profile_store import ProfileStore
+
+PROMPTS = ["def fib(n):", "The quick brown fox", "import os"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+def _speculating(path, **kw):
+    return LLM(path, draft_model=path, compile=False, max_batch_size=2, **kw)
+
+
+def _profile(profile_dir):
+    files = sorted(profile_dir.glob("costs-*.json"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_a_second_engine_reads_the_stored_profile(gqa_dir, profile_dir, monkeypatch):
+    first = _speculating(gqa_dir)
+    path = _profile(profile_dir)
+    assert not first.engine.decoder.cost_store.loaded
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although a stored profile matches")
+
+    monkeypatch.setattr(setup, "measure_costs", no_profiling)
+    second = _speculating(gqa_dir)
+    assert second.engine.decoder.cost_store.loaded and _profile(profile_dir) == path
+    assert second.engine.decoder.spec_length.costs.verify == first.engine.decoder.spec_length.costs.verify
+    assert _ids(second.generate(PROMPTS, GREEDY)) == _ids(first.generate(PROMPTS, GREEDY))
+
+
+def test_another_setting_gets_a_profile_of_its_own(gqa_dir, profile_dir):
+    _speculating(gqa_dir)
+    _speculating(gqa_dir, spec_length_max=3)  # the widths profiled differ
+    assert len(list(profile_dir.glob("costs-*.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "bad table"])
+def test_a_corrupt_or_foreign_profile_is_reported_and_rebuilt(gqa_dir, profile_dir, damage):
+    _speculating(gqa_dir)
+    path = _profile(profile_dir)
+    good = json.loads(path.read_text())
+    if damage == "truncated":
+        path.write_text(path.read_text()[:40])
+    elif damage == "foreign":  # another torch's profile under this name
+        path.write_text(json.dumps({**good, "key": {**good["key"], "torch": "0.0"}}))
+    else:
+        path.write_text(json.dumps({**good, "costs": {**good["costs"], "draft": [1.0]}}))
+    with pytest.warns(RuntimeWarning, match=f"cost profile {path}.*profiling anew"):
+        llm = _speculating(gqa_dir)
+    assert not llm.engine.decoder.cost_store.loaded
+    rebuilt = json.loads(path.read_text())  # measured again and saved over the bad file
+    assert rebuilt["key"] == good["key"] and len(rebuilt["costs"]["draft"]) == len(good["costs"]["draft"])
+    assert all(o.token_ids for o in llm.generate(PROMPTS, GREEDY))
+
+
+def test_concurrent_saves_never_leave_a_broken_file(gqa_dir, profile_dir):
+    """Two processes saving at once while this one reads: every read finds a whole profile (temporary file, rename)."""
+    _speculating(gqa_dir)
+    path = _profile(profile_dir)
+    good = json.loads(path.read_text())
+    script = ("import json, sys; from infer.spec_decode.profile_store import ProfileStore, _from_json\n"
+              "d = json.load(open(sys.argv[1])); s = ProfileStore(sys.argv[2]); c = _from_json(d['costs'])\n"
+              "for _ in range(300): s.save(d['key'], c)\n")
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), str(profile_dir)]) for _ in range(2)]
+    store, reads = ProfileStore(profile_dir), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a partial file would warn
+        while any(w.poll() is None for w in writers):
+            assert store.load(good["key"]) is not None
+            reads += 1
+    assert [w.returncode for w in writers] == [0, 0] and reads > 0
+    assert not list(profile_dir.glob("*.tmp"))  # no temporary file left behind
+    assert store.load(good["key"]).verify == _profile_costs(good).verify
+
+
+def _profile_costs(data):
+    from infer.spec_decode.profile_store import _from_json
+
+    return _from_json(data["costs"])
+
+
+def test_an_unwritable_cache_dir_only_costs_a_profile_per_start(gqa_dir, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr("infer.spec_decode.profile_store.default_dir", lambda: blocker / "profiles")
+    llm = _speculating(gqa_dir)
+    assert llm.engine.decoder.spec_length.costs is not None
+    assert all(o.token_ids for o in llm.generate(PROMPTS, GREEDY))
+
+
+# --- the compiled steps built in the background --------------------------------------------------------------------
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eager = compiled bit for bit needs infer's kernels")
+
+
+@pytest.fixture
+def held_warmup(monkeypatch):
+    """Each warm-up stage waits for ``release()`` before it runs: the test decides how far the compiling got."""
+    gate, entered = threading.Semaphore(0), threading.Semaphore(0)
+    real = warmup.run_steps
+
+    def held(*args, **kw):
+        entered.release()
+        gate.acquire()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(warmup, "run_steps", held)
+
+    class Control:
+        def wait_entered(self):
+            assert entered.acquire(timeout=60), "the warm-up thread did not start a stage"
+
+        def release(self, n=1):
+            for _ in range(n):
+                gate.release()
+
+    control = Control()
+    yield control
+    control.release(100)  # never leave the thread parked
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_first_tokens_are_served_before_compiling_ends_and_match_at_every_stage(gqa_dir, held_warmup, dtype):
+    """Greedy parity across the moments the graphs become ready: before any exists (every step eager), between
+    stages (some steps take a graph, others run eagerly), and after, with the same tokens as the eager engine. The
+    decoder drafts only once the verify steps are built."""
+    kw = dict(dtype=dtype, draft_model=gqa_dir, spec_length=3, max_batch_size=1)
+    expected = _ids(LLM(gqa_dir, compile=False, **kw).generate(PROMPTS, GREEDY))
+    llm = LLM(gqa_dir, compile=True, **kw)
+    engine = llm.engine
+    assert engine.warmup is not None and not engine.warmup.ready
+    held_warmup.wait_entered()  # the thread runs and waits at its first stage: nothing compiled yet
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert not engine.warmup.ready and engine.stats.num_draft_tokens == 0  # served eagerly, without drafting
+    for _ in engine.warmup.stages[:-1]:  # one stage more each time, generating between
+        held_warmup.release()
+        held_warmup.wait_entered()
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+    held_warmup.release()
+    assert engine.wait_until_ready(timeout=600) and engine.warmup.error is None
+    assert sorted(engine.warmup.seconds) == sorted(what for what, _ in engine.warmup.stages)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # every graph a lone request needs was built
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert engine.stats.num_draft_tokens > 0
+
+
+@needs_kernels
+def test_serving_while_the_thread_compiles_gives_the_eager_tokens(gqa_dir):
+    """No hold this time: requests run while graphs appear under them, until the warm-up is done."""
+    expected = _ids(LLM(gqa_dir, compile=False, max_batch_size=1).generate(PROMPTS, GREEDY))
+    llm = LLM(gqa_dir, compile=True, max_batch_size=1)
+    rounds = 0
+    while not llm.engine.warmup.ready or rounds == 0:
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+        rounds += 1
+    assert llm.engine.warmup.error is None
+
+
+def test_compiling_in_the_foreground_is_still_there(gqa_dir):
+    llm = LLM(gqa_dir, compile=True, compile_in_background=False, max_batch_size=1)
+    assert llm.engine.warmup.ready and llm.engine.warmup._thread is None
+
+
+def test_the_warmup_stages_follow_need():
+    stages = [what for what, _ in warmup.warmup_stages(k_max=4, tree=False, max_batch=8)]
+    assert stages[0] == "the decode step" and stages[1].startswith("verify") and stages[2].startswith("batched")
+    assert [what for what, _ in warmup.warmup_stages(k_max=0, tree=False, max_batch=1)] == ["the decode step"]
