@@ -155,6 +155,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", default="chat,demo,serve")
+    ap.add_argument("--seed-warm", metavar="DIR", help="copy this infer cache (e.g. ~/.cache/infer) into the warm "
+                    "directory before filling it: the fill then only adds what is missing")
     a = ap.parse_args()
     names = a.only.split(",")
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -162,6 +164,8 @@ def main() -> None:
     runs = {f"{kind} {name}": [] for kind in ("cold", "warm") for name in names}
     try:
         warm_env = {**base_env, "XDG_CACHE_HOME": str(root / "warm")}
+        if a.seed_warm:
+            shutil.copytree(Path(a.seed_warm).expanduser(), root / "warm" / "infer")
         fill_s = fill(warm_env)
         print(f"filled the warm caches in {fill_s:.0f}s", flush=True)
         for i in range(a.runs):  # cold and warm alternate: a slower stretch of the machine hits both
