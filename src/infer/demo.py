@@ -97,9 +97,9 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
     print(f"infer demo: SmolLM2-135M-Instruct from {path.name}, {shown}", file=out)
     llm = LLM(path, **settings)
     print(f"[ready in {time.perf_counter() - t_start:.1f}s; compiled: {llm.engine.compiled}]", file=out)
-    if llm.engine.compiled:
-        print("(the first reply also traces the compiled decode step, once per process: slower; the kernels "
-              "themselves come from the on-disk compile cache after the first start)", file=out)
+    if llm.engine.warmup is not None and not llm.engine.warmup.ready:
+        print("(the compiled steps are still being built in the background: replies run eagerly and without "
+              "speculation until they are ready, slower but with the same tokens)", file=out)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     replies = []
     for prompt in CHAT_PROMPTS[:num_prompts]:

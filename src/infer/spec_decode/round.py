@@ -222,7 +222,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tokens, logits = self.runner.decode_forward(reqs)  # tokens are on the host: the step's work is done
         forward_s = time.perf_counter() - t0
-        self.spec_length.timed(len(reqs), 1, forward_s, 0, 0, 0.0)
         outputs = self.runner.emit_decoded(reqs, tokens, logits)
-        self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - t_in - forward_s)
+        if self.ready:  # before, the step may have run eagerly: not what the cost model prices
+            self.spec_length.timed(len(reqs), 1, forward_s, 0, 0, 0.0)
+            self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - t_in - forward_s)
         return outputs

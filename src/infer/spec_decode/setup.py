@@ -8,6 +8,7 @@ machine and setting starts with it; every round then refreshes it with what it m
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 import weakref
@@ -112,6 +113,11 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
             cache[key] = costs
         elif not defer_profile:
             profile_now()
+        # at exit, the model as the rounds refreshed it (CostModel.refresh_*) replaces the file: the next start
+        # begins from the levels measured in use, not from the start-up profile
+        ref = weakref.ref(decoder)
+        atexit.register(lambda: (d := ref()) is not None and d.ready and d.spec_length.costs is not None
+                        and d.cost_store.save(d.spec_length.costs))
     return decoder
 
 
