@@ -127,8 +127,11 @@ class CostStore:
     def __init__(self, cfg, model: LlamaForCausalLM, kv, max_batch: int, widest: int):
         from ..model.loader import resolve_model_path
 
-        def identity(path):  # a checkpoint given by path; a model passed in loaded (tests) has none
-            return file_identity(resolve_model_path(path)) if isinstance(path, (str, os.PathLike)) else None
+        def identity(path):  # a checkpoint given by path; a model passed in loaded (tests: a label) has none
+            try:
+                return file_identity(resolve_model_path(path)) if isinstance(path, (str, os.PathLike)) else None
+            except (FileNotFoundError, ValueError):
+                return None
 
         self.store = ProfileStore()
         self.key = profile_key(model=identity(cfg.model), dtype=str(model.dtype), quantization=model.quantization,
