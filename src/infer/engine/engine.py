@@ -115,7 +115,7 @@ class Engine:
         decoder = self.decoder
         warmup = Warmup(self, self.config.max_spec_length if decoder else 0, tree=bool(decoder and decoder.tree))
         if warmup.key in self.model.compiled.warmed:
-            self._finish_warmup(warmup)
+            self._finish_warmup(None)  # the graphs exist (or are being built): profile now if no profile is stored
             return None
         self.model.compiled.warmed.add(warmup.key)
         exact = self.model.dtype == torch.float32 or self.config.use_speculative_decoding  # exact casts otherwise
@@ -132,7 +132,7 @@ class Engine:
         """Once the compiled steps exist: profile a missing cost model (now fast: no graph left to build), save it,
         and let the decoder draft."""
         decoder = self.decoder
-        if decoder is None or decoder.ready or (warmup is not None and not warmup.ready):
+        if decoder is None or (warmup is not None and not warmup.ready):
             return
         if decoder.profile_now is not None and decoder.spec_length.costs is None:
             decoder.profile_now()
