@@ -22,6 +22,16 @@ def profile_dir(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def no_warmup_left_running():
+    """A test's engines may leave a background warm-up compiling (engine.warmup); stop it at the test's end, so it
+    does not take CPU from the tests after it (several time a cost model's profile)."""
+    yield
+    from infer.engine.warmup import stop_all
+
+    stop_all()
+
+
 @pytest.fixture(scope="session")
 def ckpt_dirs(tmp_path_factory):
     """One tiny random HF checkpoint per fixture shape (mha, gqa, llama3, tied)."""

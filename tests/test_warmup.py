@@ -202,3 +202,24 @@ def test_a_second_engine_over_the_same_compiled_model_still_gets_a_cost_model(gq
     assert engines[0].warmup is not None and engines[1].warmup is None
     assert engines[1].decoder.ready and engines[1].decoder.spec_length.costs is not None
     assert engines[0].wait_until_ready(timeout=600) and engines[0].decoder.spec_length.costs is not None
+
+
+@needs_kernels
+def test_a_failed_warmup_leaves_the_engine_serving_eagerly_and_compiling_nothing(gqa_dir, monkeypatch):
+    """A compiler failure in the warm-up (a broken toolchain, a cache it cannot use) is reported and the engine
+    keeps serving eagerly, the same tokens; no later step tries the failing compiler inside a request."""
+    def broken(*a, **k):
+        raise RuntimeError("C++ compile error\nline two\n" + "compiler output\n" * 50)
+
+    monkeypatch.setattr(warmup, "run_steps", broken)
+    expected = _ids(LLM(gqa_dir, compile=False, max_batch_size=1).generate(PROMPTS, GREEDY))
+    llm = LLM(gqa_dir, compile=True, max_batch_size=1)
+    assert llm.engine.wait_until_ready(timeout=60)
+    assert isinstance(llm.engine.warmup.error, RuntimeError) and llm.model.compiled.compiling == -1
+    compiled = llm.model.compiled
+
+    def no_compiling(*a, **k):
+        raise AssertionError("a step took the compiling entry point after the warm-up failed")
+
+    compiled.forward = compiled.logits = no_compiling  # the run-only twins serve: graphs that exist, else eager
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == expected

@@ -35,3 +35,76 @@ def write_atomic(path: Path, text: str) -> bool:
     except OSError:
         Path(tmp).unlink(missing_ok=True)
         return False
+
+
+# --- damaged entries ------------------------------------------------------------------------------------------------
+# Whole files are what atomic writes guarantee, but not every writer writes atomically: the C++ compiler and linker
+# write their objects and libraries in place, so a process stopped mid-build (Ctrl-C at a first start, a full disk)
+# leaves a truncated library that the next start would load and fail on (inductor then fails to compile every graph
+# that needs it; dlopen refuses infer's kernels). Such entries are found by their own structure and removed: the
+# owner rebuilds what is missing. Files younger than IN_PROGRESS_S may still be written by another process: left.
+IN_PROGRESS_S = 600.0
+
+
+def elf_damage(path: Path) -> str | None:
+    """Why an ELF file (a .so or .o) is not whole, or None. Its section header table, which compilers write last,
+    must lie inside the file: a truncated file fails that."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+    if len(head) < 64 or head[:4] != b"\x7fELF":
+        return "not an ELF file (truncated?)"
+    if head[4] != 2:  # ELFCLASS64: the only class these x86-64/aarch64 builds make
+        return None
+    order = "little" if head[5] == 1 else "big"
+    shoff = int.from_bytes(head[0x28:0x30], order)
+    shentsize, shnum = int.from_bytes(head[0x3A:0x3C], order), int.from_bytes(head[0x3C:0x3E], order)
+    if shoff + shentsize * shnum > size:
+        return f"truncated ({size} bytes, its section headers end at {shoff + shentsize * shnum})"
+    return None
+
+
+def compile_cache_damage(path: Path) -> str | None:
+    """Why one file of inductor's cache is damaged, or None (also for kinds it cannot judge).
+    - libraries and objects: elf_damage;
+    - generated Python modules: inductor names each by the hash of its stripped text, which must match;
+    - pickled graph entries (fxgraph/, aotautograd/): a pickle ends with its STOP opcode."""
+    suffix = path.suffix
+    if suffix in (".so", ".o"):
+        return elf_damage(path)
+    try:
+        if suffix == ".py" and len(path.stem) == 52 and path.stem.startswith("c"):
+            from torch._inductor.codecache import code_hash
+
+            return None if code_hash(path.read_text().strip()) == path.stem else "its text does not match its name"
+        if not suffix and {"fxgraph", "aotautograd"} & set(path.parts):
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                return None if f.read(1) == b"." else "truncated pickle"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"unreadable: {e}"
+    return None
+
+
+def drop_damaged(root: Path, judge=compile_cache_damage, now: float | None = None) -> list[tuple[Path, str]]:
+    """Remove every damaged file under ``root`` (``judge(path)`` -> why, or None), leaving files younger than
+    IN_PROGRESS_S (another process may be writing them); warns once per file, naming it. Returns (path, why)."""
+    import time
+    import warnings
+
+    now = time.time() if now is None else now
+    dropped = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []:
+        try:
+            if now - path.stat().st_mtime < IN_PROGRESS_S or (why := judge(path)) is None:
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        dropped.append((path, why))
+        warnings.warn(f"cache entry {path} is damaged ({why}); removed, it will be rebuilt", RuntimeWarning,
+                      stacklevel=2)
+    return dropped

@@ -17,14 +17,17 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
+
+from .cachedir import cache_dir
 
 REPLACEMENT_CHAR = "\ufffd"
 _SIDECAR = "infer_gguf.json"  # beside the cached tokenizer: the source file and its EOS ids
 
 
 def tokenizer_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "infer" / "tokenizers"
+    return cache_dir("tokenizers")
 
 
 def _gguf_tokenizer(file: Path):
@@ -35,11 +38,13 @@ def _gguf_tokenizer(file: Path):
     st = file.stat()
     key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
-    try:
-        eos = json.loads((cached / _SIDECAR).read_text())["eos_token_ids"]
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True), eos
-    except Exception:  # a miss, or a damaged entry (whatever it raises): convert again, overwriting it
-        pass
+    if cached.is_dir():
+        try:
+            eos = json.loads((cached / _SIDECAR).read_text())["eos_token_ids"]
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True), eos
+        except Exception as e:  # a damaged entry (whatever it raises): say so, convert again, overwrite it
+            warnings.warn(f"cached tokenizer {cached} is damaged ({type(e).__name__}: {e}); converting the GGUF's "
+                          "tokenizer again", RuntimeWarning, stacklevel=3)
     from .model.gguf import GGUFCheckpoint
 
     meta = GGUFCheckpoint(file)

@@ -163,7 +163,10 @@ class Engine:
         self.model = self.tp.wrap(model).to(self.device)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; an engine without them has nothing to close)."""
+        """Stop the background warm-up and the tensor-parallel workers, if any (idempotent). A closed engine still
+        serves, eagerly where a graph was not built."""
+        if self.warmup is not None:
+            self.warmup.stop()
         if self.tp is not None:
             self.tp.close()
 

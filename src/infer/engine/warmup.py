@@ -31,6 +31,7 @@ import torch
 
 from .. import progress
 from ..cache.base import TreeAttn
+from ..model.compile import drop_damaged_entries
 from ..spec_decode.cost_model import profile_widths
 from ..spec_decode.setup import PROFILE_CONTEXT
 from ..spec_decode.tree import MAX_NODES
@@ -39,6 +40,18 @@ from ..spec_decode.tree_verify import ancestor_mask, tree_depths
 # warm-up progresses under a constant load too (the engine keeps 2/3 of the time).
 WARMUP_SHARE = 0.5
 IDLE_S = 0.02  # the engine counts as idle (the warm-up runs freely) this long after its last step
+
+
+_RUNNING: weakref.WeakSet = weakref.WeakSet()  # warm-ups whose thread was started
+
+
+def stop_all() -> None:
+    """Stop every warm-up thread still running (at interpreter exit; tests, between tests)."""
+    for w in list(_RUNNING):
+        w.stop()
+
+
+atexit.register(stop_all)
 
 
 class _Stopped(BaseException):
@@ -125,8 +138,7 @@ class Warmup:
         self._thread = threading.Thread(target=self._run, args=(twin,), name="infer-warmup", daemon=True)
         self.model.compiled.compiling = -1  # from now on only the warm-up compiles (its ident is set in the thread)
         self._thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (w := ref()) is not None and w.stop())
+        _RUNNING.add(self)
 
     @contextmanager
     def engine_turn(self):
@@ -197,6 +209,7 @@ class Warmup:
             torch.set_num_threads(1)
             sys.settrace(self._gate)  # this thread only
         try:
+            drop_damaged_entries()  # before anything loads them
             for what, kw in self.stages:
                 t0 = time.perf_counter()
                 with progress.stage(f"compiling {what}"):
@@ -204,11 +217,14 @@ class Warmup:
                         run_steps(self.runner, pool, self.max_seq_len, kw["widths"], rows, kw.get("tree", False))
                 self.seconds[what] = time.perf_counter() - t0
         except _Stopped:
-            pass
+            compiled.warmed.discard(self.key)  # not built: another engine over this model builds them again
         except Exception as e:  # the engine keeps serving eagerly (same tokens); say why it stays slow
             self.error = e
-            progress.note(f"compiling failed ({type(e).__name__}: {e}); steps without a graph run eagerly")
+            why = " ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2])  # compiler logs are long
+            progress.note(f"compiling failed ({type(e).__name__}: {why}); steps without a graph run eagerly")
         finally:
             sys.settrace(None)
-            compiled.compiling = None  # from now on a miss compiles where it happens, as without a warm-up
+            # From now on a miss compiles where it happens, as without a warm-up; after a failure nothing compiles
+            # again (-1: no thread's ident), so a request never meets the failing compiler in its own step.
+            compiled.compiling = None if self.error is None and not self._stop else -1
             self.done.set()

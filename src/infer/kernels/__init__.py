@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import warnings
 from contextlib import nullcontext
@@ -30,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from ..cachedir import cache_dir
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "attention.cpp", HERE / "norm.cpp"]
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infer" / "kernels"
+CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 
 _loaded: bool | None = None
@@ -90,6 +93,22 @@ def _build() -> None:
         return q.new_empty(B, T, H, D).transpose(1, 2)
 
 
+def _intact_build(library: Path) -> bool:
+    """Whether a cached build is there and whole. A library truncated by a stopped build (the linker writes in place)
+    would fail to load at every start: it is reported in one line naming it, and its build directory removed, so
+    the build below starts afresh."""
+    from ..cachedir import elf_damage
+
+    if not library.is_file():
+        return False
+    if (why := elf_damage(library)) is None:
+        return True
+    warnings.warn(f"infer's CPU kernels: the cached build {library} is damaged ({why}); rebuilding it",
+                  RuntimeWarning, stacklevel=3)
+    shutil.rmtree(library.parent, ignore_errors=True)
+    return False
+
+
 def available() -> bool:
     """True once the kernels are built and loaded (built on the first call; False, with a warning, if they cannot)."""
     global _loaded
@@ -100,7 +119,7 @@ def available() -> bool:
             try:
                 from .. import progress
 
-                built = (CACHE_DIR / build_name() / f"{build_name()}.so").is_file()
+                built = _intact_build(CACHE_DIR / build_name() / f"{build_name()}.so")
                 with progress.stage("building infer's CPU kernels (first start only, ~30 s)") if not built \
                         else nullcontext():
                     _build()

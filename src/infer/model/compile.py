@@ -40,7 +40,9 @@ from typing import Callable
 
 import torch
 
-DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infer" / "inductor"
+from ..cachedir import cache_dir, drop_damaged
+
+DEFAULT_CACHE_DIR = cache_dir("inductor")
 
 
 # A decode step is ~250 small fused kernels (norms, rotary, residuals over 576-wide rows) around the matrix-vector
@@ -130,6 +132,16 @@ def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     torch._inductor.config.fx_graph_cache = True
     return path
+
+
+def drop_damaged_entries() -> int:
+    """Remove damaged files from inductor's on-disk cache (cachedir.drop_damaged: truncated libraries, objects and
+    pickles, modules whose text no longer matches their name), each reported in one warning; inductor rebuilds what
+    is missing. Without this a library truncated by a stopped build makes every later start fail to compile the
+    graphs that load it. Returns how many were removed."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return len(drop_damaged(Path(inductor_cache_dir())))
 
 
 def _compile_method(model, name: str, exact_casts: bool = False) -> tuple[Callable, Callable]:

