@@ -12,6 +12,7 @@ import torch
 
 from infer import LLM, SamplingParams, kernels
 from infer.engine import warmup
+from infer.model.hugepages import hugepages_supported
 from infer.spec_decode import setup
 from infer.spec_decode.profile_store import ProfileStore
 
@@ -175,6 +176,9 @@ def test_serving_while_the_thread_compiles_gives_the_eager_tokens(gqa_dir):
         assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
         rounds += 1
     assert llm.engine.warmup.error is None
+    # the warm-up also moved the weights onto 2 MiB pages (Engine.__init__ leaves that to it), under the requests
+    assert getattr(llm.model, "_on_hugepages", False) == hugepages_supported()
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
 def test_compiling_in_the_foreground_is_still_there(gqa_dir):
@@ -217,9 +221,10 @@ def test_a_failed_warmup_leaves_the_engine_serving_eagerly_and_compiling_nothing
     assert llm.engine.wait_until_ready(timeout=60)
     assert isinstance(llm.engine.warmup.error, RuntimeError) and llm.model.compiled.compiling == -1
     compiled = llm.model.compiled
+    assert compiled.steps() == (compiled.run_forward, compiled.run_logits)  # graphs that exist, else eager
 
     def no_compiling(*a, **k):
         raise AssertionError("a step took the compiling entry point after the warm-up failed")
 
-    compiled.forward = compiled.logits = no_compiling  # the run-only twins serve: graphs that exist, else eager
+    compiled.forward = compiled.logits = no_compiling
     assert _ids(llm.generate(PROMPTS, GREEDY)) == expected

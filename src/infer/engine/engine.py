@@ -66,8 +66,11 @@ class Engine:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         if self.device.type == "cpu":
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
-            place_on_hugepages(self.model)  # decode streams the weights: 2 MiB pages read them up to ~7% faster
         self.compiled = self._maybe_compile(self.model)
+        if self.device.type == "cpu" and not (self.compiled and self._compiles_in_background()):
+            # decode streams the weights: 2 MiB pages read them up to ~7% faster. A background warm-up moves them
+            # itself, off the critical path (~1 s for SmolLM2 in float32; engine.warmup)
+            place_on_hugepages(self.model)
         self.tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else list(self.model.config.eos_token_ids)
         self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
@@ -115,18 +118,23 @@ class Engine:
         decoder = self.decoder
         warmup = Warmup(self, self.config.max_spec_length if decoder else 0, tree=bool(decoder and decoder.tree))
         if warmup.key in self.model.compiled.warmed:
+            place_on_hugepages(self.model)  # a no-op where the first engine's warm-up did it
             self._finish_warmup(None)  # the graphs exist (or are being built): profile now if no profile is stored
             return None
         self.model.compiled.warmed.add(warmup.key)
-        exact = self.model.dtype == torch.float32 or self.config.use_speculative_decoding  # exact casts otherwise
-        background = self.config.compile_in_background and exact and self.device.type == "cpu" and \
-            kernels.available()
+        background = self._compiles_in_background()
         if decoder is not None:
             decoder.ready = False  # drafts wait for compiled verify steps and a cost model (_finish_warmup)
         warmup.start(background)
         if not background:
             self._finish_warmup(warmup)
         return warmup
+
+    def _compiles_in_background(self) -> bool:
+        """Whether a compiled target's steps are built in a background thread: where a step run eagerly meanwhile
+        gives the same bits (infer's CPU kernels, and float32 or exact casts: a speculating engine's)."""
+        exact = self.model.dtype == torch.float32 or self.config.use_speculative_decoding
+        return self.config.compile_in_background and exact and self.device.type == "cpu" and kernels.available()
 
     def _finish_warmup(self, warmup: Warmup | None) -> None:
         """Once the compiled steps exist: profile a missing cost model (now fast: no graph left to build), save it,

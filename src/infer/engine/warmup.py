@@ -32,6 +32,7 @@ import torch
 from .. import progress
 from ..cache.base import TreeAttn
 from ..model.compile import drop_damaged_entries
+from ..model.hugepages import place_on_hugepages
 from ..spec_decode.cost_model import profile_widths
 from ..spec_decode.setup import PROFILE_CONTEXT
 from ..spec_decode.tree import MAX_NODES
@@ -208,7 +209,13 @@ class Warmup:
             # for a wake-up (an eager SmolLM2 step ran at half speed). torch.set_num_threads is per thread.
             torch.set_num_threads(1)
             sys.settrace(self._gate)  # this thread only
+        start = time.perf_counter()
         try:
+            if self._thread is not None:
+                # the engine left this to us (Engine.__init__): the same values on 2 MiB pages, swapped in tensor by
+                # tensor; a step reading some old and some new tensors computes the same bits
+                place_on_hugepages(self.model)
+            compiled.ensure_built()  # imports Dynamo and inductor (CompiledSteps): here, off the first token's path
             drop_damaged_entries()  # before anything loads them
             for what, kw in self.stages:
                 t0 = time.perf_counter()
@@ -216,6 +223,8 @@ class Warmup:
                     for rows in kw.get("batches", [1]):
                         run_steps(self.runner, pool, self.max_seq_len, kw["widths"], rows, kw.get("tree", False))
                 self.seconds[what] = time.perf_counter() - t0
+            if self._thread is not None:
+                progress.note(f"compiled steps ready after {time.perf_counter() - start:.1f} s: full speed from here")
         except _Stopped:
             compiled.warmed.discard(self.key)  # not built: another engine over this model builds them again
         except Exception as e:  # the engine keeps serving eagerly (same tokens); say why it stays slow

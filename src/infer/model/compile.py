@@ -92,26 +92,37 @@ def step_guards(entries) -> list[bool]:
 
 @dataclass
 class CompiledSteps:
-    """The compiled steps and, for each, a run-only twin over the same graphs.
+    """The compiled steps and, for each, a run-only twin over the same graphs, made on first need.
 
-    While a background warm-up compiles (engine.warmup), ``compiling`` holds its thread's id: calls from any other
-    thread take the run-only twins, which use a graph where one exists and otherwise run the step's own code
-    eagerly instead of compiling (torch._dynamo.run). Eager and compiled steps give the same bits (every reduction
-    of a few-token step is an infer kernel: kernels/norm.cpp), so which one ran never shows in the tokens."""
+    Making them imports Dynamo and inductor (~2 s, Python-heavy): ``build`` runs where it is first needed, in a
+    background warm-up's thread (engine.warmup) rather than on the way to a first token. Until it has run, other
+    threads run the model's own code eagerly (``steps()`` returns None).
+    While a background warm-up compiles, ``compiling`` holds its thread's id: calls from any other thread take the
+    run-only twins, which use a graph where one exists and otherwise run the step's own code eagerly instead of
+    compiling (torch._dynamo.run). Eager and compiled steps give the same bits (every reduction of a few-token step
+    is an infer kernel: kernels/norm.cpp), so which one ran never shows in the tokens."""
 
-    forward: Callable  # (input_ids [B, T], positions [B, T], kv, attn_meta) -> hidden [B, T, H]
-    logits: Callable  # hidden [..., H] -> float32 logits [..., V]
+    build: Callable  # () -> (forward, logits, run_forward, run_logits)
     max_tokens: int  # steps with at most this many tokens per row use them
+    forward: Callable | None = None  # (input_ids [B, T], positions [B, T], kv, attn_meta) -> hidden [B, T, H]
+    logits: Callable | None = None  # hidden [..., H] -> float32 logits [..., V]
     run_forward: Callable | None = None  # run-only twins: never compile
     run_logits: Callable | None = None
     compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
     warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def steps(self) -> tuple[Callable, Callable]:
-        """(forward, logits) for the calling thread."""
+    def ensure_built(self) -> None:
+        with self._lock:
+            if self.run_forward is None:
+                self.forward, self.logits, self.run_forward, self.run_logits = self.build()
+
+    def steps(self) -> tuple[Callable | None, Callable | None]:
+        """(forward, logits) for the calling thread; (None, None): run the model's own code eagerly."""
         if self.compiling is None or self.compiling == threading.get_ident():
+            self.ensure_built()
             return self.forward, self.logits
-        return self.run_forward, self.run_logits
+        return self.run_forward, self.run_logits  # None until the warm-up thread has made them
 
 
 def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -144,7 +155,7 @@ def drop_damaged_entries() -> int:
     return len(drop_damaged(Path(inductor_cache_dir())))
 
 
-def _compile_method(model, name: str, exact_casts: bool = False) -> tuple[Callable, Callable]:
+def _compile_method(model, name: str, options: dict) -> tuple[Callable, Callable]:
     """torch.compile ``model.<name>`` with graphs of its own -> (compiling, run-only) callables over one cache.
 
     Dynamo keeps its compiled graphs on the function's code object, shared by every instance of the class; with the
@@ -155,8 +166,6 @@ def _compile_method(model, name: str, exact_casts: bool = False) -> tuple[Callab
     code = fn.__code__.replace(co_name=f"{name}_{id(model):x}")
     own = types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
                            model)
-    options = {**(cpu_options() if model.device.type == "cpu" else INDUCTOR_OPTIONS),
-               **(EXACT_CAST_OPTIONS if exact_casts else {}), "guard_filter_fn": step_guards}
     # the limit goes with the function: Dynamo's config is per thread, and the warm-up compiles in a thread of its own
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in inspect.signature(torch.compile).parameters \
         else {}
@@ -170,9 +179,18 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:
-        configure_cache(cache_dir)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)  # old torch
-        (fwd, run_fwd), (logits, run_logits) = (_compile_method(model, n, exact_casts) for n in ("_forward", "_logits"))
-        model.compiled = CompiledSteps(fwd, logits, max_tokens, run_fwd, run_logits)
+        # the options now: inductor plans its C++ kernels for this (the engine's) thread count, wherever build runs
+        options = {**(cpu_options() if model.device.type == "cpu" else INDUCTOR_OPTIONS),
+                   **(EXACT_CAST_OPTIONS if exact_casts else {}), "guard_filter_fn": step_guards}
+
+        def build():
+            configure_cache(cache_dir)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+            # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
+            (fwd, run_fwd), (logits, run_logits) = (_compile_method(model, n, dict(options))
+                                                    for n in ("_forward", "_logits"))
+            return fwd, logits, run_fwd, run_logits
+
+        model.compiled = CompiledSteps(build, max_tokens)
     model.compiled.max_tokens = max_tokens
     return model

@@ -36,6 +36,45 @@ _GGUF_VERSION = version("gguf")
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K,
                    _Q.Q5_K, _Q.Q6_K)  # floats, legacy and K-quants (all tested); IQ*, TQ*, MXFP4 ... are refused
 
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:  # blocks [n, 20]: d f16, m f16, 16 bytes of nibbles -> d * q + m
+    return _nibbles(b[:, 4:]).float() * _f16(b[:, 0:2]) + _f16(b[:, 2:4])
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:  # blocks [n, 18]: d f16, 16 bytes of nibbles -> d * (q - 8)
+    return (_nibbles(b[:, 2:]).to(torch.int8) - 8).float() * _f16(b[:, 0:2])
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:  # blocks [n, 34]: d f16, 32 int8 -> q * d
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, 0:2])
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:  # [n, 2] bytes -> [n, 1] float32
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n, 16] bytes -> [n, 32]: low nibbles are 0..15, high 16..31
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+# The common block types dequantized by torch over whole tensors (both cores, no per-group Python) rather than by
+# gguf's numpy code: ~10x faster for SmolLM2's Q4_1 file (1.3 s of a warm start), the same float32 values (the same
+# operations in the same order: tests/test_gguf.py checks them bit for bit against gguf's).
+_TORCH_DEQUANT = {_Q.Q4_1: (20, _q4_1), _Q.Q4_0: (18, _q4_0), _Q.Q8_0: (34, _q8_0)}
+
+
+def _torch_dequantize(data: np.ndarray, qtype) -> torch.Tensor:
+    """``data``: a tensor's raw blocks, uint8 [..., row bytes] (a view of the memory map, not copied) -> float32
+    [..., row elements]."""
+    block_bytes, fn = _TORCH_DEQUANT[qtype]
+    with warnings.catch_warnings():  # the map is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(data)
+    shape = data.shape[:-1] + (data.shape[-1] // block_bytes * 32,)
+    return fn(raw.reshape(-1, block_bytes)).reshape(shape)
+
+
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -267,6 +306,8 @@ class GGUFCheckpoint:
             names = ", ".join(q.name for q in SUPPORTED_TYPES)
             raise ValueError(f"tensor {name!r} is stored as {t.tensor_type.name}, which infer cannot dequantize "
                              f"(supported: {names})")
+        if t.tensor_type in _TORCH_DEQUANT:
+            return _torch_dequantize(t.data, t.tensor_type).numpy()
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         return w if w.flags.writeable else w.copy()  # F32 comes back as a read-only view of the memory map
 

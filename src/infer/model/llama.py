@@ -70,10 +70,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, init_embedding: bool = True):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # init_embedding=False: left uninitialised, for a loader that assigns the weights next. nn.Embedding's random
+        # init goes through a function that imports Dynamo (~1 s of a start that may never compile).
+        empty = None if init_embedding else torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
@@ -111,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
         c = self.compiled
         # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
         if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
-            return c.steps()[0](input_ids, positions, kv, attn_meta)
+            step = c.steps()[0]  # None: the compiler is not loaded yet (CompiledSteps), eager meanwhile
+            if step is not None:
+                return step(input_ids, positions, kv, attn_meta)
         return self._forward(input_ids, positions, kv, attn_meta)
 
     def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
@@ -132,8 +137,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
         c = self.compiled
-        if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1]:
-            return c.steps()[1](hidden)
+        if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1] and (step := c.steps()[1]) is not None:
+            return step(hidden)
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

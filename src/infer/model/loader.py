@@ -177,7 +177,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"{root}: checkpoint is missing tensors: {shown}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, init_embedding=False)  # every weight is assigned below
     model.load_state_dict(_to_ours(tensors, cfg), assign=True, strict=True)
     model.to(device)
     model.eval().requires_grad_(False)
