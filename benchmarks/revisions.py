@@ -42,7 +42,7 @@ assert infer.__file__.startswith(sys.argv[1]), (infer.__file__, sys.argv[1])  # 
 setting, rounds, new_tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts = json.loads(sys.argv[5])
 spec = real_model_speculation() if setting == "speculative" else {}
-llm = LLM(real_model_path(), **REAL_MODEL_SETTINGS, **spec)
+llm = LLM(real_model_path(), **REAL_MODEL_SETTINGS, **spec, max_batch_size=1)  # one request, as infer chat
 if hasattr(llm.engine, "wait_until_ready"):
     llm.engine.wait_until_ready()
 temps = [0.0, 0.7] if spec else [0.0]

@@ -158,6 +158,26 @@ def test_weights_equal_dequantized_hf_weights(src, ggufs, qtype):
         assert rel < {"Q4_0": 0.15, "Q4_1": 0.15, "Q5_0": 0.08, "Q5_1": 0.08}.get(qtype, 0.01), (name, rel)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_dequantization_is_bit_identical_to_gguf(qtype):
+    """The common block types are dequantized by torch (gguf._torch_dequantize): random blocks, scales of every sign
+    and size float16 holds (subnormals, +-inf, NaN included), must give gguf's own float32 values bit for bit."""
+    from infer.model.gguf import _TORCH_DEQUANT, _torch_dequantize
+
+    q = Q[qtype]
+    block_bytes = _TORCH_DEQUANT[q][0]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(6, 40 * block_bytes), dtype=np.uint8)  # 6 rows of 40 blocks
+    blocks = raw.reshape(-1, block_bytes)
+    scales = np.concatenate([rng.standard_normal(blocks.shape[0] - 6) * 10.0 ** rng.integers(-7, 4, blocks.shape[0] - 6),
+                             [np.inf, -np.inf, np.nan, 6e-8, -0.0, 65504.0]]).astype(np.float16)
+    blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+    want = gguf.quants.dequantize(raw, q)
+    got = _torch_dequantize(raw, q).numpy()
+    assert got.shape == want.shape == (6, 40 * 32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_k_quants_dequantize_in_logical_order(tmp_path):
     """gguf cannot quantize K-quants: write random blocks (with sane float16 scales) and compare with transformers'
     own, independent dequantizer, reshaped to the logical [out, in]."""

@@ -6,9 +6,11 @@ verify, at two contexts, in two places of the pool and at a few batch sizes make
 request's rounds do not stop to compile. That is ~15 graphs: a minute and more even when inductor's on-disk cache
 holds them all (Dynamo re-traces each at every start), which is why it runs in the background.
 
-Background (``EngineConfig.compile_in_background``, the default where it is exact): a thread runs the steps on a
-*twin* of each pool (the same layout, so the same guards, over storage of its own: nothing the engine owns is
-touched), in order of need: the one-row decode step, the one-row verify widths (and tree verifies), then batches.
+Background (``EngineConfig.compile_in_background``, the default where it is exact): a thread first does what the
+first token does not need (moves the weights onto 2 MiB pages, the same values; imports the compiler:
+model.compile.CompiledSteps; removes damaged entries from inductor's cache), then runs the steps on a *twin* of each
+pool (the same layout, so the same guards, over storage of its own: no KV the engine owns is touched), in order of
+need: the one-row decode step, the one-row verify widths (and tree verifies), then batches.
 Meanwhile the engine's own calls take the run-only steps (model.compile.CompiledSteps): a graph where one is ready,
 else the same code eagerly. Both give the same bits, so the tokens never depend on how far the warm-up got (tests:
 test_warmup.py). The speculative decoder drafts only once ``ready``: an eager verify costs several decode steps, and
