@@ -169,7 +169,8 @@ def test_torch_dequantization_is_bit_identical_to_gguf(qtype):
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(6, 40 * block_bytes), dtype=np.uint8)  # 6 rows of 40 blocks
     blocks = raw.reshape(-1, block_bytes)
-    scales = np.concatenate([rng.standard_normal(blocks.shape[0] - 6) * 10.0 ** rng.integers(-7, 4, blocks.shape[0] - 6),
+    n = blocks.shape[0] - 6
+    scales = np.concatenate([rng.standard_normal(n) * 10.0 ** rng.integers(-7, 4, n),
                              [np.inf, -np.inf, np.nan, 6e-8, -0.0, 65504.0]]).astype(np.float16)
     blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
     want = gguf.quants.dequantize(raw, q)

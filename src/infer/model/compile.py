@@ -113,6 +113,8 @@ class CompiledSteps:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def ensure_built(self) -> None:
+        if self.run_forward is not None:  # every step asks: no lock once built
+            return
         with self._lock:
             if self.run_forward is None:
                 self.forward, self.logits, self.run_forward, self.run_logits = self.build()
