@@ -110,6 +110,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.kv.free_kv_tokens()
+        self._num_threads = torch.get_num_threads()  # the engine thread's: see step()
 
     def _start_warmup(self) -> Warmup | None:
         """Build the compiled steps (engine.warmup): in a background thread where a step run eagerly meanwhile gives
@@ -263,6 +264,10 @@ class Engine:
         """Schedule, run one batched forward (or one speculative round), retire what finished."""
         if self.decoder is not None and not self.decoder.ready:
             self._finish_warmup(self.warmup)  # a no-op until the background warm-up is done
+        if self.warmup is not None and torch.get_num_threads() != self._num_threads:
+            # Found on SmolLM2: after the background warm-up the engine thread's count read 1 (cause not yet
+            # found; the warm-up sets 1 in its own thread only), halving every step after start-up. Restore it.
+            torch.set_num_threads(self._num_threads)
         plan = self.scheduler.schedule()
         with self.warmup.engine_turn() if self.warmup is not None else nullcontext():
             outputs = self.runner.prefill(plan.prefill)
