@@ -228,3 +228,37 @@ def test_a_failed_warmup_leaves_the_engine_serving_eagerly_and_compiling_nothing
 
     compiled.forward = compiled.logits = no_compiling
     assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+@needs_kernels
+def test_the_warmup_thread_runs_one_openmp_thread_and_leaves_the_others_theirs(gqa_dir, monkeypatch):
+    """The warm-up thread computes with one OpenMP thread, and only it: torch.set_num_threads(1) there also set
+    torch's process default, which a thread copies on its first at::parallel_for in each library; the kernels'
+    first call in the engine thread then cut SmolLM2 to one thread (~0.75x after start-up)."""
+    counts, real = [], warmup.run_steps
+
+    def counted(*args, **kw):
+        counts.append(torch.get_num_threads())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(warmup, "run_steps", counted)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(gqa_dir, compile=True, max_batch_size=1)
+        assert llm.engine.wait_until_ready(timeout=600) and llm.engine.warmup.error is None
+        assert counts and set(counts) == {1}
+        seen = []
+
+        def fresh_thread():  # its first kernel call initialises its count from torch's default
+            torch.ops.infer.linear(torch.ones(1, 4), torch.ones(3, 4))
+            seen.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=fresh_thread)
+        thread.start()
+        thread.join()
+        assert seen == [2] and torch.get_num_threads() == 2
+        llm.generate(PROMPTS[:1], GREEDY)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

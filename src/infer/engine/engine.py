@@ -265,8 +265,8 @@ class Engine:
         if self.decoder is not None and not self.decoder.ready:
             self._finish_warmup(self.warmup)  # a no-op until the background warm-up is done
         if self.warmup is not None and torch.get_num_threads() != self._num_threads:
-            # Found on SmolLM2: after the background warm-up the engine thread's count read 1 (cause not yet
-            # found; the warm-up sets 1 in its own thread only), halving every step after start-up. Restore it.
+            # Another thread may step this engine (AsyncEngine's loop), and a warm-up that could not set its own
+            # thread's count alone (kernels.one_thread_here) set torch's default: the constructing thread's count
             torch.set_num_threads(self._num_threads)
         plan = self.scheduler.schedule()
         with self.warmup.engine_turn() if self.warmup is not None else nullcontext():

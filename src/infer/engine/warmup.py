@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import progress
+from .. import kernels, progress
 from ..cache.base import TreeAttn
 from ..model.compile import drop_damaged_entries
 from ..model.hugepages import place_on_hugepages
@@ -208,8 +208,9 @@ class Warmup:
         if self._thread is not None:
             # One OpenMP thread here: while a second thread that ran a parallel region lives, libgomp counts more
             # threads than cores and its workers sleep between regions, making each of the engine's regions wait
-            # for a wake-up (an eager SmolLM2 step ran at half speed). torch.set_num_threads is per thread.
-            torch.set_num_threads(1)
+            # for a wake-up (an eager SmolLM2 step ran at half speed). This thread's count only: see one_thread_here.
+            if not kernels.one_thread_here():
+                torch.set_num_threads(1)  # Engine.step restores the engine thread's count
             sys.settrace(self._gate)  # this thread only
         start = time.perf_counter()
         try:

@@ -130,3 +130,33 @@ def available() -> bool:
                               "falling back to ATen's (slower) matrix products", RuntimeWarning, stacklevel=2)
                 _loaded = False
     return _loaded
+
+
+def one_thread_here() -> bool:
+    """Run the calling thread's own parallel regions (torch's and these kernels') with one OpenMP thread, leaving every
+    other thread's count and torch's process-wide default as they are. True if done so, False where this torch's
+    OpenMP runtime cannot be reached (the caller then uses ``torch.set_num_threads``, which sets the default too).
+
+    Why not ``torch.set_num_threads(1)``: it also stores the process-wide count that each shared library copies into
+    a thread the first time that thread enters its ``at::parallel_for`` (ATen's inline once-per-thread init keeps one
+    flag per library). These kernels' first call in the engine thread then cut the engine to one thread: SmolLM2 ran
+    at ~0.75x for good after a background warm-up. So torch and the kernels initialise this thread first, and the
+    count is then set for this thread only through OpenMP's (and MKL's) C entry points."""
+    import ctypes
+
+    lib = Path(torch.__file__).parent / "lib"
+    try:
+        omp = ctypes.CDLL(str(lib / "libgomp.so.1"))  # the runtime libtorch_cpu links (a no-op dlopen: loaded)
+        set_omp = omp.omp_set_num_threads
+    except (OSError, AttributeError):
+        return False
+    torch.get_num_threads()  # libtorch's init of this thread
+    if _loaded:
+        torch.ops.infer.linear(torch.zeros(1, 1), torch.zeros(1, 1))  # the kernels' own init of this thread
+    set_omp(1)
+    try:  # MKL's GEMMs keep their own per-thread count (torch.set_num_threads sets it as well). The C entry point
+        # by value: the lower-case name is the Fortran one, which takes a pointer.
+        ctypes.CDLL(str(lib / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local(1)
+    except (OSError, AttributeError):
+        pass  # a build without MKL
+    return torch.get_num_threads() == 1
