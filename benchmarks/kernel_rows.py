@@ -1,8 +1,10 @@
-"""infer::linear's cost vs activation rows, AVX2 build against AVX-512 build (issue 17's blocker: the verify).
+"""The CPU kernels' cost vs activation rows: AVX2 and AVX-512 builds, int8 weight-only and llama.cpp's Q8_0 / Q4_0 /
+Q4_1 blocks with int8 activations (issues 17, 32).
 
     python benchmarks/kernel_rows.py [--rounds 3] [--repeats 25]
 
-One model's worth of int8 products with SmolLM2-135M's shapes (per layer qkv 960x576, o 576x576, gate_up 3072x576,
+One model's worth of products with SmolLM2-135M's shapes (int8 weight-only on infer::linear; Q8_0, Q4_0, Q4_1
+weights x int8 activations on infer::qlinear, the head Q8_0 for the 4-bit ones as quantize_model keeps it) (per layer qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, x30, and the 49152x576 head), bfloat16 activations of M = 1, 2, 3, 4, 5, 8, 16 rows, 2 threads. Each
 build runs in a process of its own (INFER_CPU_AVX512=0 / 1: the flags differ, so the builds are cached apart),
 alternating, --rounds times; per M the best of --repeats per process, then the best over rounds (a shared machine
@@ -26,30 +28,42 @@ ROWS = (1, 2, 3, 4, 5, 8, 16)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def measure(repeats: int) -> dict[int, float]:
-    """Milliseconds per model's worth of products, per M (this process's build)."""
+KERNELS = ("int8", "q8_0", "q4_0", "q4_1")  # weight-only int8 (infer::linear) / blocks x int8 activations (qlinear)
+BUILDS = (("avx2", "0"), ("avx512", "1"))
+
+
+def measure(repeats: int) -> dict[str, dict[int, float]]:
+    """Milliseconds per model's worth of products, per kernel and M (this process's build)."""
     import time
 
     import torch
 
     from infer import kernels
+    from infer.model.quant import BLOCK_FORMATS, pack_blocks, quantize_blocks
 
     if not kernels.available():
         raise SystemExit("infer's CPU kernels are not available here")
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
-    ws = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 100)
-          for n, k in SHAPES]
+    dense = [torch.randn(n, k, generator=g) * 0.05 for n, k in SHAPES]
+    calls = {"int8": [(torch.ops.infer.linear, (w.div(w.abs().amax(1, keepdim=True) / 127).round().to(torch.int8),
+                                                 w.abs().amax(1) / 127)) for w in dense]}
+    for fmt in KERNELS[1:]:
+        fmts = [fmt] * (len(dense) - 1) + ["q8_0"]  # the head stays 8-bit
+        calls[fmt] = [(torch.ops.infer.qlinear, (pack_blocks(quantize_blocks(w, f), f), BLOCK_FORMATS[f][0], w.shape[0]))
+                      for w, f in zip(dense, fmts)]
     out = {}
-    for m in ROWS:
-        xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for (w, s), x in zip(ws, xs):
-                torch.ops.infer.linear(x, w, s)
-            best = min(best, time.perf_counter() - t0)
-        out[m] = best * 1e3
+    for kernel in KERNELS:
+        out[kernel] = {}
+        for m in ROWS:
+            xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for (op, args), x in zip(calls[kernel], xs):
+                    op(x, *args)
+                best = min(best, time.perf_counter() - t0)
+            out[kernel][m] = best * 1e3
     return out
 
 
@@ -62,25 +76,33 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(a.repeats)))
         return
-    best = {"avx2": {}, "avx512": {}}
+    best = {f"{b} {k}": {} for b, _ in BUILDS for k in KERNELS}
     for _ in range(a.rounds):
-        for name, flag in (("avx2", "0"), ("avx512", "1")):
+        for build, flag in BUILDS:
             run = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(a.repeats)], check=True,
                                  capture_output=True, text=True, env={**os.environ, "INFER_CPU_AVX512": flag})
-            for m, ms in json.loads(run.stdout.strip().splitlines()[-1]).items():
-                best[name][int(m)] = min(best[name].get(int(m), float("inf")), ms)
-    data = {"machine": machine(), "shapes": "SmolLM2-135M int8 (30 layers + head)", "activations": "bfloat16",
+            for kernel, per_m in json.loads(run.stdout.strip().splitlines()[-1]).items():
+                for m, ms in per_m.items():
+                    col = best[f"{build} {kernel}"]
+                    col[int(m)] = min(col.get(int(m), float("inf")), ms)
+    data = {"machine": machine(), "shapes": "SmolLM2-135M (30 layers + head)", "activations": "bfloat16 in",
+            "kernels": {"int8": "infer::linear, int8 weights (one scale per row), float32 products",
+                        **{f: f"infer::qlinear, {f.upper()} weights (head Q8_0) x int8 activations in blocks of 32, "
+                              "integer dot products" for f in KERNELS[1:]}},
             "threads": 2, "rounds": a.rounds, "repeats": a.repeats, "ms": best}
     write_json("kernel_rows", data)
-    lines = ["## infer::linear vs activation rows: AVX2 and AVX-512 builds (issue 17)", "",
-             f"`benchmarks/kernel_rows.py`: {data['machine']['cpu']}, 2 threads. One model's worth of int8 products "
-             "with SmolLM2-135M's shapes, bfloat16 activations of M rows (decode: 1; a verify of K drafts: K+1; a "
-             f"token tree of N nodes: N+1); best of {a.repeats} x {a.rounds} alternating processes per build.", "",
-             "| M | AVX2 ms | AVX2 / M=1 | AVX-512 ms | AVX-512 / M=1 | AVX-512 speedup |", "|---|---|---|---|---|---|"]
+    cols = list(best)
+    lines = ["## The kernels' cost vs activation rows: AVX2 and AVX-512 builds, int8, Q8_0, Q4_0, Q4_1 (issues 17, 32)", "",
+             f"`benchmarks/kernel_rows.py`: {data['machine']['cpu']}, 2 threads. One model's worth of products with "
+             "SmolLM2-135M's shapes, M activation rows (decode: 1; a verify of K drafts: K+1; a token tree of N "
+             "nodes: N+1). int8: weight-only (`infer::linear`, float32 arithmetic); q8_0 / q4_0 / q4_1: llama.cpp's "
+             "blocks (the head Q8_0) x int8 activations in blocks of 32 (`infer::qlinear`, integer dot products: "
+             f"vpdpbusd where the AVX-512 build has VNNI, vpmaddubsw in the AVX2 build). Best of {a.repeats} x {a.rounds} alternating "
+             "processes per build; ms per model, and in brackets the cost relative to M = 1.", "",
+             "| M | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for m in ROWS:
-        a2, a5 = best["avx2"][m], best["avx512"][m]
-        lines.append(f"| {m} | {a2:.2f} | {a2 / best['avx2'][1]:.2f} | {a5:.2f} | {a5 / best['avx512'][1]:.2f} | "
-                     f"{a2 / a5:.2f}x |")
+        lines.append(f"| {m} | " + " | ".join(f"{best[c][m]:.2f} ({best[c][m] / best[c][1]:.2f})" for c in cols)
+                     + " |")
     update_doc_section("kernel_rows", "\n".join(lines))
     print("\n".join(lines))
 

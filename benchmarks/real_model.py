@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, one request, plain decoding: infer (float32 / bfloat16 / int8 / int4, compiled) against
+"""SmolLM2-135M-Instruct, one request, plain decoding: infer (float32 / bfloat16 / int8 / q8_0 / q4_0 / q4_1, compiled) against
 transformers `generate` on the same dequantized weights and llama.cpp's `llama-bench` at F32 / BF16 / Q8_0 / Q4_1,
 all interleaved in one run (A B C ... A B C ...), medians with quartiles.
 
@@ -47,12 +47,15 @@ OURS = {  # name -> LLM settings
     "infer float32": dict(dtype="float32"),
     "infer bfloat16": dict(dtype="bfloat16"),
     "infer int8": dict(dtype="bfloat16", quantization="int8"),
-    "infer int4": dict(dtype="bfloat16", quantization="int4"),
+    "infer q8_0": dict(dtype="bfloat16", quantization="q8_0"),
+    "infer q4_0": dict(dtype="bfloat16", quantization="q4_0"),
+    "infer q4_1": dict(dtype="bfloat16", quantization="q4_1"),
 }
 LLAMA_FILES = {"llama.cpp F32": "smollm2-f32.gguf", "llama.cpp BF16": "smollm2-bf16.gguf",
                "llama.cpp Q8_0": "smollm2-q8_0.gguf", "llama.cpp Q4_1": None}  # None: the shipped file
 SAME_PRECISION = {"infer float32": "llama.cpp F32", "infer bfloat16": "llama.cpp BF16",
-                  "infer int8": "llama.cpp Q8_0", "infer int4": "llama.cpp Q4_1"}
+                  "infer int8": "llama.cpp Q8_0", "infer q8_0": "llama.cpp Q8_0", "infer q4_0": "llama.cpp Q4_1",
+                  "infer q4_1": "llama.cpp Q4_1"}
 
 
 def bandwidth_gbs(repeats: int = 7) -> float:
@@ -77,6 +80,28 @@ def gguf_bytes(path: Path) -> int:
     from gguf import GGUFReader
 
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+
+def llama_quality(binary: str, paths: dict[str, Path], text: str, threads: int) -> dict[str, dict]:
+    """llama.cpp's own perplexity of each file on the held-out text (llama-perplexity: windows of 256 tokens, the
+    second half of each scored), and its delta against its F32 file: llama.cpp's quantization error measured the way
+    llama.cpp measures it, to set beside ours."""
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    out = {}
+    for name, p in paths.items():
+        run = subprocess.run([binary, "-m", str(p), "-f", f.name, "-c", "256", "-t", str(threads)],
+                             capture_output=True, text=True)
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+        if m:
+            out[name] = {"perplexity": float(m.group(1))}
+    base = out.get("llama.cpp F32", {}).get("perplexity")
+    for q in out.values():
+        q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base - 1) if base else float("nan")
+    return out
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -109,12 +134,16 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary (built by you, see above)")
     ap.add_argument("--gguf-dir", default=None, help="directory with smollm2-{f32,bf16,q8_0}.gguf")
+    ap.add_argument("--llama-perplexity", default=None, help="path of a llama-perplexity binary: the same held-out "
+                    "text through llama.cpp's files, for its quantizations' perplexity deltas")
     ap.add_argument("--no-hf", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = real_model_path()
     t0 = time.perf_counter()
-    llms = {name: LLM(path, compile=True, compile_in_background=False, **kw) for name, kw in OURS.items()}
+    # one request: only the one-row decode step is compiled (max_batch_size=1, no speculation)
+    llms = {name: LLM(path, compile=True, compile_in_background=False, max_batch_size=1, **kw)
+            for name, kw in OURS.items()}
     print(f"loaded our variants in {time.perf_counter() - t0:.1f}s", flush=True)
     tok = next(iter(llms.values())).tokenizer
     prompts = {"chat": tok.apply_chat_template(PROMPTS["chat"]), "code": tok.encode(PROMPTS["code"])}
@@ -206,6 +235,8 @@ def main():
     base_ppl = quality["infer float32"]["perplexity"]
     for q in quality.values():
         q["perplexity_delta_pct"] = 100 * (q["perplexity"] / base_ppl - 1)
+    if a.llama_perplexity and llama_paths:
+        quality.update(llama_quality(a.llama_perplexity, llama_paths, held_out_text(), a.threads))
 
     rows = []
     for name, xs in rates.items():
@@ -238,8 +269,12 @@ def main():
            "docstrings):", "", "| variant | same tokens before the first difference | same tokens by position | "
            "perplexity | vs float32 |", "|---|---|---|---|---|"]
     for name, q in quality.items():
-        md.append(f"| {name} | {q['same_prefix']} / 256 | {q['same_positions']:.0%} | {q['perplexity']:.3f} | "
-                  f"{q['perplexity_delta_pct']:+.2f}% |")
+        if "same_prefix" in q:
+            md.append(f"| {name} | {q['same_prefix']} / 256 | {q['same_positions']:.0%} | {q['perplexity']:.3f} | "
+                      f"{q['perplexity_delta_pct']:+.2f}% |")
+        else:  # llama.cpp's files through llama-perplexity (its own windows), against its own F32 file
+            md.append(f"| {name} (llama-perplexity) | | | {q['perplexity']:.3f} | {q['perplexity_delta_pct']:+.2f}% "
+                      "vs its F32 |")
     update_doc_section("real_model", "\n".join(md))
     plot(rows, ROOT / "docs" / "real_model.png")
     print("\n".join(md))

@@ -339,3 +339,35 @@ def test_the_index_is_reused_and_a_damaged_one_rebuilt(src, tmp_path):
     write_gguf(src, file, Q.Q8_0)  # rewritten in place: another key
     assert GGUFIndex(file).path != index.path
     assert GGUFCheckpoint(file).by_name["blk.0.attn_q.weight"].tensor_type == Q.Q8_0
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+def test_block_quantization_keeps_the_files_own_blocks(src, ggufs, fmt, qtype):
+    """quantization="q4_1" on a Q4_1 file runs the file's blocks byte for byte (q/k rows back in HF order, fused as
+    the loader fuses them); a block type the file does not have is quantized from its exactly dequantized float32
+    weights, not from the model's bfloat16."""
+    from infer.model.quant import BlockLinear, quantize_blocks, quantize_model
+
+    path = ggufs[qtype.name]
+    ckpt = GGUFCheckpoint(path)
+    model = quantize_model(load_model(path, "bfloat16"), fmt)
+    assert model.source_blocks is None  # the file's map is let go once used
+    heads, kv = ckpt.config.num_attention_heads, ckpt.config.num_key_value_heads
+    for i in range(ckpt.config.num_hidden_layers):
+        parts = {"qkv_proj": [("attn_q", heads), ("attn_k", kv), ("attn_v", None)], "down_proj": [("ffn_down", None)]}
+        for name, tensors in parts.items():
+            lin = getattr(model.layers[i].self_attn if name == "qkv_proj" else model.layers[i].mlp, name)
+            assert isinstance(lin, BlockLinear) and lin.fmt == fmt
+            raw = [ckpt.by_name[f"blk.{i}.{t}.weight"].data for t, _ in tensors]
+            raw = [unpermute_qk(r, h) if h else r for r, (_, h) in zip(raw, tensors)]
+            file_blocks = torch.from_numpy(np.concatenate(raw))
+            if fmt == qtype.name.lower():
+                assert torch.equal(lin.blocks(), file_blocks)
+            else:
+                exact = torch.from_numpy(gguf.quants.dequantize(file_blocks.numpy(), qtype))
+                assert torch.equal(lin.blocks(), quantize_blocks(exact, fmt))
+    head = ckpt.by_name.get("output.weight", ckpt.by_name["token_embd.weight"]).data  # kept 8-bit
+    want = torch.from_numpy(head) if qtype == Q.Q8_0 else \
+        quantize_blocks(torch.from_numpy(gguf.quants.dequantize(head, qtype)), "q8_0")
+    assert model.lm_head.fmt == "q8_0" and torch.equal(model.lm_head.blocks(), want)

@@ -38,7 +38,8 @@ HELP = {
                         "drafter recommends; none: the whole vocabulary)",
     "dtype": "auto (the checkpoint's) | float32 | bfloat16 | float16",
     "device": "cpu | cuda | cuda:N",
-    "quantization": "weight-only quantization of the target: int8 (per channel) | int4 (groups of 32)",
+    "quantization": "quantization of the target: int8 (weight-only, per row) | q8_0 | q4_0 | q4_1 (llama.cpp's "
+                    "blocks, int8 activations; a GGUF's own blocks run as stored) | int4 (= q4_1)",
     "compile": "torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)",
     "compile_in_background": "compile in a background thread and serve at once (steps without a graph yet run "
                              "eagerly, same tokens); --no-compile-in-background builds every graph first",

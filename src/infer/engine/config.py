@@ -60,8 +60,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     dtype: str = "auto"  # "auto": the checkpoint's own (config.json torch_dtype; float32 for GGUF), or a dtype name
     device: str = "cpu"
-    # Weight-only quantization of the target ("int8" | "int4" | None): see infer.model.quant. Speculation stays
-    # lossless relative to the quantized target.
+    # Quantization of the target: "int8" (weight-only) | "q8_0" | "q4_0" | "q4_1" (llama.cpp's blocks, int8
+    # activations; "int4" = "q4_1") | None: see infer.model.quant. Speculation stays lossless relative to the
+    # quantized target.
     quantization: str | None = None
     # torch.compile the decode/verify steps (infer.model.compile). None (auto): on for models of at least
     # COMPILE_AUTO_MIN_PARAMS parameters, where the step is bound by memory bandwidth and compiling pays for its

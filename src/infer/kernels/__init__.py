@@ -34,7 +34,7 @@ import torch
 from ..cachedir import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear.cpp", HERE / "attention.cpp", HERE / "norm.cpp"]
+SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 
@@ -49,7 +49,17 @@ def _flags() -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]  # the last: ATen's vec headers use AVX2
     if capability == "AVX512" and os.environ.get("INFER_CPU_AVX512", "1") != "0":
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]  # infer::linear's 16-lane tiles
+        if "avx512_vnni" in _cpu_flags():
+            flags += ["-mavx512vnni"]  # infer::qlinear's integer dot products (vpdpbusd)
     return flags
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def build_name() -> str:
@@ -82,6 +92,10 @@ def _build() -> None:
     @torch.library.register_fake("infer::linear")
     def _(x, weight, scale=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("infer::qlinear")
+    def _(x, packed, format, out_features):  # [M, K] x GGML blocks packed by 8 rows -> [M, N] in x's dtype
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("infer::rms_norm")
     def _(x, weight, eps):  # [M, H] -> [M, H]

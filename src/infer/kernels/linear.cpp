@@ -80,8 +80,8 @@ inline void block16(const W* w, int64_t K, const float* xp, int64_t k, Acc (&acc
 // rows K apart (permuted for block16 where the build needs it; x itself for the scalar tail); y[m * N + r]. The
 // arithmetic of one pair is the same in every tile shape (the build's accumulator over the 16-column blocks, a fixed
 // horizontal sum, the scalar tail in order, the scale): batch invariant.
-template <typename W, int NT, int MT>
-inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, float* y, int64_t N,
+template <typename W, int NT, int MT, typename Y>
+inline void tile(const W* w, int64_t K, const float* xp, const float* x, const float* scale, Y* y, int64_t N,
                  bool prefetch_ahead) {
   Acc acc[NT][MT];
   for (int r = 0; r < NT; ++r)
@@ -102,19 +102,19 @@ inline void tile(const W* w, int64_t K, const float* xp, const float* x, const f
     for (int m = 0; m < MT; ++m) {
       float s = acc_sum(acc[r][m]);
       for (int64_t j = K16; j < K; ++j) s += to_float(w[r * K + j]) * x[m * K + j];
-      y[m * N + r] = s * (scale ? scale[r] : 1.0f);
+      y[m * N + r] = Y(s * (scale ? scale[r] : 1.0f));  // bfloat16: rounded to nearest even, as torch casts
     }
 }
 
 // Every activation row against NT weight rows starting at w: tiles of kMaxActRows activation rows, then the rest.
 // (The first tile of the block prefetches ahead: the weights' first pass.)
-template <typename W, int NT, int MT = kMaxActRows>
+template <typename W, int NT, int MT = kMaxActRows, typename Y>
 inline void row_block(const W* w, int64_t K, const float* xp, const float* x, int64_t M, const float* scale,
-                      float* y, int64_t N, bool first = true) {
+                      Y* y, int64_t N, bool first = true) {
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) tile<W, NT, MT>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, first && m == 0);
+  for (; m + MT <= M; m += MT) tile<W, NT, MT, Y>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, first && m == 0);
   if constexpr (MT > 1) {
-    if (M > m) row_block<W, NT, MT - 1>(w, K, xp + m * K, x + m * K, M - m, scale, y + m * N, N, first && m == 0);
+    if (M > m) row_block<W, NT, MT - 1, Y>(w, K, xp + m * K, x + m * K, M - m, scale, y + m * N, N, first && m == 0);
   }
 }
 
@@ -130,22 +130,22 @@ constexpr int kVerifyRows = sizeof(W) == 4 ? 2 : 4;
 // y[:, n0:n1]: weight rows in tiles of NT, the remainder one by one. A tile stays in L1 while every activation row
 // passes over it, so W is read from memory once whatever M is. The arithmetic of one (weight row, activation row)
 // pair is the same in every tile shape: batch invariance.
-template <typename W>
+template <typename W, typename Y>
 void rows(const W* w, const float* scale, int64_t n0, int64_t n1, int64_t K, const float* xp, const float* x,
-          int64_t M, float* y, int64_t N) {
+          int64_t M, Y* y, int64_t N) {
   int64_t n = n0;
   if (M == 1) {
     constexpr int NT = kDecodeRows<W>;
-    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+    for (; n + NT <= n1; n += NT) row_block<W, NT, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
   } else {
     constexpr int NT = kVerifyRows<W>;
-    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+    for (; n + NT <= n1; n += NT) row_block<W, NT, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
   }
-  for (; n < n1; ++n) row_block<W, 1>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+  for (; n < n1; ++n) row_block<W, 1, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
 }
 
-template <typename W>
-void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+template <typename W, typename Y>
+void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, int64_t M, Y* y) {
   // the activations in lo16/hi16's lane order (a copy of a few KB, read from L1 by every weight row; the buffer is
   // the calling thread's own and reused, so a step's ~200 calls allocate nothing)
   thread_local std::vector<float> permuted;
@@ -171,18 +171,34 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
   TORCH_CHECK(scale.has_value() == (wt == at::kChar), "infer::linear: a scale [N] comes with int8 weights only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto w = weight.contiguous();
-  auto xf = x.to(at::kFloat).contiguous();  // [M, K], a few KB: read from L1 for every row of W
+  // x as float32 [M, K], a few KB read from L1 for every row of W: bfloat16 widened (exactly) into the calling
+  // thread's buffer, and y written in x's dtype by the tiles: no ATen cast or temporary around the kernel
+  thread_local std::vector<float> widened;
+  auto xc = x.contiguous();
+  const float* xf;
+  if (xt == at::kFloat) {
+    xf = xc.data_ptr<float>();
+  } else {
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    widened.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xb[i]);
+    xf = widened.data();
+  }
   at::Tensor s;
   if (scale.has_value()) {
     TORCH_CHECK(scale->numel() == N, "infer::linear: scale must have ", N, " entries, got ", scale->numel());
     s = scale->to(at::kFloat).contiguous();
   }
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x.options());
   const float* sp = scale.has_value() ? s.data_ptr<float>() : nullptr;
-  if (wt == at::kFloat) run(w.data_ptr<float>(), sp, N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
-  else if (wt == at::kBFloat16) run(w.data_ptr<c10::BFloat16>(), sp, N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
-  else run(w.data_ptr<int8_t>(), sp, N, K, xf.data_ptr<float>(), M, y.data_ptr<float>());
-  return xt == at::kFloat ? y : y.to(xt);
+  auto go = [&](auto* yp) {
+    if (wt == at::kFloat) run(w.data_ptr<float>(), sp, N, K, xf, M, yp);
+    else if (wt == at::kBFloat16) run(w.data_ptr<c10::BFloat16>(), sp, N, K, xf, M, yp);
+    else run(w.data_ptr<int8_t>(), sp, N, K, xf, M, yp);
+  };
+  if (xt == at::kFloat) go(y.data_ptr<float>());
+  else go(y.data_ptr<c10::BFloat16>());
+  return y;
 }
 
 }  // namespace

@@ -322,6 +322,41 @@ class GGUFCheckpoint:
             w = unpermute_qk(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
         return torch.from_numpy(np.ascontiguousarray(w))
 
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A weight's rows as the file stores them, for the block types infer's integer kernel reads as they are
+        (Q8_0, Q4_0, Q4_1): (``"q4_1"`` ..., uint8 ``[out, row bytes]``, a view of the map unless q/k rows are put
+        back in Hugging Face order); None for any other type or name."""
+        t = self.by_name.get(name)
+        kind = {_Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1"}.get(t.tensor_type) if t is not None else None
+        if kind is None or t.data.ndim != 2:
+            return None
+        rows = t.data
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if part in ("attn_q", "attn_k"):  # the row order of _load: whole rows move, blocks unchanged
+            cfg = self.config
+            rows = unpermute_qk(rows, cfg.num_attention_heads if part == "attn_q" else cfg.num_key_value_heads)
+        with warnings.catch_warnings():  # the map is read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return kind, torch.from_numpy(rows)
+
+    def module_blocks(self, module: str) -> tuple[str, torch.Tensor] | None:
+        """``blocks`` for one of our model's linear modules (``layers.3.self_attn.qkv_proj``, ``lm_head``), fused
+        as the loader fuses it (rows concatenated) when all its parts share one block type; else None."""
+        parts = module.split(".")
+        if module == "lm_head":
+            names = ["output.weight" if "output.weight" in self.by_name else "token_embd.weight"]
+        elif len(parts) == 4 and parts[0] == "layers":
+            i = parts[1]
+            names = {"qkv_proj": ["attn_q", "attn_k", "attn_v"], "o_proj": ["attn_output"],
+                     "gate_up_proj": ["ffn_gate", "ffn_up"], "down_proj": ["ffn_down"]}.get(parts[3], [])
+            names = [f"blk.{i}.{n}.weight" for n in names]
+        else:
+            return None
+        found = [self.blocks(n) for n in names]
+        if not found or any(f is None or f[0] != found[0][0] for f in found):
+            return None
+        return found[0][0], found[0][1] if len(found) == 1 else torch.cat([f[1] for f in found])
+
     def tensors(self) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
         """(where, HF name, load) per tensor; an unknown GGUF name is passed through for the loader to refuse."""
         for name in self.by_name:

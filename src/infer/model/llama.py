@@ -85,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.quantization: str | None = None  # set by infer.model.quant.quantize_model
+        self.source_blocks = None  # GGUF loads: module name -> the file's quantized rows (loader.load_model)
         # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
         self.compiled: CompiledSteps | None = None
 

@@ -1,19 +1,22 @@
-"""Weight-only quantization for CPU decoding: int8 per output channel, int4 in groups, on torch's own kernels.
+"""Quantization for CPU decoding: weight-only int8 per output row, and llama.cpp's block types (Q8_0, Q4_0, Q4_1)
+with int8 activations on integer dot products.
 
-Decoding streams every weight once per token, so bytes per weight set the speed. Weights stay quantized in
-memory and the matmuls dequantize inside the kernel:
+Decoding streams every weight once per token, so bytes per weight set the speed; verifying K+1 drafted tokens must
+not multiply the arithmetic. ``quantization=`` names what a model runs:
 
-- int8: ``w = q * s`` with q in [-127, 127] and one scale per output row (symmetric, absmax / 127);
-  ``aten._weight_int8pack_mm(x, q, s)``.
-- int4: groups of ``group_size`` input columns, ``w = (q - 8) * s + z`` with q in [0, 15] (asymmetric, the
-  min/max of each group, gpt-fast's scheme); ``aten._weight_int4pack_mm_for_cpu`` on the packed layout.
-
-Few-row steps on the CPU (decode, speculative verify) run int8 on infer's own kernel (``infer::linear``,
-infer.kernels): it widens each int8 weight in registers, multiplies in the activations' dtype and streams the
-weights at the memory bandwidth, ~2.5x ATen's int8 kernel here. Prefill, int4, and every step without those kernels
-use ATen's kernels, which take bfloat16 (or float16/float32) activations; float32 activations are cast to bfloat16
-for them (ATen's float32 int8 kernel runs at a third of the speed here) and the result cast back, so the network
-around the matmuls (norms, rotary, attention, residual stream) keeps the model's dtype.
+- ``"int8"`` (``Int8Linear``): ``w = q * s``, q in [-127, 127], one scale per output row (absmax / 127). Weight-only:
+  the activations stay in the model's dtype. Few-row CPU steps run infer's ``infer::linear`` (each weight widened to
+  float32 in registers), prefill ATen's ``_weight_int8pack_mm``. Numerically: the weights' rounding only.
+- ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` (``BlockLinear``): llama.cpp's blocks of 32 input columns with a float16 scale
+  (Q4_1: and a minimum): ``w = d q`` (q int8), ``w = d (q - 8)`` (q in [0, 15]), ``w = d q + m`` (q in [0, 15]),
+  quantized by llama.cpp's reference arithmetic (``quantize_blocks``; the same bytes as gguf-py's quantizer). A GGUF
+  whose tensors already are of that type is run on its own blocks, byte for byte (``model.source_blocks``, set by the
+  loader); another type is dequantized exactly to float32 first. The LM head stays Q8_0 with the 4-bit types, as
+  llama.cpp's quantizer keeps its output tensor 8-bit. Every CPU product, prompt and steps alike, runs
+  ``infer::qlinear``: each call quantizes its activations to int8 per row and block of 32 (``d = max|x| / 127``,
+  round to nearest), so a verify of K+1 rows costs little more than a decode (kernels/qlinear.cpp). Numerically:
+  besides the weights' rounding, every activation entering a projection is rounded to 1/127 of its block's largest
+  magnitude, as llama.cpp does. ``"int4"`` is another name for ``"q4_1"``.
 
 Quantization changes the target: speculative decoding stays exactly lossless *relative to the quantized model*
 (the verifier is the quantized model; the tests run parity and the distribution test on one).
@@ -24,9 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
 from .layers import Linear, few_rows_on_cpu
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1", "int4")  # int4: another name for q4_1 (it replaced ATen's int4)
 
 
 # The kernels as opaque custom ops: inductor must call them as they are. Left to itself it lowers
@@ -40,16 +44,6 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torc
 @int8_mm.register_fake
 def _(x, qweight, scale):
     return x.new_empty(x.shape[0], qweight.shape[0])
-
-
-@torch.library.custom_op("infer::int4_mm", mutates_args=())
-def int4_mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)
-
-
-@int4_mm.register_fake
-def _(x, qweight, group_size, scales_and_zeros):
-    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
 
 class _WeightOnlyLinear(nn.Module):
@@ -99,48 +93,151 @@ class Int8Linear(_WeightOnlyLinear):
         return self._output(y, x)
 
 
-class Int4Linear(_WeightOnlyLinear):
-    """y = x @ W.T (+ b) with W in int4 groups of ``group_size`` along the input dimension."""
+# llama.cpp's block types for infer::qlinear, by name: (GGML type id, bytes per block of 32 columns)
+BLOCK_FORMATS = {"q8_0": (8, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+_HEAD_FORMAT = "q8_0"  # the LM head of a 4-bit model stays 8-bit, as llama.cpp's quantizer keeps its output tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
-                 group_size: int = 32):
+
+def _round_away(v: torch.Tensor) -> torch.Tensor:  # C's roundf: halves away from zero (torch.round goes to even)
+    return v.sign() * (v.abs() + 0.5).floor()
+
+
+def _f16_bytes(v: torch.Tensor) -> torch.Tensor:  # [n] float -> [n, 2] bytes of its float16
+    return v.to(torch.float16).view(torch.uint8).view(-1, 2)
+
+
+def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:  # [n, 32] in [0, 15] -> [n, 16]: element j low, j + 16 high
+    q = q.to(torch.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def quantize_blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``weight [N, K]`` -> its rows as llama.cpp's blocks of 32 columns, uint8 ``[N, nb * block bytes]``, with the
+    arithmetic of llama.cpp's reference quantizers (quantize_row_q8_0_ref, _q4_0_ref, _q4_1_ref: the scale computed
+    in float32, used for the quants, stored as float16). K is padded with zeros to a multiple of 32."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block type {fmt!r}; infer's integer kernel takes {', '.join(BLOCK_FORMATS)}")
+    n, k = weight.shape
+    nb = -(-k // 32)
+    x = torch.zeros(n, nb * 32, dtype=torch.float32)
+    x[:, :k] = weight.detach().float().cpu()
+    x = x.view(n * nb, 32)
+    if fmt == "q8_0":
+        d = x.abs().amax(1) / 127
+        inv = torch.where(d > 0, 1 / d, 0)
+        q = _round_away(x * inv[:, None]).to(torch.int8).view(torch.uint8)
+        out = torch.cat([_f16_bytes(d), q], 1)
+    elif fmt == "q4_0":
+        at = x.abs().argmax(1, keepdim=True)  # the first entry of largest magnitude, with its sign
+        d = x.gather(1, at)[:, 0] / -8
+        inv = torch.where(d != 0, 1 / d, 0)
+        q = (x * inv[:, None] + 8.5).trunc().clamp(max=15)
+        out = torch.cat([_f16_bytes(d), _nibble_bytes(q)], 1)
+    else:
+        lo, hi = x.amin(1), x.amax(1)
+        d = (hi - lo) / 15
+        inv = torch.where(d != 0, 1 / d, 0)
+        q = ((x - lo[:, None]) * inv[:, None] + 0.5).trunc().clamp(max=15)
+        out = torch.cat([_f16_bytes(d), _f16_bytes(lo), _nibble_bytes(q)], 1)
+    return out.reshape(n, -1).to(weight.device).contiguous()
+
+
+def dequantize_blocks(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """The float32 weights ``[N, in_features]`` that ``blocks`` (rows of llama.cpp's blocks) stand for."""
+    from .gguf import _q4_0, _q4_1, _q8_0
+
+    bb = BLOCK_FORMATS[fmt][1]
+    n = blocks.shape[0]
+    w = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}[fmt](blocks.cpu().reshape(-1, bb))
+    return w.reshape(n, -1)[:, :in_features].to(blocks.device)
+
+
+def pack_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows of llama.cpp's blocks ``[N, nb * block bytes]`` -> infer::qlinear's layout ``[ceil(N / 8), nb * chunk]``:
+    the same values, rows interleaved by 8 (kernels/qlinear.cpp draws it): per group of 8 rows and block, the 8
+    rows' float16 scales (Q4_1: then their minimums), then the quants so that each 32 bytes hold 4 columns of every
+    row (Q8_0 as q + 128; 4-bit as nibbles, columns 8j..8j+3 low and 8j+4..8j+7 high). N is padded with zero rows."""
+    bb = BLOCK_FORMATS[fmt][1]
+    n, row = blocks.shape
+    nb, ng = row // bb, -(-n // 8)
+    b = torch.zeros(ng * 8, nb, bb, dtype=torch.uint8)
+    b[:n] = blocks.cpu().reshape(n, nb, bb)
+    b = b.view(ng, 8, nb, bb).transpose(1, 2)  # [groups, blocks, 8 rows, block bytes]
+    scales = b[..., :4 if fmt == "q4_1" else 2]  # d (and m) per row
+    if fmt == "q4_1":
+        scales = torch.cat([scales[..., :2], scales[..., 2:]], 2)  # 8 d's, then 8 m's
+    scales = scales.reshape(ng, nb, -1)
+    if fmt == "q8_0":
+        q = (b[..., 2:] ^ 0x80).reshape(ng, nb, 8, 8, 4).transpose(2, 3)  # [.., j, row, 4 columns]
+    else:
+        qs = b[..., -16:]
+        v = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(ng, nb, 8, 4, 8)  # [.., row, j, 8 columns]
+        q = (v[..., :4] | (v[..., 4:] << 4)).transpose(2, 3)  # [.., j, row, 4 bytes]
+    return torch.cat([scales, q.reshape(ng, nb, -1)], -1).reshape(ng, -1).contiguous().to(blocks.device)
+
+
+def unpack_blocks(packed: torch.Tensor, fmt: str, out_features: int) -> torch.Tensor:
+    """The inverse of ``pack_blocks``: rows of llama.cpp's blocks ``[out_features, nb * block bytes]``."""
+    bb = BLOCK_FORMATS[fmt][1]
+    ng = packed.shape[0]
+    sb = 32 if fmt == "q4_1" else 16
+    c = packed.cpu().reshape(ng, -1, sb + (256 if fmt == "q8_0" else 128))
+    nb = c.shape[1]
+    scales = c[..., :sb].reshape(ng, nb, sb // 16, 8, 2).transpose(2, 3).reshape(ng, nb, 8, -1)
+    if fmt == "q8_0":
+        q = (c[..., sb:].reshape(ng, nb, 8, 8, 4).transpose(2, 3) ^ 0x80).reshape(ng, nb, 8, 32)
+    else:
+        t = c[..., sb:].reshape(ng, nb, 4, 8, 4).transpose(2, 3)  # [.., row, j, 4 bytes]
+        v = torch.cat([t & 0x0F, t >> 4], -1).reshape(ng, nb, 8, 32)  # columns in order
+        q = v[..., :16] | (v[..., 16:] << 4)
+    b = torch.cat([scales, q], -1).transpose(1, 2).reshape(ng * 8, nb * bb)
+    return b[:out_features].contiguous().to(packed.device)
+
+
+class BlockLinear(_WeightOnlyLinear):
+    """y = x @ W.T (+ b) with W in llama.cpp's blocks (Q8_0 / Q4_0 / Q4_1, ``BLOCK_FORMATS``) and the activations
+    quantized to int8 blocks at each call, multiplied with integer dot products by ``infer::qlinear``
+    (kernels/qlinear.cpp states the numerics). Every CPU product takes that kernel, prompt and steps alike;
+    without the kernels (CUDA, a failed build) the dequantized weights multiply unquantized activations."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype):
         super().__init__()
-        out_f, in_f = weight.shape
-        if in_f % group_size:
-            raise ValueError(f"int4: in_features {in_f} is not a multiple of group_size {group_size}")
-        w = weight.detach().float().view(out_f, in_f // group_size, group_size)
-        lo, hi = w.amin(-1), w.amax(-1)  # [out, groups]
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(out_f, in_f)
-        zero = lo + 8 * scale  # so that w = (q - 8) * s + z reproduces lo + q * s
-        # aten's packing tiles K by 16 * inner_k_tiles: the widest tiling (8) that divides K
-        tiles = next(t for t in (8, 4, 2) if in_f % (16 * t) == 0) if in_f % 32 == 0 else None
-        if tiles is None or out_f % 16:
-            raise ValueError(f"int4: aten's kernel needs in_features a multiple of 32 and out_features a multiple of "
-                             f"16, got a {out_f} x {in_f} weight")
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles))
-        # [groups, out, 2]: (scale, zero) per group and output row, as the kernel reads them
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-                             .to(compute_dtype))
+        fid, bb = BLOCK_FORMATS[fmt]
+        nb = -(-in_features // 32)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != nb * bb:
+            raise ValueError(f"{fmt} blocks for {in_features} columns must be uint8 [N, {nb * bb}], got "
+                             f"{blocks.dtype} {list(blocks.shape)}")
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.register_buffer("packed", pack_blocks(blocks, fmt))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.out_features, self.in_features, self.group_size = out_f, in_f, group_size
+        self.fmt, self.format_id, self.compute_dtype = fmt, fid, compute_dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype, fmt: str):
+        return cls(quantize_blocks(weight, fmt), fmt, weight.shape[1], bias, compute_dtype)
+
+    def blocks(self) -> torch.Tensor:
+        """The weights as rows of llama.cpp's blocks (as a GGUF stores them)."""
+        return unpack_blocks(self.packed, self.fmt, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.qweight.device)
-        return self._mm(eye).t().contiguous()  # W.T = I @ W.T, through the kernel itself
-
-    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        return int4_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        return dequantize_blocks(self.blocks(), self.fmt, self.in_features).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._output(self._mm(self._kernel_input(x, self.scales_and_zeros.dtype)), x)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and kernels.available():
+            y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features)
+        else:
+            y = x2.to(self.compute_dtype) @ self.dequantized_weight().t()
+        return self._output(y, x)
 
 
 def _compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if model_dtype == torch.float32 else model_dtype
 
 
-def quantize_model(model, quantization: str | None, group_size: int = 32):
+def quantize_model(model, quantization: str | None):
     """Replace every projection (and the LM head, untying it from the embedding) by its quantized twin, in place.
 
     The embedding table stays in the model's dtype: a lookup reads one row per token, not the whole table.
@@ -158,21 +255,28 @@ def quantize_model(model, quantization: str | None, group_size: int = 32):
         # compiled steps do not re-check the model's weights (infer.model.compile.step_guards): swapping them
         # under a compiled graph would run the old float layers' code on the new int8 buffers
         raise ValueError("quantize the model before compiling it (compile_model); this one is already compiled")
-    if model.device.type != "cpu" and quantization == "int4":
-        raise ValueError("quantization='int4' uses aten's CPU int4 kernel; on CUDA use int8 or None")
     cdt = _compute_dtype(model.dtype)
 
-    def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    source = getattr(model, "source_blocks", None) or (lambda module: None)
+
+    def make(module: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         if quantization == "int8":
             return Int8Linear(weight, bias, cdt)
-        return Int4Linear(weight, bias, cdt, group_size)
+        fmt = _HEAD_FORMAT if module == "lm_head" else "q4_1" if quantization == "int4" else quantization
+        found = source(module)  # a GGUF's own rows: kept as stored when of this type, else dequantized exactly
+        if found is not None and found[0] == fmt:
+            return BlockLinear(found[1].to(weight.device), fmt, weight.shape[1], bias, cdt)
+        if found is not None:
+            weight = dequantize_blocks(found[1], found[0], weight.shape[1])  # float32, not the model's dtype
+        return BlockLinear.quantize(weight, bias, cdt, fmt)
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for parent, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             lin = getattr(parent, name)
-            setattr(parent, name, make(lin.weight, lin.bias))
-    head = model.lm_head_weight
-    model.lm_head = make(head)
+            where = f"layers.{i}.{'self_attn' if parent is attn else 'mlp'}.{name}"
+            setattr(parent, name, make(where, lin.weight, lin.bias))
+    model.lm_head = make("lm_head", model.lm_head_weight)
+    model.source_blocks = None  # the file's map is not needed any more
     model.quantization = quantization
     return model

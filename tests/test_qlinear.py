@@ -1,0 +1,143 @@
+"""infer::qlinear (kernels/qlinear.cpp): llama.cpp's Q8_0 / Q4_0 / Q4_1 weight blocks x int8 activation blocks.
+Blocks byte-identical to llama.cpp's reference quantizers (gguf-py's), the packed layout round-trips, values against
+a float64 emulation of the same quantization and against the exact product within the quantization's bound, batch
+invariance (a row alone or among 16: bit-identical), odd shapes, the AVX2 build on an AVX-512 host, clear errors."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from infer import kernels
+from infer.model.quant import BLOCK_FORMATS, dequantize_blocks, pack_blocks, quantize_blocks, unpack_blocks
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ toolchain to build infer's kernels")
+FORMATS = list(BLOCK_FORMATS)
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def _quantize_rows(x: torch.Tensor):
+    """The activations' quantization as the kernel states it: per row and block of 32, d = max |x| / 127,
+    q = round-half-even(x * (127 / max |x|)) in float32."""
+    m, k = x.shape
+    nb = -(-k // 32)
+    xp = torch.zeros(m, nb * 32, dtype=torch.float32)
+    xp[:, :k] = x.float()
+    xb = xp.view(m, nb, 32)
+    amax = xb.abs().amax(-1)  # [M, nb]
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # float32, as the kernel computes it
+    q = torch.round(xb * inv[..., None])
+    return q.view(m, -1), amax / 127
+
+
+def _case(fmt, n, k, m, seed=0, outliers=False):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(m, k, generator=gen)
+    if outliers:  # a few large activations, as LLMs have: the block scales keep the rest precise
+        x[:, ::17] *= 30
+    blocks = quantize_blocks(w, fmt)
+    return w, x, blocks, pack_blocks(blocks, fmt)
+
+
+def _qlinear(x, packed, fmt, n):
+    return torch.ops.infer.qlinear(x, packed, BLOCK_FORMATS[fmt][0], n)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_llama_cpps_and_the_packing_round_trips(fmt):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(13, 96, generator=gen) * 0.1
+    w[0, :32] = 0  # an all-zero block: scale 0, no division by zero
+    ours = quantize_blocks(w, fmt)
+    assert np.array_equal(ours.numpy(), gguf.quants.quantize(w.numpy(), GGML[fmt]))  # llama.cpp's reference
+    assert torch.equal(dequantize_blocks(ours, fmt, 96),
+                       torch.from_numpy(gguf.quants.dequantize(ours.numpy(), GGML[fmt])))
+    assert torch.equal(unpack_blocks(pack_blocks(ours, fmt), fmt, 13), ours)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [576, 1536, 100, 37, 32])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_qlinear_matches_the_emulated_quantization_and_stays_within_its_bound(fmt, k, outliers):
+    n, m = 67, kernels.MAX_ROWS
+    w, x, blocks, packed = _case(fmt, n, k, m, seed=k, outliers=outliers)
+    y = _qlinear(x, packed, fmt, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # the same integers and scales in float64: the kernel may differ only by its float32 sums over blocks
+    qx, dx = _quantize_rows(x)
+    xh = (qx.view(m, -1, 32) * dx[..., None]).view(m, -1)[:, :k].double()  # x as quantized
+    wh = dequantize_blocks(blocks, fmt, k).double()  # W as quantized
+    emulated = xh @ wh.t()
+    assert (y.double() - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    # against the exact product: |x w - x^ w^| <= sum_k |x - x^| |w| + |x^| |w - w^|
+    bound = (x.double() - xh).abs() @ w.double().abs().t() + xh.abs() @ (w.double() - wh).abs().t()
+    exact = x.double() @ w.double().t()
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [301, 8, 5, 64])
+def test_qlinear_is_batch_invariant(fmt, n, k=136):
+    """Row i alone, among the first j rows, or among all 16: bit-identical (decode == speculative verify), whatever
+    the register tile (301 rows leave a partial group of 8 and odd group counts; 16 rows run several tiles)."""
+    w, x, blocks, packed = _case(fmt, n, k, kernels.MAX_ROWS, seed=n)
+    full = _qlinear(x, packed, fmt, n)
+    for j in (1, 2, 3, 4, 5, 6, 7, 11):
+        assert torch.equal(_qlinear(x[:j], packed, fmt, n), full[:j])
+    for i in range(kernels.MAX_ROWS):
+        assert torch.equal(_qlinear(x[i:i + 1], packed, fmt, n), full[i:i + 1])
+    xb = x.bfloat16()  # bfloat16 activations: read as float32, the result rounded to bfloat16 (as torch casts)
+    assert torch.equal(_qlinear(xb, packed, fmt, n), _qlinear(xb.float(), packed, fmt, n).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qlinear_handles_zero_rows_and_blocks(fmt):
+    w, x, _, _ = _case(fmt, 16, 64, 3)
+    x[0] = 0  # a zero row: scale 0, no division by zero
+    x[1, :32] = 0  # a zero block
+    w[2] = 0
+    y = _qlinear(x, pack_blocks(quantize_blocks(w, fmt), fmt), fmt, 16)
+    assert torch.isfinite(y).all() and (y[0] == 0).all() and (y[:, 2] == 0).all()
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="without AVX-512 the default build is the AVX2 one, which the tests above cover")
+def test_the_avx2_build_of_qlinear_is_right_and_batch_invariant_too():
+    """The AVX2 build (no VNNI: vpmaddubsw, Q8_0 with llama.cpp's sign trick) in a process of its own: the same exact
+    integers, hence the same bounds, and its own batch invariance."""
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); from infer import kernels; assert kernels.available()\n"
+        "assert '-mavx512vnni' not in kernels._flags()\n"
+        "import test_qlinear as t\n"
+        "for f in t.FORMATS:\n"
+        "    t.test_qlinear_is_batch_invariant(f, 301)\n"
+        "    t.test_qlinear_matches_the_emulated_quantization_and_stays_within_its_bound(f, 100, True)\n"
+        "    t.test_qlinear_handles_zero_rows_and_blocks(f)\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "INFER_CPU_AVX512": "0"}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_qlinear_rejects_bad_input():
+    w, x, blocks, packed = _case("q8_0", 8, 64, 2)
+    with pytest.raises(RuntimeError, match=r"unsupported block type 12 .*Q8_0 \(8\), Q4_0 \(2\), Q4_1 \(3\)"):
+        torch.ops.infer.qlinear(x, packed, 12, 8)  # Q4_K: not this kernel's
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.infer.qlinear(torch.randn(2, 20), packed, 8, 8)  # 64 columns are not 20 padded
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.infer.qlinear(x, packed, 8, 9)  # 9 rows need 2 groups of 8
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.infer.qlinear(x, packed, 2, 8)  # Q8_0 bytes read as Q4_0
+    with pytest.raises(RuntimeError, match="uint8"):
+        torch.ops.infer.qlinear(x, packed.float(), 8, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infer.qlinear(x.double(), packed, 8, 8)
+    with pytest.raises(ValueError, match="unknown block type 'q4_k'"):
+        quantize_blocks(w, "q4_k")
