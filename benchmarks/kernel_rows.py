@@ -67,6 +67,32 @@ def measure(repeats: int) -> dict[str, dict[int, float]]:
     return out
 
 
+WHOLE_MODEL = ("int8", "q8_0", "q4_1")  # the variants whose whole-model verify cost is reported
+WIDTHS = (1, 2, 3, 4, 5, 6, 8)
+
+
+def whole_model() -> dict[str, dict]:
+    """The engine's own cost model on SmolLM2 with `infer chat`'s speculation (the EAGLE head + prompt lookup), per
+    quantization: a verify of T tokens in decode steps, v(T) = verify_cost(1, T) / verify_cost(1, 1) (profiled at
+    start-up at a few widths, interpolated between), and the drafter's c."""
+    import torch
+
+    from infer import LLM
+    from infer.demo import real_model_path, real_model_speculation
+
+    torch.set_num_threads(2)
+    out = {}
+    for q in WHOLE_MODEL:
+        llm = LLM(real_model_path(), dtype="bfloat16", quantization=q, max_batch_size=1, compile=True,
+                  compile_in_background=False, **real_model_speculation())
+        costs = llm.engine.decoder.spec_length.costs
+        base = costs.verify_cost(1, 1)
+        out[q] = {"decode_ms": base * 1e3, "v": {t: costs.verify_cost(1, t) / base for t in WIDTHS},
+                  "c": costs.draft_cost(1) / base}
+        del llm
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -89,7 +115,7 @@ def main() -> None:
             "kernels": {"int8": "infer::linear, int8 weights (one scale per row), float32 products",
                         **{f: f"infer::qlinear, {f.upper()} weights (head Q8_0) x int8 activations in blocks of 32, "
                               "integer dot products" for f in KERNELS[1:]}},
-            "threads": 2, "rounds": a.rounds, "repeats": a.repeats, "ms": best}
+            "threads": 2, "rounds": a.rounds, "repeats": a.repeats, "ms": best, "whole_model": whole_model()}
     write_json("kernel_rows", data)
     cols = list(best)
     lines = ["## The kernels' cost vs activation rows: AVX2 and AVX-512 builds, int8, Q8_0, Q4_0, Q4_1 (issues 17, 32)", "",
@@ -103,6 +129,15 @@ def main() -> None:
     for m in ROWS:
         lines.append(f"| {m} | " + " | ".join(f"{best[c][m]:.2f} ({best[c][m] / best[c][1]:.2f})" for c in cols)
                      + " |")
+    wm = data["whole_model"]
+    lines += ["", "The whole model (AVX-512 build): the engine's cost model on SmolLM2 with `infer chat`'s speculation "
+              "(bfloat16 around the products), a verify of T tokens in decode steps as profiled at start-up (a few "
+              "widths measured, the rest interpolated), the drafter's cost c, and the decode step itself.", "",
+              "| quantization | decode ms | " + " | ".join(f"v(T={t})" for t in WIDTHS) + " | c |",
+              "|---|---|" + "---|" * len(WIDTHS) + "---|"]
+    for q, r in wm.items():
+        lines.append(f"| {q} | {r['decode_ms']:.2f} | " + " | ".join(f"{r['v'][t]:.2f}" for t in WIDTHS)
+                     + f" | {r['c']:.2f} |")
     update_doc_section("kernel_rows", "\n".join(lines))
     print("\n".join(lines))
 

@@ -169,9 +169,9 @@ def commands(env: dict, wait_compiled: bool) -> dict:
 
 FILL = """
 from infer import LLM
-from infer.demo import CHAT_ENGINE, REAL_MODEL_SETTINGS, real_model_path, real_model_speculation, with_default_drafter
+from infer.demo import CHAT_ENGINE, REAL_MODEL_SETTINGS, real_model_path, real_model_speculation, with_real_model_defaults
 path = real_model_path()
-for kw in (dict(**CHAT_ENGINE, **with_default_drafter({"model": path})),  # infer chat --model <gguf>
+for kw in (dict(**CHAT_ENGINE, **with_real_model_defaults({"model": path})),  # infer chat --model <gguf>
            dict(model=path, **REAL_MODEL_SETTINGS, **CHAT_ENGINE, **real_model_speculation()),  # infer demo
            dict(model=path)):  # infer serve --model <gguf>
     llm = LLM(**kw)

@@ -135,3 +135,11 @@ def test_smollm2_gets_its_best_drafter_by_default_in_chat_and_demo(tmp_path):
     other = tmp_path / "other.gguf"
     other.write_bytes(b"")
     assert with_default_drafter({"model": str(other)}) == {"model": str(other)}
+    # `infer chat`'s precision: the demo's (the file's own Q4_1 blocks) unless a dtype or quantization was asked for
+    from infer.demo import REAL_MODEL_SETTINGS, with_real_model_defaults
+
+    cli = {"model": str(REAL), "dtype": "auto", "quantization": None}
+    assert with_real_model_defaults(cli) == {**with_default_drafter(cli), **REAL_MODEL_SETTINGS}
+    for asked in ({"dtype": "float32"}, {"quantization": "int8"}):
+        assert with_real_model_defaults({**cli, **asked}) == with_default_drafter({**cli, **asked})
+    assert with_real_model_defaults({"model": str(other)}) == {"model": str(other)}

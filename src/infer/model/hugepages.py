@@ -15,6 +15,7 @@ platform has no THP (macOS, Windows, THP off) it does nothing.
 from __future__ import annotations
 
 import mmap
+import threading
 from pathlib import Path
 
 import torch
@@ -35,12 +36,25 @@ def hugepages_supported() -> bool:
     return "[never]" not in mode
 
 
+# One placement at a time: a second engine over the same model places it from its own thread (Engine._start_warmup)
+# while the first engine's warm-up thread may be in the middle of it; unserialised, both copied the same tensors
+# into two arenas while the other swapped them (a segfault, 1 run in ~5 of tests/test_warmup.py). The second now
+# waits and finds the model placed.
+_PLACING = threading.Lock()
+
+
 def place_on_hugepages(model: nn.Module) -> int:
     """Move ``model``'s CPU parameters and buffers onto huge pages, in place; returns the bytes moved (0: nothing).
 
     Tied weights stay tied (a parameter shared by two modules is one tensor, moved once). The mapping lives as long
     as any tensor in it does (each holds a reference to it). A model already placed is left as it is (0).
     """
+    with _PLACING:
+        return _place(model)
+
+
+def _place(model: nn.Module) -> int:
+    """The body of place_on_hugepages, under its lock."""
     if not hugepages_supported() or getattr(model, "_on_hugepages", False):
         return 0
     params = {id(p): p for p in model.parameters() if p.device.type == "cpu"}
