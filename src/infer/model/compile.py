@@ -91,6 +91,12 @@ def step_guards(entries) -> list[bool]:
                  or e.guard_type == "GLOBAL_STATE") for e in entries]
 
 
+# One build at a time, across models: the first imports Dynamo and inductor, and two threads importing them at once
+# (a target's warm-up thread, a drafter built in the engine thread) could see a half-initialised module (networkx's
+# `utils.configs`, then Dynamo's `wrap_backend_debug`: an ImportError in tests/test_compile.py now and then).
+_BUILD_LOCK = threading.Lock()
+
+
 @dataclass
 class CompiledSteps:
     """The compiled steps and, for each, a run-only twin over the same graphs, made on first need.
@@ -111,12 +117,10 @@ class CompiledSteps:
     run_logits: Callable | None = None
     compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
     warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
     def ensure_built(self) -> None:
         if self.run_forward is not None:  # every step asks: no lock once built
             return
-        with self._lock:
+        with _BUILD_LOCK:
             if self.run_forward is None:
                 self.forward, self.logits, self.run_forward, self.run_logits = self.build()
 
