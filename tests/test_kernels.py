@@ -57,13 +57,18 @@ def test_linear_is_batch_invariant(wdt, k):
 def test_the_avx2_build_is_right_and_batch_invariant_too():
     """On an AVX-512 CPU the tests above run the 16-lane tiles; the AVX2 build (INFER_CPU_AVX512=0, the one every
     AVX2-only CPU gets) runs the same checks in a process of its own, and gives the same answers up to rounding."""
-    code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); from infer import kernels; assert kernels.available()\n"
+    run_in_the_avx2_build(
         "import test_kernels as t\n"
         "for wdt in t.WEIGHT_DTYPES:\n"
         "    for k in (136, 576): t.test_linear_is_batch_invariant(wdt, k)\n"
-        "    for k in (576, 37): t.test_linear_matches_reference(wdt, torch.bfloat16, k)\n"
-        "print('ok')\n")
+        "    for k in (576, 37): t.test_linear_matches_reference(wdt, torch.bfloat16, k)\n")
+
+
+def run_in_the_avx2_build(code: str) -> None:
+    """Run ``code`` (test calls; ``torch`` and ``kernels`` imported, tests/ importable) in a process of its own whose
+    kernels are the AVX2 build (INFER_CPU_AVX512=0: other flags, so cached apart); it must finish without error."""
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); from infer import kernels; assert kernels.available()\n"
+            + code + "print('ok')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "INFER_CPU_AVX512": "0"}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -3,10 +3,6 @@ Blocks byte-identical to llama.cpp's reference quantizers (gguf-py's), the packe
 a float64 emulation of the same quantization and against the exact product within the quantization's bound, batch
 invariance (a row alone or among 16: bit-identical), odd shapes, the AVX2 build on an AVX-512 host, clear errors."""
 
-import os
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +10,8 @@ import torch
 
 from infer import kernels
 from infer.model.quant import BLOCK_FORMATS, dequantize_blocks, pack_blocks, quantize_blocks, unpack_blocks
+
+from test_kernels import run_in_the_avx2_build
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ toolchain to build infer's kernels")
 FORMATS = list(BLOCK_FORMATS)
@@ -111,18 +109,13 @@ def test_qlinear_handles_zero_rows_and_blocks(fmt):
 def test_the_avx2_build_of_qlinear_is_right_and_batch_invariant_too():
     """The AVX2 build (no VNNI: vpmaddubsw, Q8_0 with llama.cpp's sign trick) in a process of its own: the same exact
     integers, hence the same bounds, and its own batch invariance."""
-    code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); from infer import kernels; assert kernels.available()\n"
+    run_in_the_avx2_build(
         "assert '-mavx512vnni' not in kernels._flags()\n"
         "import test_qlinear as t\n"
         "for f in t.FORMATS:\n"
         "    t.test_qlinear_is_batch_invariant(f, 301)\n"
         "    t.test_qlinear_matches_the_emulated_quantization_and_stays_within_its_bound(f, 100, True)\n"
-        "    t.test_qlinear_handles_zero_rows_and_blocks(f)\n"
-        "print('ok')\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "INFER_CPU_AVX512": "0"}, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+        "    t.test_qlinear_handles_zero_rows_and_blocks(f)\n")
 
 
 def test_qlinear_rejects_bad_input():
