@@ -371,3 +371,28 @@ def test_block_quantization_keeps_the_files_own_blocks(src, ggufs, fmt, qtype):
     want = torch.from_numpy(head) if qtype == Q.Q8_0 else \
         quantize_blocks(torch.from_numpy(gguf.quants.dequantize(head, qtype)), "q8_0")
     assert model.lm_head.fmt == "q8_0" and torch.equal(model.lm_head.blocks(), want)
+
+
+def test_quantization_gguf_runs_each_tensor_in_its_files_block_type(tmp_path):
+    """quantization="gguf": a file mixing Q4_K and Q8_0 runs each tensor in its own type (Q4_K's super-blocks of 256
+    included), byte for byte; greedy decoding through the engine runs, speculation gives the same tokens."""
+    from infer import LLM
+    from infer.model.quant import BlockLinear, quantize_model
+    from test_qlinear import q4_k_blocks
+
+    src = make_tiny_llama(tmp_path / "hf", "gqa", hidden_size=256, intermediate_size=256, head_dim=32)
+    raw = {f"blk.{i}.{t}.weight": (q4_k_blocks(256, 256, seed=i).numpy(), Q.Q4_K)
+           for i in range(2) for t in ("ffn_gate", "ffn_up", "ffn_down")}
+    path = write_gguf(src, tmp_path / "mixed.gguf", Q.Q8_0, raw=raw)
+    model = quantize_model(load_model(path, "bfloat16"), "gguf")
+    for i in range(2):
+        mlp = model.layers[i].mlp
+        for lin, ts in ((mlp.gate_up_proj, ("ffn_gate", "ffn_up")), (mlp.down_proj, ("ffn_down",))):
+            assert isinstance(lin, BlockLinear) and lin.fmt == "q4_k"
+            assert torch.equal(lin.blocks(), torch.cat([torch.from_numpy(raw[f"blk.{i}.{t}.weight"][0]) for t in ts]))
+        assert model.layers[i].self_attn.o_proj.fmt == "q8_0" and model.layers[i].self_attn.qkv_proj.fmt == "q8_0"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(path, dtype="bfloat16", quantization="gguf", compile=False).generate(["def f(x):"], params)
+    spec = LLM(path, dtype="bfloat16", quantization="gguf", compile=False, use_speculative_decoding=True,
+               spec_length=3).generate(["def f(x):"], params)
+    assert plain[0].token_ids == spec[0].token_ids and len(plain[0].token_ids) == 12

@@ -14,7 +14,7 @@ from infer.model.quant import BLOCK_FORMATS, dequantize_blocks, pack_blocks, qua
 from test_kernels import run_in_the_avx2_build
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ toolchain to build infer's kernels")
-FORMATS = list(BLOCK_FORMATS)
+FORMATS = [f for f in BLOCK_FORMATS if f != "q4_k"]  # the types infer quantizes to (Q4_K: from files, below)
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
         "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -115,22 +115,57 @@ def test_the_avx2_build_of_qlinear_is_right_and_batch_invariant_too():
         "for f in t.FORMATS:\n"
         "    t.test_qlinear_is_batch_invariant(f, 301)\n"
         "    t.test_qlinear_matches_the_emulated_quantization_and_stays_within_its_bound(f, 100, True)\n"
-        "    t.test_qlinear_handles_zero_rows_and_blocks(f)\n")
+        "    t.test_qlinear_handles_zero_rows_and_blocks(f)\n"
+        "t.test_q4_k_file_blocks_pack_multiply_and_stay_batch_invariant(301, 768)\n")
 
 
 def test_qlinear_rejects_bad_input():
     w, x, blocks, packed = _case("q8_0", 8, 64, 2)
-    with pytest.raises(RuntimeError, match=r"unsupported block type 12 .*Q8_0 \(8\), Q4_0 \(2\), Q4_1 \(3\)"):
-        torch.ops.infer.qlinear(x, packed, 12, 8)  # Q4_K: not this kernel's
+    with pytest.raises(RuntimeError, match=r"unsupported block type 14 .*Q8_0 \(8\), Q4_0 \(2\), Q4_1 \(3\), Q4_K"):
+        torch.ops.infer.qlinear(x, packed, 14, 8)  # Q6_K: not this kernel's
     with pytest.raises(RuntimeError, match="do not hold"):
         torch.ops.infer.qlinear(torch.randn(2, 20), packed, 8, 8)  # 64 columns are not 20 padded
     with pytest.raises(RuntimeError, match="do not hold"):
         torch.ops.infer.qlinear(x, packed, 8, 9)  # 9 rows need 2 groups of 8
     with pytest.raises(RuntimeError, match="do not hold"):
         torch.ops.infer.qlinear(x, packed, 2, 8)  # Q8_0 bytes read as Q4_0
+    with pytest.raises(RuntimeError, match="do not hold"):
+        torch.ops.infer.qlinear(x, packed, 12, 8)  # ... or as Q4_K (and 64 columns are no super-block)
     with pytest.raises(RuntimeError, match="uint8"):
         torch.ops.infer.qlinear(x, packed.float(), 8, 8)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.infer.qlinear(x.double(), packed, 8, 8)
-    with pytest.raises(ValueError, match="unknown block type 'q4_k'"):
+    with pytest.raises(ValueError, match="unknown block type 'q6_k'"):
+        quantize_blocks(w, "q6_k")
+
+
+def q4_k_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random Q4_K rows (gguf-py cannot quantize K-quants): random nibbles and 6-bit scales, sane float16 d/dmin."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    for lo in (0, 2):  # d, dmin
+        b[..., lo:lo + 2] = rng.uniform(1e-3, 1e-2, size=(n, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+@pytest.mark.parametrize("n, k", [(37, 512), (8, 256), (301, 768)])
+def test_q4_k_file_blocks_pack_multiply_and_stay_batch_invariant(n, k):
+    """Q4_K as a GGUF stores it (super-blocks of 256: d, dmin, 6-bit sub-block scales and minimums, nibbles): the
+    packing round-trips, products match gguf-py's dequantized weights against the quantized activations, and a row's
+    result is the same alone or among 16."""
+    blocks = q4_k_blocks(n, k, seed=n)
+    packed = pack_blocks(blocks, "q4_k")
+    assert torch.equal(unpack_blocks(packed, "q4_k", n), blocks)
+    w = dequantize_blocks(blocks, "q4_k", k)
+    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType.Q4_K)))
+    x = torch.randn(kernels.MAX_ROWS, k, generator=torch.Generator().manual_seed(k))
+    qx, dx = _quantize_rows(x)
+    xh = (qx.view(len(x), -1, 32) * dx[..., None]).view(len(x), -1).double()
+    emulated = xh @ w.double().t()
+    y = _qlinear(x, packed, "q4_k", n)
+    assert (y.double() - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    for i in (0, 5, 15):
+        assert torch.equal(_qlinear(x[i:i + 1], packed, "q4_k", n), y[i:i + 1])
+    assert torch.equal(_qlinear(x[:5], packed, "q4_k", n), y[:5])
+    with pytest.raises(ValueError, match="q4_k blocks come from a GGUF file only"):
         quantize_blocks(w, "q4_k")

@@ -39,7 +39,8 @@ HELP = {
     "dtype": "auto (the checkpoint's) | float32 | bfloat16 | float16",
     "device": "cpu | cuda | cuda:N",
     "quantization": "quantization of the target: int8 (weight-only, per row) | q8_0 | q4_0 | q4_1 (llama.cpp's "
-                    "blocks, int8 activations; a GGUF's own blocks run as stored) | int4 (= q4_1)",
+                    "blocks, int8 activations; a GGUF's own blocks run as stored) | int4 (= q4_1) | gguf (each tensor in "
+                    "its file's type: Q8_0/Q4_0/Q4_1/Q4_K, else Q8_0)",
     "compile": "torch.compile the decode/verify steps (default: auto, on for models >= 50M parameters)",
     "compile_in_background": "compile in a background thread and serve at once (steps without a graph yet run "
                              "eagerly, same tokens); --no-compile-in-background builds every graph first",

@@ -61,7 +61,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": the checkpoint's own (config.json torch_dtype; float32 for GGUF), or a dtype name
     device: str = "cpu"
     # Quantization of the target: "int8" (weight-only) | "q8_0" | "q4_0" | "q4_1" (llama.cpp's blocks, int8
-    # activations; "int4" = "q4_1") | None: see infer.model.quant. Speculation stays lossless relative to the
+    # activations; "int4" = "q4_1") | "gguf" (each tensor in its file's block type, Q4_K too) | None: see
+    # infer.model.quant. Speculation stays lossless relative to the
     # quantized target.
     quantization: str | None = None
     # torch.compile the decode/verify steps (infer.model.compile). None (auto): on for models of at least

@@ -8,7 +8,8 @@
 //
 // Numerics, per block of 32 columns (K padded with zero weights to a multiple of 32 where it is not one):
 //   Q8_0: w = d * q, q int8      Q4_0: w = d * (q - 8), q in [0, 15]      Q4_1: w = d * q + m, q in [0, 15]
-//   (d, m float16, as the GGUF stores them), and the activations per row and block (Q8_0's scheme):
+//   Q4_K: super-blocks of 256, w = (d * sc) * q - dmin * mn with 6-bit sc, mn per sub-block of 32, q in [0, 15]
+//   (d, m, dmin float16, as the GGUF stores them), and the activations per row and block (Q8_0's scheme):
 //   dx = max|x| / 127, qx = round-to-nearest-even(x * (127 / max|x|)) in [-127, 127], sx = sum(qx).
 //   y[m, n] = sum over blocks, in order, of (dw * dx) * S  [+ mw * (dx * sx) for Q4_1]
 // with S = sum_k w_int * qx exact in int32 (w_int = q, q - 8, q). The rounding is the activations' quantization and
@@ -47,11 +48,24 @@
 namespace {
 
 // GGML's type ids: the op's format argument
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;
 template <int64_t F>
 constexpr int64_t kScaleBytes = F == kQ4_1 ? 32 : 16;  // d (and m) of 8 rows
 template <int64_t F>
 constexpr int64_t kChunkBytes = kScaleBytes<F> + (F == kQ8_0 ? 256 : 128);  // 8 rows x one block of 32 columns
+// Q4_K: a chunk per super-block of 256 columns: d, dmin (8 float16 each), the 8 sub-blocks' 6-bit scales and minimums
+// as bytes ([sub-block][row], 64 each), then each sub-block's nibbles as Q4_0's (128 bytes)
+constexpr int64_t kQ4KChunk = 32 + 128 + 8 * 128;
+template <int64_t F>
+inline const uint8_t* chunk_of(const uint8_t* w, int64_t b) {  // the chunk holding block b (of 32 columns)
+  return F == kQ4_K ? w + (b >> 3) * kQ4KChunk : w + b * kChunkBytes<F>;
+}
+template <int64_t F>
+inline const uint8_t* quants_of(const uint8_t* chunk, int64_t b) {
+  return F == kQ4_K ? chunk + 160 + (b & 7) * 128 : chunk + kScaleBytes<F>;
+}
+template <int64_t F>
+inline int64_t group_bytes_of(int64_t nb) { return F == kQ4_K ? nb / 8 * kQ4KChunk : nb * kChunkBytes<F>; }
 
 inline float f16(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -243,6 +257,14 @@ inline FAcc scale_fma(IAcc S, __m256 dw, float dx, FAcc f) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), f);
 }
 inline FAcc min_fma(__m256 mw, float dsx, FAcc f) { return _mm256_fmadd_ps(mw, _mm256_set1_ps(dsx), f); }
+inline __m256i load_u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline IAcc mul_rows(IAcc S, __m256i sc) { return _mm256_mullo_epi32(S, sc); }
+inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
+inline FAcc min_fnma(__m256 mn, __m256 dmin, float dsx, FAcc f) {  // f - mn * (dmin * dsx)
+  return _mm256_fnmadd_ps(mn, _mm256_mul_ps(dmin, _mm256_set1_ps(dsx)), f);
+}
 inline void store_rows(const Out& y, int64_t m, int64_t n, FAcc f, int64_t rows) {
   alignas(32) float v[8];
   _mm256_store_ps(v, f);
@@ -292,6 +314,13 @@ inline FAcc min_fma(F8 mw, float dsx, FAcc f) {
   for (int r = 0; r < 8; ++r) f.v[r] = std::fma(mw.v[r], dsx, f.v[r]);
   return f;
 }
+inline IAcc load_u8x8(const uint8_t* p) { IAcc a; for (int r = 0; r < 8; ++r) a.v[r] = p[r]; return a; }
+inline IAcc mul_rows(IAcc S, IAcc sc) { for (int r = 0; r < 8; ++r) S.v[r] *= sc.v[r]; return S; }
+inline F8 to_float(IAcc v) { F8 f; for (int r = 0; r < 8; ++r) f.v[r] = static_cast<float>(v.v[r]); return f; }
+inline FAcc min_fnma(F8 mn, F8 dmin, float dsx, FAcc f) {
+  for (int r = 0; r < 8; ++r) f.v[r] = std::fma(-mn.v[r], dmin.v[r] * dsx, f.v[r]);
+  return f;
+}
 inline void store_rows(const Out& y, int64_t m, int64_t n, FAcc f, int64_t rows) { y.store(m, n, f.v, rows); }
 constexpr int kDecodeGroups = 1, kVerifyGroups = 1, kMaxActRows = 1;
 #endif
@@ -311,7 +340,7 @@ constexpr int32_t kOffset = F == kQ4_0 ? 8 : F == kQ8_0 && !kSignTrick ? 128 : 0
 template <int64_t F, int G, int MT>
 inline void tile(const uint8_t* w, int64_t nb, const QuantX& q, int64_t m0, const Out& y, int64_t N, int64_t g0,
                  bool prefetch_ahead) {
-  const int64_t group_bytes = nb * kChunkBytes<F>, Kp = nb * 32;
+  const int64_t group_bytes = group_bytes_of<F>(nb), Kp = nb * 32;
   FAcc f[G][MT];
   for (int g = 0; g < G; ++g)
     for (int m = 0; m < MT; ++m) f[g][m] = facc_zero();
@@ -333,11 +362,23 @@ inline void tile(const uint8_t* w, int64_t nb, const QuantX& q, int64_t m0, cons
       const IAcc start = start_of(-kOffset<F> * q.s[(m0 + m) * nb + b]);
       for (int g = 0; g < G; ++g) acc[g][m] = start;
     }
-    const uint8_t* chunk0 = w + b * kChunkBytes<F>;
-    block_dots<F, G, MT>(chunk0 + kScaleBytes<F>, group_bytes, xq, xa, acc);
+    const uint8_t* chunk0 = chunk_of<F>(w, b);
+    block_dots<F, G, MT>(quants_of<F>(chunk0, b), group_bytes, xq, xa, acc);
     for (int g = 0; g < G; ++g) {
       const uint8_t* chunk = chunk0 + g * group_bytes;
       const auto dw = load_f16x8(chunk);
+      if constexpr (F == kQ4_K) {
+        // w = d * sc * q - dmin * mn: S * sc exact in int32 (< 32 * 15 * 127 * 63), then as the others; the minimum
+        // term -dmin * mn * (dx * sum qx) per sub-block
+        const int64_t j = b & 7;
+        const auto sc = load_u8x8(chunk + 32 + 8 * j), mn = load_u8x8(chunk + 96 + 8 * j);
+        const auto dmin = load_f16x8(chunk + 16);
+        for (int m = 0; m < MT; ++m) {
+          f[g][m] = scale_fma(mul_rows(acc[g][m], sc), dw, q.d[(m0 + m) * nb + b], f[g][m]);
+          f[g][m] = min_fnma(to_float(mn), dmin, q.ds[(m0 + m) * nb + b], f[g][m]);
+        }
+        continue;
+      }
       for (int m = 0; m < MT; ++m) f[g][m] = scale_fma(acc[g][m], dw, q.d[(m0 + m) * nb + b], f[g][m]);
       if constexpr (F == kQ4_1) {
         const auto mw = load_f16x8(chunk + 16);
@@ -363,7 +404,7 @@ inline void rows_block(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M,
 
 template <int64_t F>
 void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, const Out& y) {
-  const int64_t groups = (N + 7) / 8, group_bytes = nb * kChunkBytes<F>;
+  const int64_t groups = (N + 7) / 8, group_bytes = group_bytes_of<F>(nb);
   const int64_t grain = std::max<int64_t>(2, 16384 / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     int64_t g = g0;
@@ -380,24 +421,28 @@ void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, co
 }
 
 const char* format_name(int64_t f) {
-  return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : nullptr;
+  return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : f == kQ4_K ? "Q4_K" : nullptr;
 }
 
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "infer::qlinear runs on the CPU");
   TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
-              " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3)");
+              " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "infer::qlinear: x [M, K] and packed blocks [N / 8, bytes] "
               "expected, got ", x.sizes(), " and ", packed.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kByte, "infer::qlinear: packed blocks must be uint8, got ",
               packed.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "infer::qlinear: x must be float32 or bfloat16, got ", x.scalar_type());
-  const int64_t cb = format == kQ8_0 ? kChunkBytes<kQ8_0> : format == kQ4_0 ? kChunkBytes<kQ4_0> : kChunkBytes<kQ4_1>;
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, nb = packed.size(1) / cb;
-  TORCH_CHECK(packed.size(1) % cb == 0 && nb * 32 >= K && nb * 32 - K < 32 && packed.size(0) == (N + 7) / 8,
+  // bytes per chunk and the columns it covers
+  const int64_t cb = format == kQ8_0 ? kChunkBytes<kQ8_0> : format == kQ4_0 ? kChunkBytes<kQ4_0>
+                     : format == kQ4_1 ? kChunkBytes<kQ4_1> : kQ4KChunk;
+  const int64_t cols = format == kQ4_K ? 256 : 32;
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, nb = packed.size(1) / cb * (cols / 32);
+  TORCH_CHECK(packed.size(1) % cb == 0 && nb * 32 >= K && nb * 32 - K < cols && packed.size(0) == (N + 7) / 8,
               "infer::qlinear: ", format_name(format), " blocks packed as ", packed.sizes(), " do not hold ", N,
-              " rows of x's ", K, " columns (", (N + 7) / 8, " groups of 8 rows, ", cb, " bytes per block of 32)");
+              " rows of x's ", K, " columns (", (N + 7) / 8, " groups of 8 rows, ", cb, " bytes per block of ", cols,
+              ")");
   auto xc = x.contiguous();
   auto w = packed.contiguous();
   auto y = at::empty({M, N}, x.options());  // x's dtype: written by the kernel, no cast after
@@ -409,7 +454,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64
   const Out out{y.data_ptr(), bf16, N};
   if (format == kQ8_0) run<kQ8_0>(wp, N, nb, q, M, out);
   else if (format == kQ4_0) run<kQ4_0>(wp, N, nb, q, M, out);
-  else run<kQ4_1>(wp, N, nb, q, M, out);
+  else if (format == kQ4_1) run<kQ4_1>(wp, N, nb, q, M, out);
+  else run<kQ4_K>(wp, N, nb, q, M, out);
   return y;
 }
 

@@ -324,10 +324,11 @@ class GGUFCheckpoint:
 
     def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
         """A weight's rows as the file stores them, for the block types infer's integer kernel reads as they are
-        (Q8_0, Q4_0, Q4_1): (``"q4_1"`` ..., uint8 ``[out, row bytes]``, a view of the map unless q/k rows are put
+        (Q8_0, Q4_0, Q4_1, Q4_K): (``"q4_1"`` ..., uint8 ``[out, row bytes]``, a view of the map unless q/k rows are put
         back in Hugging Face order); None for any other type or name."""
         t = self.by_name.get(name)
-        kind = {_Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1"}.get(t.tensor_type) if t is not None else None
+        kind = {_Q.Q8_0: "q8_0", _Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1", _Q.Q4_K: "q4_k"}.get(t.tensor_type) \
+            if t is not None else None
         if kind is None or t.data.ndim != 2:
             return None
         rows = t.data

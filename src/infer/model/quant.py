@@ -17,6 +17,10 @@ not multiply the arithmetic. ``quantization=`` names what a model runs:
   round to nearest), so a verify of K+1 rows costs little more than a decode (kernels/qlinear.cpp). Numerically:
   besides the weights' rounding, every activation entering a projection is rounded to 1/127 of its block's largest
   magnitude, as llama.cpp does. ``"int4"`` is another name for ``"q4_1"``.
+- ``"gguf"``: every tensor of a GGUF in the file's own block type where the kernel takes it (Q8_0, Q4_0, Q4_1, and
+  Q4_K: super-blocks of 256 columns, ``w = d sc q - dmin mn`` with 6-bit sub-block scales and minimums), Q8_0
+  elsewhere (and for a checkpoint that is not a GGUF): what llama.cpp runs, with int8 activations as there. Q4_K
+  blocks come from files only (llama.cpp's K-quant search is not reimplemented here, nor in gguf-py).
 
 Quantization changes the target: speculative decoding stays exactly lossless *relative to the quantized model*
 (the verifier is the quantized model; the tests run parity and the distribution test on one).
@@ -30,7 +34,9 @@ from torch import nn
 from .. import kernels
 from .layers import Linear, few_rows_on_cpu
 
-QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1", "int4")  # int4: another name for q4_1 (it replaced ATen's int4)
+# int4: another name for q4_1 (it replaced ATen's int4); gguf: each tensor in its file's block type where the
+# kernel takes it (Q8_0, Q4_0, Q4_1, Q4_K), Q8_0 elsewhere
+QUANTIZATIONS = ("int8", "q8_0", "q4_0", "q4_1", "int4", "gguf")
 
 
 # The kernels as opaque custom ops: inductor must call them as they are. Left to itself it lowers
@@ -94,7 +100,8 @@ class Int8Linear(_WeightOnlyLinear):
 
 
 # llama.cpp's block types for infer::qlinear, by name: (GGML type id, bytes per block of 32 columns)
-BLOCK_FORMATS = {"q8_0": (8, 34), "q4_0": (2, 18), "q4_1": (3, 20)}
+BLOCK_FORMATS = {"q8_0": (8, 34), "q4_0": (2, 18), "q4_1": (3, 20), "q4_k": (12, 144)}
+BLOCK_COLUMNS = {"q4_k": 256}  # columns per block where not 32 (Q4_K's super-blocks)
 _HEAD_FORMAT = "q8_0"  # the LM head of a 4-bit model stays 8-bit, as llama.cpp's quantizer keeps its output tensor
 
 
@@ -117,6 +124,9 @@ def quantize_blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     in float32, used for the quants, stored as float16). K is padded with zeros to a multiple of 32."""
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"unknown block type {fmt!r}; infer's integer kernel takes {', '.join(BLOCK_FORMATS)}")
+    if fmt == "q4_k":  # llama.cpp's K-quant search (make_qkx2_quants) is not reimplemented: gguf-py lacks it too
+        raise ValueError("q4_k blocks come from a GGUF file only (quantization='gguf' runs a file's Q4_K tensors); "
+                         "infer quantizes to q8_0, q4_0 or q4_1")
     n, k = weight.shape
     nb = -(-k // 32)
     x = torch.zeros(n, nb * 32, dtype=torch.float32)
@@ -148,6 +158,11 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: str, in_features: int) -> torch
 
     bb = BLOCK_FORMATS[fmt][1]
     n = blocks.shape[0]
+    if fmt == "q4_k":
+        import gguf
+
+        w = torch.from_numpy(gguf.quants.dequantize(blocks.cpu().numpy(), gguf.GGMLQuantizationType.Q4_K))
+        return w.reshape(n, -1)[:, :in_features].to(blocks.device)
     w = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}[fmt](blocks.cpu().reshape(-1, bb))
     return w.reshape(n, -1)[:, :in_features].to(blocks.device)
 
@@ -160,6 +175,8 @@ def pack_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     bb = BLOCK_FORMATS[fmt][1]
     n, row = blocks.shape
     nb, ng = row // bb, -(-n // 8)
+    if fmt == "q4_k":
+        return _pack_q4_k(blocks, nb, ng)
     b = torch.zeros(ng * 8, nb, bb, dtype=torch.uint8)
     b[:n] = blocks.cpu().reshape(n, nb, bb)
     b = b.view(ng, 8, nb, bb).transpose(1, 2)  # [groups, blocks, 8 rows, block bytes]
@@ -180,6 +197,8 @@ def unpack_blocks(packed: torch.Tensor, fmt: str, out_features: int) -> torch.Te
     """The inverse of ``pack_blocks``: rows of llama.cpp's blocks ``[out_features, nb * block bytes]``."""
     bb = BLOCK_FORMATS[fmt][1]
     ng = packed.shape[0]
+    if fmt == "q4_k":
+        return _unpack_q4_k(packed, out_features)
     sb = 32 if fmt == "q4_1" else 16
     c = packed.cpu().reshape(ng, -1, sb + (256 if fmt == "q8_0" else 128))
     nb = c.shape[1]
@@ -194,6 +213,53 @@ def unpack_blocks(packed: torch.Tensor, fmt: str, out_features: int) -> torch.Te
     return b[:out_features].contiguous().to(packed.device)
 
 
+def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's get_scale_min_k4 over Q4_K's 12 scale bytes [..., 12] -> 6-bit (scale, min) [..., 8] each."""
+    s = s.to(torch.int32)
+    lo, hi = s[..., :4], s[..., 4:8]
+    sc = torch.cat([lo & 63, (s[..., 8:] & 0xF) | ((lo >> 6) << 4)], -1)
+    mn = torch.cat([hi & 63, (s[..., 8:] >> 4) | ((hi >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _q4_k_scale_bytes(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q4_k_scales: (scale, min) [..., 8] -> the 12 bytes."""
+    return torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                      (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)], -1).to(torch.uint8)
+
+
+def _pack_q4_k(blocks: torch.Tensor, nsb: int, ng: int) -> torch.Tensor:
+    """Q4_K rows (144 bytes per 256 columns: d, dmin, 12 scale bytes, 128 of nibbles whose 32-byte quarter c holds
+    columns 64c.. low and 64c + 32.. high) -> per group of 8 rows and super-block: 8 d's, 8 dmin's, the sub-blocks'
+    scales [sub-block][row] and minimums as bytes, then each sub-block's nibbles as pack_blocks lays out Q4_0's."""
+    n = blocks.shape[0]
+    b = torch.zeros(ng * 8, nsb, 144, dtype=torch.uint8)
+    b[:n] = blocks.cpu().reshape(n, nsb, 144)
+    b = b.view(ng, 8, nsb, 144).transpose(1, 2)  # [groups, super-blocks, 8 rows, 144]
+    sc, mn = _q4_k_scales(b[..., 4:16])  # [.., 8 rows, 8 sub-blocks]
+    qs = b[..., 16:].reshape(ng, nsb, 8, 4, 32)
+    v = torch.stack([qs & 0x0F, qs >> 4], 4).reshape(ng, nsb, 8, 8, 4, 8)  # [.., row, sub-block, j, 8 columns]
+    q = (v[..., :4] | (v[..., 4:] << 4)).permute(0, 1, 3, 4, 2, 5)  # [.., sub-block, j, row, 4 bytes]
+    parts = [b[..., 0:2].reshape(ng, nsb, 16), b[..., 2:4].reshape(ng, nsb, 16),
+             sc.transpose(2, 3).to(torch.uint8).reshape(ng, nsb, 64), mn.transpose(2, 3).to(torch.uint8)
+             .reshape(ng, nsb, 64), q.reshape(ng, nsb, 1024)]
+    return torch.cat(parts, -1).reshape(ng, -1).contiguous().to(blocks.device)
+
+
+def _unpack_q4_k(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    ng = packed.shape[0]
+    c = packed.cpu().reshape(ng, -1, 1184)
+    nsb = c.shape[1]
+    d, dmin = c[..., 0:16].reshape(ng, nsb, 8, 2), c[..., 16:32].reshape(ng, nsb, 8, 2)
+    sc = c[..., 32:96].reshape(ng, nsb, 8, 8).transpose(2, 3).to(torch.int32)  # [.., row, sub-block]
+    mn = c[..., 96:160].reshape(ng, nsb, 8, 8).transpose(2, 3).to(torch.int32)
+    t = c[..., 160:].reshape(ng, nsb, 8, 4, 8, 4).permute(0, 1, 4, 2, 3, 5)  # [.., row, sub-block, j, 4 bytes]
+    v = torch.cat([t & 0x0F, t >> 4], -1).reshape(ng, nsb, 8, 4, 2, 32)  # [.., row, quarter, low/high, 32]
+    qs = v[..., 0, :] | (v[..., 1, :] << 4)  # [.., row, quarter, 32]
+    b = torch.cat([d, dmin, _q4_k_scale_bytes(sc, mn), qs.reshape(ng, nsb, 8, 128)], -1)
+    return b.transpose(1, 2).reshape(ng * 8, nsb * 144)[:out_features].contiguous().to(packed.device)
+
+
 class BlockLinear(_WeightOnlyLinear):
     """y = x @ W.T (+ b) with W in llama.cpp's blocks (Q8_0 / Q4_0 / Q4_1, ``BLOCK_FORMATS``) and the activations
     quantized to int8 blocks at each call, multiplied with integer dot products by ``infer::qlinear``
@@ -204,7 +270,7 @@ class BlockLinear(_WeightOnlyLinear):
                  compute_dtype: torch.dtype):
         super().__init__()
         fid, bb = BLOCK_FORMATS[fmt]
-        nb = -(-in_features // 32)
+        nb = -(-in_features // BLOCK_COLUMNS.get(fmt, 32))
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != nb * bb:
             raise ValueError(f"{fmt} blocks for {in_features} columns must be uint8 [N, {nb * bb}], got "
                              f"{blocks.dtype} {list(blocks.shape)}")
@@ -264,6 +330,8 @@ def quantize_model(model, quantization: str | None):
             return Int8Linear(weight, bias, cdt)
         fmt = _HEAD_FORMAT if module == "lm_head" else "q4_1" if quantization == "int4" else quantization
         found = source(module)  # a GGUF's own rows: kept as stored when of this type, else dequantized exactly
+        if quantization == "gguf":
+            fmt = found[0] if found is not None else _HEAD_FORMAT
         if found is not None and found[0] == fmt:
             return BlockLinear(found[1].to(weight.device), fmt, weight.shape[1], bias, cdt)
         if found is not None:
