@@ -20,6 +20,7 @@
 // 4 consecutive columns of each of the 8 rows (row r in bytes 4r..4r+3):
 //   Q8_0: 8 loads of q + 128 (unsigned) for columns 4j..4j+3, j = 0..7                      (16 + 256 bytes)
 //   Q4_0/Q4_1: 4 loads of nibbles, the low halves columns 8j..8j+3, the high 8j+4..8j+7  (16 [+ 16] + 128 bytes)
+//   Q4_K: a chunk per super-block of 256: d, dmin, the sub-blocks' scales and minimums as bytes, 8 x Q4_0's nibbles
 // so that one vpdpbusd of the weights (unsigned) with 4 activation bytes broadcast (signed) adds 4 products to each of
 // 8 rows' sums: the 8 lanes ARE the 8 rows, and the scales apply to 8 rows in one multiply. (The usual layout, a row's
 // block in one vector, pays a conversion, a scale and a horizontal sum per row and block; llama.cpp repacks the same

@@ -278,6 +278,7 @@ class BlockLinear(_WeightOnlyLinear):
         self.register_buffer("packed", pack_blocks(blocks, fmt))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.fmt, self.format_id, self.compute_dtype = fmt, fid, compute_dtype
+        self._dequantized: torch.Tensor | None = None  # the fallback's weights [in, out], made on first use
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype, fmt: str):
@@ -294,8 +295,10 @@ class BlockLinear(_WeightOnlyLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu" and kernels.available():
             y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features)
-        else:
-            y = x2.to(self.compute_dtype) @ self.dequantized_weight().t()
+        else:  # no integer kernel here (CUDA, a failed build): the weights dequantized once, kept beside the blocks
+            if self._dequantized is None:
+                self._dequantized = self.dequantized_weight().t()
+            y = x2.to(self.compute_dtype) @ self._dequantized
         return self._output(y, x)
 
 
