@@ -338,7 +338,7 @@ def quantize_model(model, quantization: str | None):
         if found is not None and found[0] == fmt:
             return BlockLinear(found[1].to(weight.device), fmt, weight.shape[1], bias, cdt)
         if found is not None:
-            weight = dequantize_blocks(found[1], found[0], weight.shape[1])  # float32, not the model's dtype
+            weight = dequantize_blocks(found[1], found[0], weight.shape[1]).to(weight.device)  # exact float32
         return BlockLinear.quantize(weight, bias, cdt, fmt)
 
     for i, layer in enumerate(model.layers):
