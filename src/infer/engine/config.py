@@ -62,8 +62,7 @@ class EngineConfig:
     device: str = "cpu"
     # Quantization of the target: "int8" (weight-only) | "q8_0" | "q4_0" | "q4_1" (llama.cpp's blocks, int8
     # activations; "int4" = "q4_1") | "gguf" (each tensor in its file's block type, Q4_K too) | None: see
-    # infer.model.quant. Speculation stays lossless relative to the
-    # quantized target.
+    # infer.model.quant. Speculation stays lossless relative to the quantized target.
     quantization: str | None = None
     # torch.compile the decode/verify steps (infer.model.compile). None (auto): on for models of at least
     # COMPILE_AUTO_MIN_PARAMS parameters, where the step is bound by memory bandwidth and compiling pays for its

@@ -112,9 +112,9 @@ template <typename W, int NT, int MT = kMaxActRows, typename Y>
 inline void row_block(const W* w, int64_t K, const float* xp, const float* x, int64_t M, const float* scale,
                       Y* y, int64_t N, bool first = true) {
   int64_t m = 0;
-  for (; m + MT <= M; m += MT) tile<W, NT, MT, Y>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, first && m == 0);
+  for (; m + MT <= M; m += MT) tile<W, NT, MT>(w, K, xp + m * K, x + m * K, scale, y + m * N, N, first && m == 0);
   if constexpr (MT > 1) {
-    if (M > m) row_block<W, NT, MT - 1, Y>(w, K, xp + m * K, x + m * K, M - m, scale, y + m * N, N, first && m == 0);
+    if (M > m) row_block<W, NT, MT - 1>(w, K, xp + m * K, x + m * K, M - m, scale, y + m * N, N, first && m == 0);
   }
 }
 
@@ -136,12 +136,12 @@ void rows(const W* w, const float* scale, int64_t n0, int64_t n1, int64_t K, con
   int64_t n = n0;
   if (M == 1) {
     constexpr int NT = kDecodeRows<W>;
-    for (; n + NT <= n1; n += NT) row_block<W, NT, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
   } else {
     constexpr int NT = kVerifyRows<W>;
-    for (; n + NT <= n1; n += NT) row_block<W, NT, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+    for (; n + NT <= n1; n += NT) row_block<W, NT>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
   }
-  for (; n < n1; ++n) row_block<W, 1, kMaxActRows, Y>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
+  for (; n < n1; ++n) row_block<W, 1>(w + n * K, K, xp, x, M, scale ? scale + n : nullptr, y + n, N);
 }
 
 template <typename W, typename Y>

@@ -91,9 +91,11 @@ def step_guards(entries) -> list[bool]:
                  or e.guard_type == "GLOBAL_STATE") for e in entries]
 
 
-# One build at a time, across models: the first imports Dynamo and inductor, and two threads importing them at once
-# (a target's warm-up thread, a drafter built in the engine thread) could see a half-initialised module (networkx's
-# `utils.configs`, then Dynamo's `wrap_backend_debug`: an ImportError in tests/test_compile.py now and then).
+# One build at a time, across models: the first imports Dynamo, and two threads importing it at once (a target's
+# warm-up thread, a drafter built in the engine thread) could see a half-initialised module. Not the whole cure:
+# tests/test_compile.py's bf16 test still fails now and then (~1 run of the file in 4) on such an import (networkx's
+# `utils.configs`, prims registered twice) while an earlier engine's warm-up thread compiles; the importing thread
+# is not found yet.
 _BUILD_LOCK = threading.Lock()
 
 
@@ -117,6 +119,7 @@ class CompiledSteps:
     run_logits: Callable | None = None
     compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
     warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
+
     def ensure_built(self) -> None:
         if self.run_forward is not None:  # every step asks: no lock once built
             return

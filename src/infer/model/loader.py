@@ -181,7 +181,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     model.load_state_dict(_to_ours(tensors, cfg), assign=True, strict=True)
     model.to(device)
     model.eval().requires_grad_(False)
-    # a GGUF's quantized rows, for quantize_model to keep as stored (Q8_0/Q4_0/Q4_1 onto infer's integer kernel)
+    # a GGUF's quantized rows, for quantize_model to keep as stored (Q8_0/Q4_0/Q4_1/Q4_K onto infer's integer kernel)
     model.source_blocks = ckpt.module_blocks if gguf_file is not None else None
     return model
 

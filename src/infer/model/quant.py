@@ -1,5 +1,5 @@
-"""Quantization for CPU decoding: weight-only int8 per output row, and llama.cpp's block types (Q8_0, Q4_0, Q4_1)
-with int8 activations on integer dot products.
+"""Quantization for CPU decoding: weight-only int8 per output row, and llama.cpp's block types (Q8_0, Q4_0, Q4_1,
+Q4_K) with int8 activations on integer dot products.
 
 Decoding streams every weight once per token, so bytes per weight set the speed; verifying K+1 drafted tokens must
 not multiply the arithmetic. ``quantization=`` names what a model runs:
@@ -153,18 +153,16 @@ def quantize_blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
-    """The float32 weights ``[N, in_features]`` that ``blocks`` (rows of llama.cpp's blocks) stand for."""
-    from .gguf import _q4_0, _q4_1, _q8_0
+    """The float32 weights ``[N, in_features]`` that ``blocks`` (rows of llama.cpp's blocks) stand for: the GGUF
+    reader's own dequantization (torch's for Q8_0/Q4_0/Q4_1, gguf-py's for Q4_K)."""
+    import gguf
 
-    bb = BLOCK_FORMATS[fmt][1]
-    n = blocks.shape[0]
-    if fmt == "q4_k":
-        import gguf
+    from .gguf import _TORCH_DEQUANT, _torch_dequantize
 
-        w = torch.from_numpy(gguf.quants.dequantize(blocks.cpu().numpy(), gguf.GGMLQuantizationType.Q4_K))
-        return w.reshape(n, -1)[:, :in_features].to(blocks.device)
-    w = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}[fmt](blocks.cpu().reshape(-1, bb))
-    return w.reshape(n, -1)[:, :in_features].to(blocks.device)
+    qtype, data = gguf.GGMLQuantizationType(BLOCK_FORMATS[fmt][0]), blocks.cpu().numpy()
+    w = _torch_dequantize(data, qtype) if qtype in _TORCH_DEQUANT else \
+        torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    return w[:, :in_features].to(blocks.device)
 
 
 def pack_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -261,8 +259,8 @@ def _unpack_q4_k(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 class BlockLinear(_WeightOnlyLinear):
-    """y = x @ W.T (+ b) with W in llama.cpp's blocks (Q8_0 / Q4_0 / Q4_1, ``BLOCK_FORMATS``) and the activations
-    quantized to int8 blocks at each call, multiplied with integer dot products by ``infer::qlinear``
+    """y = x @ W.T (+ b) with W in llama.cpp's blocks (Q8_0 / Q4_0 / Q4_1 / Q4_K, ``BLOCK_FORMATS``) and the
+    activations quantized to int8 blocks at each call, multiplied with integer dot products by ``infer::qlinear``
     (kernels/qlinear.cpp states the numerics). Every CPU product takes that kernel, prompt and steps alike;
     without the kernels (CUDA, a failed build) the dequantized weights multiply unquantized activations."""
 
