@@ -1,8 +1,10 @@
-"""SmolLM2-135M-Instruct with its trained drafters, against plain decoding and transformers' assisted generation.
+"""SmolLM2-135M-Instruct with its trained drafters, against plain decoding, transformers' assisted generation and
+llama.cpp's own speculation.
 
     python benchmarks/drafters.py [--repeats 3] [--prompts 4] [--new-tokens 128] [--no-hf]
+                                  [--llama-dir LLAMA_CPP/build/bin --llama-src LLAMA_CPP]
 
-The target runs at its fastest plain setting (int8 weights, bfloat16, compiled decode steps: infer.demo's
+The target runs at its served setting (the GGUF's own Q4_1 blocks, bfloat16, compiled decode steps: infer.demo's
 REAL_MODEL_SETTINGS). Prompts: the held-out chat and code prompts of src/infer/drafters/eval_prompts.json (drafter
 training never saw them), chat template applied, one request at a time, greedy and temperature 0.7. Every variant
 runs every prompt once per round, rounds repeated (A B C A B C ...; round 0 is a warm-up and not recorded); per
@@ -11,10 +13,17 @@ transformers). Per drafter: acceptance per draft position (conditional: accepted
 accepted / all judged), mean accepted length (tokens per target forward), c (a draft step over a target decode step,
 from the engine's cost model) and Leviathan's predicted speedup (1 - a^(K+1)) / ((1 - a)(K c + v)) at the pinned K,
 with v the measured cost of verifying K+1 tokens over one decode step.
-Drafters: every one shipped (src/infer/drafters: the distilled LM, the EAGLE-style head, the Medusa-style heads),
-each with its defaults (auto K) and with K pinned, plus prompt lookup and the hybrid with the EAGLE head.
-Peers, same process, same GGUF file and the same distilled drafter, at transformers' fastest CPU setting for it
-(float32): transformers ``generate``, ``generate(assistant_model=smollm2-lm)`` and prompt lookup.
+Drafters: every one shipped (src/infer/drafters: the distilled LM, the EAGLE-style and EAGLE-3 heads, the
+Medusa-style heads), each with its defaults (auto K) and with K pinned, plus prompt lookup, and "ours defaults":
+what `infer chat` runs on SmolLM2 (infer.demo.real_model_speculation).
+Peers, same GGUF file and the same distilled drafter: transformers at its fastest CPU setting for it (float32),
+``generate``, ``generate(assistant_model=smollm2-lm)`` and prompt lookup, in this process; llama.cpp
+(benchmarks/llama_cpp.py, with --llama-dir) on the same prompts in the same rounds: plain decoding (llama-simple,
+greedy), its speculation with smollm2-lm converted to GGUF (llama-speculative-simple, K = 4 and its default 3) and
+its n-gram lookup (llama-lookup), plus llama-bench's token generation for each GGUF of the target given
+(--llama-gguf: the fastest plain llama.cpp configuration). llama.cpp's times are its own (encode + decode).
+Speeds: end to end (prefill included) and the decode phase alone (first token to last; llama.cpp's "decoded"
+time), which is what llama-bench's tg measures.
 Writes benchmarks/results/drafters.json, the "drafters" section of docs/benchmarks.md and drafters.png.
 """
 
@@ -32,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
-from infer.demo import REAL_MODEL_SETTINGS, drafter_paths, real_model_path  # noqa: E402
+from infer.demo import REAL_MODEL_SETTINGS, drafter_paths, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import KINDS, eval_prompts  # noqa: E402
 
 PINNED_K = 4
@@ -65,6 +74,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers peers")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: run only the variants naming one")
+    ap.add_argument("--llama-dir", type=Path, default=None, help="llama.cpp's build/bin (benchmarks/llama_cpp.py)")
+    ap.add_argument("--llama-src", type=Path, default=None, help="llama.cpp's source tree (converts smollm2-lm)")
+    ap.add_argument("--llama-gguf", type=Path, nargs="*", default=[],
+                    help="more GGUF files of the target for llama-bench (e.g. its Q8_0; the shipped Q4_1 always)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from the last results")
     a = ap.parse_args()
     if a.render:
@@ -79,21 +94,24 @@ def main() -> None:
     if "draft_model" not in drafters:
         raise SystemExit("no shipped distilled drafter (src/infer/drafters/smollm2-lm): train it first")
     lm = drafters["draft_model"]
+    keep = (lambda n: True) if a.only is None else (lambda n: n == "ours AR" or any(x in n for x in a.only.split(",")))
     # one request at a time: a batch of one is all the engine needs (it profiles and compiles fewer shapes)
     S = {**REAL_MODEL_SETTINGS, "max_batch_size": 1, "compile_in_background": False}  # timed: graphs first
-    ours = {"ours AR": LLM(path, **S)}
+    specs = {"ours AR": {}, "ours defaults": real_model_speculation()}
     for kind in [k for k in KINDS if k in drafters]:  # every shipped drafter, with defaults and with K pinned
         name = drafters[kind].name
-        ours[f"ours + {name} (defaults)"] = LLM(path, draft_model=drafters[kind], **S)
-        ours[f"ours + {name} K={PINNED_K}"] = LLM(path, draft_model=drafters[kind], spec_length=PINNED_K, **S)
-    best = drafters.get("eagle", lm)
-    ours["ours ngram (defaults)"] = LLM(path, proposer="ngram", **S)
-    ours[f"ours hybrid {best.name} (defaults)"] = LLM(path, draft_model=best, proposer="hybrid", **S)
+        specs[f"ours + {name} (defaults)"] = {"draft_model": drafters[kind]}
+        specs[f"ours + {name} K={PINNED_K}"] = {"draft_model": drafters[kind], "spec_length": PINNED_K}
+    best = drafters.get("eagle3", drafters.get("eagle", lm))
+    specs["ours ngram (defaults)"] = {"proposer": "ngram"}
+    specs[f"ours hybrid {best.name} (defaults)"] = {"draft_model": best, "proposer": "hybrid"}
+    ours = {n: LLM(path, **kw, **S) for n, kw in specs.items() if keep(n)}
     tok = ours["ours AR"].tokenizer
     eos = ours["ours AR"].eos_token_ids
     prompts = eval_prompts()
     chosen = [("chat", p) for p in prompts["chat"][:a.prompts]] + [("code", p) for p in prompts["code"][:a.prompts]]
-    ids = [tok.apply_chat_template([{"role": "user", "content": p["prompt"]}]) for _, p in chosen]
+    messages = [[{"role": "user", "content": p["prompt"]}] for _, p in chosen]
+    ids = [tok.apply_chat_template(m) for m in messages]
 
     hf = {}
     if not a.no_hf:
@@ -104,8 +122,34 @@ def main() -> None:
         hf_t = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                     dtype=torch.float32).eval()
         hf_d = AutoModelForCausalLM.from_pretrained(str(lm), dtype=torch.float32).eval()
-        hf = {"transformers generate": {}, "transformers assisted (smollm2-lm)": {"assistant_model": hf_d},
-              "transformers prompt lookup": {"prompt_lookup_num_tokens": 10}}
+        hf = {n: kw for n, kw in {"transformers generate": {}, "transformers assisted (smollm2-lm)":
+                                  {"assistant_model": hf_d},
+                                  "transformers prompt lookup": {"prompt_lookup_num_tokens": 10}}.items() if keep(n)}
+
+    llama, llama_info = {}, {}
+    if a.llama_dir is not None:
+        import llama_cpp as lc
+
+        texts = [tok.hf.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+        draft_gguf = None
+        if a.llama_src is not None:
+            draft_gguf = lc.convert_hf(a.llama_src, lm, RESULTS.parent / "cache" / f"{lm.name}-bf16.gguf")
+        llama_info = {"build": lc.build_commit(a.llama_dir, path), "drafter_gguf": None if draft_gguf is None
+                      else f"{lm.name} converted by convert_hf_to_gguf.py (bf16)"}
+
+        def lrun(fn):
+            return lambda i, temp: fn(texts[i], temp)
+
+        llama["llama.cpp plain (Q4_1)"] = lrun(lambda t, temp: lc.plain(a.llama_dir, path, t, a.new_tokens, a.threads)
+                                              if temp == 0 else None)
+        if draft_gguf is not None:
+            for k in (PINNED_K, 3):
+                llama[f"llama.cpp speculative (smollm2-lm) K={k}"] = lrun(
+                    lambda t, temp, k=k: lc.speculative(a.llama_dir, path, draft_gguf, t, a.new_tokens, temp, k,
+                                                        a.threads))
+        llama["llama.cpp lookup (n-gram)"] = lrun(lambda t, temp: lc.lookup(a.llama_dir, path, t, a.new_tokens, temp,
+                                                                             PINNED_K, a.threads))
+        llama = {n: f for n, f in llama.items() if keep(n)}
 
     results = {}
     for temp in [float(t) for t in a.temperatures.split(",")]:
@@ -114,43 +158,68 @@ def main() -> None:
         if temp > 0:
             hf_common.update(temperature=temp, top_k=0, top_p=1.0)
 
-        def run_hf(kw, x):
-            x = torch.tensor([x])
+        def run(n, i):
+            """-> {tokens, e2e_s, decode_s (None: not measured), out, drafted, accepted} for prompt i."""
+            if n in llama:
+                r = llama[n](i, temp)
+                return None if r is None else {"tokens": r.tokens, "e2e_s": r.encode_s + r.decode_s,
+                                               "decode_s": r.decode_s, "decode_tokens": r.tokens,
+                                               "drafted": r.drafted, "accepted": r.accepted}
+            t0 = time.perf_counter()
+            if n in ours:
+                o = ours[n].generate([ids[i]], params)[0]
+                dt, m = time.perf_counter() - t0, o.metrics
+                return {"tokens": len(o.token_ids), "e2e_s": dt, "out": o,
+                        "decode_s": m["finish_time"] - m["first_token_time"], "decode_tokens": len(o.token_ids) - 1}
+            x = torch.tensor([ids[i]])
             with torch.inference_mode():
-                return hf_t.generate(x, attention_mask=torch.ones_like(x), **hf_common, **kw)[0, x.shape[1]:].tolist()
+                out = hf_t.generate(x, attention_mask=torch.ones_like(x), **hf_common, **hf[n])[0, x.shape[1]:]
+            return {"tokens": len(out), "e2e_s": time.perf_counter() - t0, "decode_s": None}
 
-        names = list(ours) + list(hf)
-        times = {n: [[] for _ in ids] for n in names}
-        outs = {n: [None] * len(ids) for n in names}
-        for rep in range(a.repeats + 1):
-            for i, x in enumerate(ids):
+        names = list(ours) + list(hf) + list(llama)
+        recs = {n: [[] for _ in ids] for n in names}
+        for rep in range(a.repeats + 1):  # A B C A B C ...; round 0 warms up and is not recorded
+            for i in range(len(ids)):
                 for n in names:
                     torch.manual_seed(1000 * rep + i)
-                    t0 = time.perf_counter()
-                    o = ours[n].generate([x], params)[0] if n in ours else run_hf(hf[n], x)
-                    dt = time.perf_counter() - t0
-                    if rep:
-                        times[n][i].append(dt)
-                        outs[n][i] = o
+                    r = run(n, i)
+                    if rep and r is not None:
+                        recs[n][i].append(r)
         rows = {}
         for n in names:
-            toks = [len(o.token_ids) if n in ours else len(o) for o in outs[n]]
-            row = {"tok_s": sum(toks) / sum(statistics.median(t) for t in times[n]), "tokens": sum(toks),
+            if not all(recs[n]):  # a variant that does not run at this temperature (llama-simple: greedy only)
+                continue
+            med = lambda key, i: statistics.median(r[key] for r in recs[n][i])  # noqa: E731
+            toks = [recs[n][i][-1]["tokens"] for i in range(len(ids))]
+            row = {"tok_s": sum(toks) / sum(med("e2e_s", i) for i in range(len(ids))), "tokens": sum(toks),
                    "per_kind_tok_s": {k: sum(t for t, (kk, _) in zip(toks, chosen) if kk == k)
-                                      / sum(statistics.median(t) for t, (kk, _) in zip(times[n], chosen) if kk == k)
+                                      / sum(med("e2e_s", i) for i, (kk, _) in enumerate(chosen) if kk == k)
                                       for k in ("chat", "code")}}
+            if recs[n][0][0]["decode_s"] is not None:
+                row["decode_tok_s"] = sum(recs[n][i][-1]["decode_tokens"] for i in range(len(ids))) / sum(
+                    med("decode_s", i) for i in range(len(ids)))
+            outs = [recs[n][i][-1].get("out") for i in range(len(ids))]
             if n in ours and ours[n].engine.decoder is not None:
-                row.update(position_stats(outs[n]))
+                row.update(position_stats(outs))
                 for k in ("chat", "code"):
-                    row[f"{k}_alpha"] = position_stats([o for o, (kk, _) in zip(outs[n], chosen) if kk == k])["alpha"]
+                    row[f"{k}_alpha"] = position_stats([o for o, (kk, _) in zip(outs, chosen) if kk == k])["alpha"]
+            if n in llama and recs[n][0][0].get("drafted") is not None:
+                drafted = sum(r["drafted"] or 0 for rs in recs[n] for r in rs)
+                row["acceptance_rate"] = sum(r["accepted"] or 0 for rs in recs[n] for r in rs) / drafted \
+                    if drafted else None
             if temp == 0 and n in ours:
-                row["same_as_ours_AR"] = [o.token_ids for o in outs[n]] == [o.token_ids for o in outs["ours AR"]]
+                row["same_as_ours_AR"] = [o.token_ids for o in outs] == \
+                    [recs["ours AR"][i][-1]["out"].token_ids for i in range(len(ids))]
             rows[n] = row
-        base = rows["ours AR"]["tok_s"]
+        base = rows["ours AR"]
         for r in rows.values():
-            r["speedup_vs_ours_AR"] = r["tok_s"] / base
+            r["speedup_vs_ours_AR"] = r["tok_s"] / base["tok_s"]
+            if "decode_tok_s" in r:
+                r["decode_speedup_vs_ours_AR"] = r["decode_tok_s"] / base["decode_tok_s"]
         for kind in [k for k in KINDS if k in drafters]:  # Leviathan's prediction at the pinned K, per drafter
             name = drafters[kind].name
+            if f"ours + {name} (defaults)" not in ours or f"ours + {name} K={PINNED_K}" not in rows:
+                continue
             costs = getattr(ours[f"ours + {name} (defaults)"].engine.decoder.spec_length, "costs", None)
             pinned = rows[f"ours + {name} K={PINNED_K}"]
             if costs is not None and pinned.get("alpha") is not None:
@@ -159,9 +228,15 @@ def main() -> None:
                 results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {"c": c, "v": v}
                 pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, c, v)
         results[str(temp)] = rows
-    res = {"machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)", "settings": S,
+    if a.llama_dir is not None:  # llama.cpp's fastest plain configuration: llama-bench tg of each GGUF
+        import llama_cpp as lc
+
+        results["llama_bench_tg"] = {p.name: lc.bench_tg(a.llama_dir, p, a.new_tokens, a.threads)
+                                     for p in [path, *a.llama_gguf]}
+    res = {"machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF, its own Q4_1 blocks)", "settings": S,
            "drafters": {k: str(d.relative_to(Path(__file__).resolve().parents[1])) for k, d in drafters.items()},
-           "pinned_k": PINNED_K,
+           "defaults": {k: (Path(v).name if k == "draft_model" else v) for k, v in real_model_speculation().items()},
+           "pinned_k": PINNED_K, "llama_cpp": llama_info or None,
            "prompts": [{"kind": k, "source": p["source"]} for k, p in chosen], "new_tokens": a.new_tokens,
            "repeats": a.repeats, "results": results,
            "transformers_dtype": None if a.no_hf else "float32 (its fastest for this GGUF)"}
@@ -173,40 +248,47 @@ def main() -> None:
 
 def render(res: dict) -> str:
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-    md = ["## SmolLM2-135M-Instruct with trained drafters (issue 16)", "",
+    llama = res.get("llama_cpp") or {}
+    md = ["## SmolLM2-135M-Instruct with trained drafters (issues 16, 33)", "",
           f"`python benchmarks/drafters.py` ({res['machine']['cpu']}, {res['machine']['cores']} cores, "
           f"{res['machine']['date']}). Target: {res['model']}, {res['settings']}; {len(res['prompts'])} held-out "
           f"prompts (half chat, half code, never seen in drafter training), one request at a time, "
-          f"{res['new_tokens']} new tokens at most, {res['repeats']} interleaved rounds, per prompt the median; "
-          "tokens/s end to end (prefill included). alpha = accepted / judged drafts; per position conditional on "
-          "the positions before it; c = draft step / target decode step; prediction = Leviathan's "
-          "(1 - a^(K+1)) / ((1 - a)(Kc + v)), v = verify of K+1 tokens / decode step. transformers "
-          f"{_hf_version()}: {res.get('transformers_dtype')}.", ""]
+          f"{res['new_tokens']} new tokens at most, {res['repeats']} interleaved rounds, per prompt the median. "
+          "tok/s end to end (prefill included); decode tok/s from the first token to the last (llama.cpp: its "
+          "\"decoded\" time; what llama-bench's tg measures). \"ours defaults\" is what `infer chat` runs: "
+          f"{res.get('defaults')}. alpha = accepted / judged drafts; per position conditional on the positions "
+          "before it; c = draft step / target decode step; prediction = Leviathan's (1 - a^(K+1)) / ((1 - a)(Kc + "
+          "v)), v = verify of K+1 tokens / decode step. transformers "
+          f"{_hf_version()}: {res.get('transformers_dtype')}. llama.cpp: "
+          f"{llama.get('build') or 'not run'}{'; drafter: ' + llama['drafter_gguf'] if llama.get('drafter_gguf') else ''}"
+          " (llama.cpp's acceptance column is its own n_accept / n_drafted).", ""]
     for temp, rows in res["results"].items():
-        if temp == "model_costs":
+        if temp in ("model_costs", "llama_bench_tg"):
             continue
         md += [f"**temperature {temp}**", "",
-               "| variant | tok/s | vs ours AR | chat / code tok/s | alpha (chat / code) | alpha per position "
-               "| tokens / target forward | predicted | same tokens as AR* |", "|---|---|---|---|---|---|---|---|---|"]
+               "| variant | tok/s | vs ours AR | decode tok/s | vs ours AR | chat / code tok/s | alpha (chat / code) "
+               "| alpha per position | tokens / target forward | predicted | same tokens as AR |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, r in rows.items():
             pk = r["per_kind_tok_s"]
             pos = " ".join(f(x) for x in (r.get("alpha_per_position") or [])[:6])
-            md.append(f"| {n} | {r['tok_s']:.1f} | {r['speedup_vs_ours_AR']:.2f}x | {pk['chat']:.1f} / "
-                      f"{pk['code']:.1f} | {f(r.get('alpha'))} ({f(r.get('chat_alpha'))} / {f(r.get('code_alpha'))}) "
-                      f"| {pos or '-'} | {f(r.get('mean_accepted_length'))} | "
-                      f"{f(r.get('leviathan_predicted_speedup'))} | {r.get('same_as_ours_AR', '-')} |")
+            alpha = f"{f(r.get('alpha'))} ({f(r.get('chat_alpha'))} / {f(r.get('code_alpha'))})" if "alpha" in r \
+                else (f"accept {f(r['acceptance_rate'])}" if r.get("acceptance_rate") is not None else "-")
+            md.append(f"| {n} | {r['tok_s']:.1f} | {r['speedup_vs_ours_AR']:.2f}x | {f(r.get('decode_tok_s'), 1)} | "
+                      f"{f(r.get('decode_speedup_vs_ours_AR'))}{'x' if 'decode_speedup_vs_ours_AR' in r else ''} | "
+                      f"{pk['chat']:.1f} / {pk['code']:.1f} | {alpha} | {pos or '-'} | "
+                      f"{f(r.get('mean_accepted_length'))} | {f(r.get('leviathan_predicted_speedup'))} | "
+                      f"{r.get('same_as_ours_AR', '-')} |")
         mc = res["results"].get("model_costs", {}).get(temp)
         if mc:
             mc = mc if "c" not in mc else {"smollm2-lm": mc}  # results of the one-drafter version
             md += ["", "; ".join(f"{n}: c = {x['c']:.3f}, v = {x['v']:.2f}" for n, x in mc.items())
                    + f" (K = {res['pinned_k']})"]
         md.append("")
-    md += ["*In bfloat16 a speculating engine's compiled steps emulate the precision casts of eager mode (exact "
-           "casts, so a verify of K+1 tokens rounds as K+1 decode steps would) and a plain engine's do not (10% "
-           "faster): greedy outputs can part at a near-tie even where no round drafted (the n-gram engine at K = 0 "
-           "throughout; checked on these prompts: each parting is at a position where the two top logits tie or lie "
-           "one bfloat16 step apart, in one engine or the other). Greedy parity is tested in float32 (tests/test_drafters.py) and, for the same compiled "
-           "graphs, in tests/test_compile.py.", ""]
+    tg = res["results"].get("llama_bench_tg")
+    if tg:
+        md += ["llama.cpp plain decoding, `llama-bench -p 0 -n N` (tg): " + ", ".join(
+            f"{name} {v:.1f} tok/s" for name, v in tg.items()) + ".", ""]
     md.append("![drafters](../benchmarks/results/drafters.png)")
     return "\n".join(md)
 
@@ -226,14 +308,14 @@ def plot(res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    temps = [t for t in res["results"] if t != "model_costs"]
+    temps = [t for t in res["results"] if t not in ("model_costs", "llama_bench_tg")]
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
     for ax, t in zip(axes[0], temps):
         rows = res["results"][t]
         names = list(rows)
         ax.barh(names, [rows[n]["speedup_vs_ours_AR"] for n in names],
-                color=["tab:gray" if n == "ours AR" else "tab:blue" if n.startswith("ours") else "tab:orange"
-                       for n in names])
+                color=["tab:gray" if n == "ours AR" else "tab:blue" if n.startswith("ours") else
+                       "tab:green" if n.startswith("llama.cpp") else "tab:orange" for n in names])
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_title(f"SmolLM2-135M, temperature {t}")
         ax.set_xlabel("tokens/s vs ours AR (same dtype and quantization)")

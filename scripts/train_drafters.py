@@ -4,6 +4,7 @@
     python scripts/train_drafters.py lm [--minutes 52]  # the distilled small LM  -> src/infer/drafters/smollm2-lm
     python scripts/train_drafters.py eagle              # the EAGLE-style head    -> src/infer/drafters/smollm2-eagle
     python scripts/train_drafters.py medusa             # Medusa-style heads      -> src/infer/drafters/smollm2-medusa
+    python scripts/train_drafters.py eagle3             # the EAGLE-3 head        -> src/infer/drafters/smollm2-eagle3
 
 Kinds (one subcommand each; every stage is resumable: a checkpoint in WORK is picked up where it stopped, and
 batches come from a generator seeded by (seed, step), so a resumed run sees the batches an uninterrupted one would):
@@ -15,7 +16,8 @@ batches come from a generator seeded by (seed, step), so a resumed run sees the 
           run time) and, on one position in eight, over the whole vocabulary, so that it stays a proper language
           model for transformers' assisted generation.
   eagle   the heads that draft from the target's hidden states (scripts/train_heads.py, which says how they
-  medusa  are trained): they need the data's ``features`` stage as well.
+  medusa  are trained): they need the data's ``features`` stage as well (eagle3: its ``layers`` stage).
+  eagle3
 
 Training runs float32 on the CPU (bf16 matmuls are slower than f32 on AVX2 machines without AVX512-BF16) and is
 bounded by wall time (--minutes) as well as steps. The export is bfloat16 safetensors in Hugging Face's Llama
@@ -297,6 +299,7 @@ DEFAULTS = {  # kind -> the shipped run's settings (steps sized to what the minu
     "lm": dict(steps=4200, minutes=52, batch=16, lr=3e-3, eval_every=200),
     "eagle": dict(steps=1500, minutes=24, batch=8, lr=1e-3, eval_every=100),
     "medusa": dict(steps=1200, minutes=10, batch=8, lr=1e-3, eval_every=100),
+    "eagle3": dict(steps=3000, minutes=150, batch=8, lr=1e-3, eval_every=200),
 }
 
 
@@ -316,6 +319,10 @@ def main(argv=None):
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.kind == "lm":
         run_lm(args)
+    elif args.kind == "eagle3":
+        from train_heads import run_eagle3
+
+        run_eagle3(args)
     else:
         from train_heads import run_heads
 

@@ -1,8 +1,11 @@
-"""Train the heads that draft from SmolLM2's hidden states (an EAGLE-style head, Medusa-style heads) and ship them.
+"""Train the heads that draft from SmolLM2's hidden states (EAGLE-style and EAGLE-3 heads, Medusa-style heads) and ship
+them.
 
     python scripts/drafter_data.py --stages features   # the target's hidden states on its own answers
     python scripts/train_drafters.py eagle [--minutes 24]   -> src/infer/drafters/smollm2-eagle
     python scripts/train_drafters.py medusa [--minutes 10]  -> src/infer/drafters/smollm2-medusa
+    python scripts/drafter_data.py --stages layers     # EAGLE-3: the target's captured layers (AUX_LAYERS)
+    python scripts/train_drafters.py eagle3 [--minutes 120] -> src/infer/drafters/smollm2-eagle3
 
 Both are distilled on the target's own distributions, computed exactly from its stored final-norm states f_i
 (p_i = softmax(W f_i) over the draft vocabulary, W the target's LM head rows), so no top-k truncation:
@@ -13,6 +16,14 @@ Both are distilled on the target's own distributions, computed exactly from its 
           both passes' losses count. The layer's final norm starts as the target's.
   medusa  head k on f_i -> KL(p_{i+k} || q_k) for k = 1..4 (p_{i+k} is the target's law of x_{i+1+k}); each head's
           residual block starts at zero, i.e. as the target's own next-token head.
+
+  eagle3  (model.draft_heads.Eagle3Head) entries (x_{i+1}, fc(layers 1, 14, 26 at i)) -> o_i, scored by its own head
+          over the draft vocabulary: forward KL to the target's top-20 at i+1 (stored by the answers stage, as the
+          engine served the target: exact up to the top-20 truncation). Training-time test over TTT_STEPS steps
+          (Eagle3Head.unroll: step s feeds each entry the output of step s-1, attending as a draft step attends to
+          its cache), step s's loss weighted STEP_DECAY^s; steps >= 1 only at entries whose continuation lies in
+          the answer. Its head starts as the target's embedding rows of the draft vocabulary, its norm as the
+          target's final norm.
 
 Supervised positions are the answers' (what drafting meets); the EAGLE layer attends over the prompt too. Training
 is float32 on the CPU, bounded by --minutes (resumable through scripts/train_drafters.train_loop).
@@ -29,13 +40,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from infer.model.draft_heads import EagleHead, MedusaHeads, save_heads
+from infer.model.draft_heads import Eagle3Head, EagleHead, MedusaHeads, save_heads
 from infer.model.loader import load_model
-from train_drafters import DRAFTERS, MAXLEN, split, train_loop
+from train_drafters import DRAFTERS, MAXLEN, split, teacher_probs, token_counts, train_loop
 
 LM_DIR = DRAFTERS / "smollm2-lm"  # its draft vocabulary (ranked on the same answers) serves the heads too
 MEDUSA_HEADS = 4
 REG_WEIGHT = 0.2
+TTT_STEPS = 3  # draft steps the EAGLE-3 head is trained over (its first three drafts; later ones reuse the third's)
+STEP_DECAY = 0.8  # EAGLE-3's weight of step s's loss: 0.8^s
 
 
 def load_items(work: Path) -> list[dict]:
@@ -184,6 +197,163 @@ config.json (`infer_drafter.kind = "{args.kind}"`).
   {'pass 1 = the first draft, pass 2 = later drafts' if args.kind == 'eagle' else 'per head k'}: {per}.
   Acceptance per draft position on held-out prompts: docs/benchmarks.md (benchmarks/drafters.py).
 - Draft vocabulary: draft_vocab.json, the same ranking as smollm2-lm's.
+"""
+    (out / "README.md").write_text(card)
+    (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": len(log), "kept_step": kept,
+                                                       "final": final,
+                                                       "evals": [e for e in log if "eval" in e]}) + "\n")
+    print(f"exported {out}: {final}", file=sys.stderr)
+
+
+# -- EAGLE-3 --------------------------------------------------------------------------------------------------------
+def load_items3(work: Path) -> list[dict]:
+    """Conversations with the target's captured layers: ``ids`` [T] (prompt + answer less its last token, cut to
+    MAXLEN from the left), ``aux`` bf16 [T, 3H] (memory-mapped), ``first`` (the first position whose next token is
+    an answer token; < 0 when the cut took the prompt), the teacher's ``top_ids`` / ``top_logp`` [A, 20] and the
+    ``answer`` tokens."""
+    rows = [json.loads(line) for line in (work / "answers.jsonl").open()]
+    shards = sorted(work.glob("layers-*.pt"))
+    if not shards:
+        raise SystemExit(f"no {work}/layers-*.pt: run scripts/drafter_data.py --stages layers first")
+    items = []
+    for shard in shards:
+        for i, aux in torch.load(shard, mmap=True).items():
+            r = rows[i]
+            if len(r["answer_ids"]) < 2:
+                continue
+            ids = r["prompt_ids"] + r["answer_ids"][:-1]
+            cut = max(0, len(ids) - MAXLEN)
+            items.append({"ids": torch.tensor(ids[cut:]), "aux": aux[cut:], "first": len(r["prompt_ids"]) - 1 - cut,
+                          "top_ids": torch.tensor(r["top_ids"], dtype=torch.int32),
+                          "top_logp": torch.tensor(r["top_logp"], dtype=torch.float16),
+                          "answer": torch.tensor(r["answer_ids"]), "index": i})
+    items.sort(key=lambda it: it["index"])
+    return items
+
+
+def collate3(batch: list[dict]):
+    """-> ids [B, T], aux float32 [B, T, 3H], teach [B, T] (row of the teacher arrays for the token after each
+    position, -1 where it is not an answer token or lies past the row), top_ids [N, 20], top_logp [N, 20]."""
+    T = max(len(b["ids"]) for b in batch)
+    ids = torch.stack([F.pad(b["ids"], (0, T - len(b["ids"]))) for b in batch])
+    aux = torch.stack([F.pad(b["aux"].float(), (0, 0, 0, T - len(b["ids"]))) for b in batch])
+    teach = torch.full((len(batch), T), -1, dtype=torch.long)
+    off = 0
+    for r, b in enumerate(batch):
+        A, L = len(b["top_ids"]), len(b["ids"])
+        p = torch.arange(max(0, b["first"]), min(L, b["first"] + A))  # positions whose next token is answer p-first
+        teach[r, p] = off + p - b["first"]
+        off += A
+    return ids, aux, teach, torch.cat([b["top_ids"] for b in batch]).long(), torch.cat([b["top_logp"] for b in batch])
+
+
+def soft_ce(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor, sub_index: torch.Tensor):
+    """Forward KL (up to the teacher's entropy) to the teacher's top-20 renormalised over the draft vocabulary:
+    logits [n, N] over it, top_* [n, 20] -> (loss, overlap [n] = sum min(p, q) over the top-20, top1 [n])."""
+    p = teacher_probs(top_logp)
+    col = sub_index[top_ids]  # [n, 20], -1 outside the draft vocabulary
+    p_in = p * (col >= 0)
+    p_in = p_in / p_in.sum(-1, keepdim=True).clamp_min(1e-9)
+    logq = torch.log_softmax(logits, -1)
+    lq = logq.gather(1, col.clamp_min(0))
+    loss = -(p_in * lq).sum(-1).mean()
+    with torch.no_grad():
+        overlap = torch.minimum(p, lq.exp() * (col >= 0)).sum(-1)
+        top1 = (logq.argmax(-1) == col[:, 0]).float()
+    return loss, overlap, top1
+
+
+def eagle3_losses(head: Eagle3Head, embed, sub_index, batch, steps: int = TTT_STEPS):
+    ids, aux, teach, top_ids, top_logp = collate3(batch)
+    T = ids.shape[1]
+    # steps >= 1 at entries i whose continuation x_{i+2} .. x_{i+1+steps} is all answer (teacher at i+1 .. i+steps)
+    ok = (teach[:, 1:T - steps + 1] >= 0) & (teach[:, steps:] >= 0) if T > steps else teach[:, :0] >= 0
+    select = ok.nonzero()
+    out0, outs, _ = head.unroll(ids, aux, steps, select=select, embed=embed)
+    stats, total = {}, 0.0
+    m0 = teach[:, 1:] >= 0  # o_0[i] predicts the token after position i + 1
+    rows = teach[:, 1:][m0]
+    loss, ov, t1 = soft_ce(head.draft_logits(out0[m0]), top_ids[rows], top_logp[rows], sub_index)
+    total, stats["overlap1"], stats["top1_1"] = loss, ov, t1
+    for s, o in enumerate(outs, start=1):  # o_s[(b, i)] predicts the token after position i + 1 + s
+        rows = teach[select[:, 0], select[:, 1] + 1 + s]
+        loss, ov, t1 = soft_ce(head.draft_logits(o), top_ids[rows], top_logp[rows], sub_index)
+        total = total + STEP_DECAY ** s * loss
+        stats[f"overlap{s + 1}"], stats[f"top1_{s + 1}"] = ov, t1
+    return total, stats
+
+
+def run_eagle3(args):
+    from infer.demo import real_model_path
+    from drafter_data import AUX_LAYERS
+
+    items = load_items3(args.work)
+    train, val = split(items)
+    target = load_model(real_model_path(), dtype="float32")
+    V = target.config.vocab_size
+    counts = token_counts(train, V)
+    subset = torch.unique(torch.cat([torch.argsort(counts, descending=True)[: args.subset],
+                                     torch.tensor(target.config.eos_token_ids)]))  # ascending
+    sub_index = torch.full((V,), -1, dtype=torch.long)
+    sub_index[subset] = torch.arange(len(subset))
+    embed = target.embed_tokens.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist())
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head_weight[subset])  # starts as the target's own rows
+        head.norm.weight.copy_(target.norm.weight)
+    n_tok = sum(len(it["top_ids"]) for it in train)
+    print(f"eagle3: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, {len(train)} conversations "
+          f"({n_tok} answer positions) train, {len(val)} validate, draft vocabulary {len(subset)}", file=sys.stderr)
+
+    def step_fn(step):
+        loss, stats = eagle3_losses(head, embed, sub_index,
+                                    random.Random(args.seed * 1_000_003 + step).sample(train, args.batch))
+        return loss, {k: float(v.mean()) for k, v in stats.items() if k in ("top1_1", "top1_2", "top1_3")}
+
+    def eval_fn():
+        acc: dict[str, list] = {}
+        with torch.no_grad():
+            for i in range(0, len(val), 8):
+                for k, v in eagle3_losses(head, embed, sub_index, val[i:i + 8])[1].items():
+                    acc.setdefault(k, []).append(v)
+        out = {k: round(float(torch.cat(v).mean()), 4) for k, v in acc.items()}
+        out["overlap"] = round(sum(v for k, v in out.items() if k.startswith("overlap")) / (len(out) / 2), 4)
+        return out
+
+    log, seconds, kept = train_loop("eagle3", head, step_fn, eval_fn, args.work, args.steps, args.minutes, args.lr,
+                                    args.seed, eval_every=args.eval_every)
+    final = eval_fn()
+    export3(head, args, final, log, seconds, kept, len(train), n_tok, len(subset))
+
+
+def export3(head, args, final, log, seconds, kept, n_conv, n_tok, n_sub):
+    out = args.out or DRAFTERS / "smollm2-eagle3"
+    save_heads(head, out, extra={"target": "SmolLM2-135M-Instruct"})
+    n = sum(p.numel() for p in head.parameters())
+    per = "; ".join(f"{k} {v:.3f}" for k, v in final.items() if k != "overlap")
+    card = f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
+
+{n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP 1536) whose attention reads
+[norm(embed(x_{{i+1}})); norm(h_i)], h_i = fc(the target's layers {list(head.aux_layers)} at i) for true entries and
+the layer's own previous output when drafting, and its own head over a {n_sub}-token draft vocabulary (model.draft_heads.Eagle3Head). The target's embedding is borrowed (not shipped).
+`LLM(model, draft_model=<this directory>)`; the kind is recorded in config.json (`infer_drafter.kind = "eagle3"`).
+
+- Data: scripts/drafter_data.py (issue 33): SmolLM2's own answers (its Q4_1 blocks, bf16), at temperature 0.7 and
+  greedy, to {n_conv} training conversations; the outputs of its layers {list(head.aux_layers)} at every position
+  (stage `layers`, teacher forcing, the same Q4_1 model); {n_tok} answer positions supervise, with the target's
+  top-20 next-token law as the engine reported it.
+- Training: scripts/train_drafters.py eagle3 (scripts/train_heads.py): forward KL to the target's top-20
+  (renormalised over the draft vocabulary), training-time test over {TTT_STEPS} draft steps (step s from the outputs of
+  step s-1, weighted {STEP_DECAY}^s); AdamW, peak lr {args.lr}, batch {args.batch} conversations, {len(log)} steps,
+  {seconds / 60:.0f} min wall time on 2 CPU cores (float32); the weights shipped are those of step {kept}, the best
+  validation.
+- Validation (held-back conversations, teacher forcing, step s = draft s): sum over the top-20 of min(p, q) and
+  top-1 agreement with the target: {per}.
+  Acceptance per draft position on held-out prompts: docs/benchmarks.md (benchmarks/drafters.py).
 """
     (out / "README.md").write_text(card)
     (out / "training_log.json").write_text(json.dumps({"seconds": seconds, "steps": len(log), "kept_step": kept,

@@ -1,5 +1,5 @@
-"""Drafters that draft from the target's hidden states (EAGLE-style head, Medusa-style heads): the feature store's
-bookkeeping, greedy parity on both KV backends with pinned and auto K (alone, in a hybrid, in a batch that
+"""Drafters that draft from the target's hidden states (EAGLE-style head, EAGLE-3 head, Medusa-style heads): the feature
+store's bookkeeping, greedy parity on both KV backends with pinned and auto K (alone, in a hybrid, in a batch that
 preempts), the exact joint law under sampling through the batched engine (and a lossy rule caught with the same
 drafter), and a shipped head's directory round trip through ``LLM(draft_model=...)``."""
 
@@ -21,7 +21,7 @@ from infer.testing import random_heads, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
-KINDS = ["eagle", "medusa"]
+KINDS = ["eagle", "eagle3", "medusa"]
 
 
 def test_feature_store_keeps_positions_in_order():
@@ -116,7 +116,7 @@ def test_a_saved_head_loads_by_kind_and_stays_lossless(gqa_dir, tmp_path, kind):
     head = random_heads(target, kind, seed=5)
     save_heads(head, tmp_path / kind, dtype=torch.float32)
     loaded = load_heads(tmp_path / kind, target)
-    f = torch.randn(3, target.config.hidden_size)
+    f = torch.randn(3, head.feature_width if kind == "eagle3" else target.config.hidden_size)
     if kind == "medusa":
         assert torch.equal(loaded(f, 2), head(f, 2))
     else:
@@ -127,8 +127,39 @@ def test_a_saved_head_loads_by_kind_and_stays_lossless(gqa_dir, tmp_path, kind):
     prompts = [[3, 17, 42, 99], [250, 8]]
     want = [o.token_ids for o in LLM(gqa_dir).generate(prompts, params)]
     spec = LLM(gqa_dir, draft_model=tmp_path / kind, spec_length=3)
-    assert type(spec.engine.decoder.proposer).__name__.lower().startswith(kind)
+    assert type(spec.engine.decoder.proposer).__name__.lower().startswith(kind.rstrip("3"))
+    assert getattr(spec.engine.decoder.proposer, "head", head).kind == kind
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     other = random_llama(V, seed=0)  # hidden size 32, not the checkpoint's: refused by name
     with pytest.raises(ValueError, match="hidden size"):
         load_heads(tmp_path / kind, other)
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_eagle3_training_unroll_equals_cached_drafting(backend):
+    """Eagle3Head.unroll (the training-time test the head is trained with) computes what drafting computes: step 0
+    as the causal forward over true entries, step s as the s-th draft step over a KV pool holding the true entries
+    and the drafts before it, when each draft is the true next token."""
+    from infer.cache.paged import PagedKVCachePool
+    from infer.cache.slotted import SlottedKVCache
+
+    target = random_llama(64, seed=0)
+    head = random_heads(target, "eagle3", seed=3)
+    L, S, H = 9, 3, target.config.hidden_size
+    tokens = torch.randint(0, 64, (2, L + S + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        aux = target(tokens)[..., H:]  # the captured layers follow the final state
+        out0, outs, _ = head.unroll(tokens, aux, S, select=torch.tensor([[1, L - 2]]))
+        assert torch.allclose(out0, head(tokens[:, 1:], aux[:, :-1], torch.arange(tokens.shape[1] - 1)[None]),
+                              atol=1e-5)
+        c = head.config
+        pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64) if backend == "slotted" else \
+            PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 16, 4)
+        slot = pool.allocate(L + S)
+        meta = pool.prepare([slot], [L - 1])
+        prev = head(tokens[1:, 1:L], aux[1:, :L - 1], meta.positions, pool, meta)[:, -1:]
+        assert torch.allclose(prev[0, 0], out0[1, L - 2], atol=1e-5)
+        for s in range(1, S):  # draft entry s: the true token x_{L-1+s}, the step before's output, position L-2+s
+            meta = pool.prepare([slot], [1])
+            prev = head(tokens[1:, L - 1 + s: L + s], prev, meta.positions, pool, meta)
+            assert torch.allclose(prev[0, 0], outs[s - 1][0], atol=1e-5), s

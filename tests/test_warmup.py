@@ -118,14 +118,16 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="eager = comp
 def held_warmup(monkeypatch):
     """Each warm-up stage waits for ``release()`` before it runs: the test decides how far the compiling got."""
     gate, entered = threading.Semaphore(0), threading.Semaphore(0)
-    real = warmup.run_steps
 
-    def held(*args, **kw):
-        entered.release()
-        gate.acquire()
-        return real(*args, **kw)
+    def holding(real):
+        def held(*args, **kw):
+            entered.release()
+            gate.acquire()
+            return real(*args, **kw)
+        return held
 
-    monkeypatch.setattr(warmup, "run_steps", held)
+    monkeypatch.setattr(warmup, "run_steps", holding(warmup.run_steps))
+    monkeypatch.setattr(warmup, "run_draft_steps", holding(warmup.run_draft_steps))  # a compiled drafter's stage
 
     class Control:
         def wait_entered(self):
@@ -189,13 +191,15 @@ def test_compiling_in_the_foreground_is_still_there(gqa_dir):
 def test_the_warmup_stages_follow_need():
     stages = [what for what, _ in warmup.warmup_stages(k_max=4, tree=False, max_batch=8)]
     assert stages[0] == "the decode step" and stages[1].startswith("verify") and stages[2].startswith("batched")
+    stages = [what for what, _ in warmup.warmup_stages(k_max=4, tree=False, max_batch=8, draft=True)]
+    assert stages[1].startswith("verify") and stages[2] == "the drafter's steps" and stages[3].startswith("batched")
     assert [what for what, _ in warmup.warmup_stages(k_max=0, tree=False, max_batch=1)] == ["the decode step"]
 
 
 @needs_kernels
 def test_a_second_engine_over_the_same_compiled_model_still_gets_a_cost_model(gqa_dir):
-    """The graphs of a model are built once (CompiledSteps.warmed): a second engine over it skips the warm-up but
-    must still profile (its drafter is another object, and a loaded model has no file to key a stored profile by)."""
+    """The graphs of a model are built once (CompiledSteps.warmed): a second engine over it builds only its own
+    drafter's (another object), and must still profile (a loaded model has no file to key a stored profile by)."""
     from infer.engine.config import EngineConfig
     from infer.engine.engine import Engine
     from infer.model.loader import load_model
@@ -203,8 +207,8 @@ def test_a_second_engine_over_the_same_compiled_model_still_gets_a_cost_model(gq
     target = load_model(gqa_dir)
     engines = [Engine(EngineConfig(model="target", draft_model="drafter", compile=True, max_batch_size=1),
                       model=target, draft_model=load_model(gqa_dir)) for _ in range(2)]
-    assert engines[0].warmup is not None and engines[1].warmup is None
-    assert engines[1].decoder.ready and engines[1].decoder.spec_length.costs is not None
+    assert engines[0].warmup is not None and [w for w, _ in engines[1].warmup.stages] == ["the drafter's steps"]
+    assert engines[1].wait_until_ready(timeout=600) and engines[1].decoder.spec_length.costs is not None
     assert engines[0].wait_until_ready(timeout=600) and engines[0].decoder.spec_length.costs is not None
 
 

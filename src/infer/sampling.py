@@ -198,20 +198,26 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None], greedy: list[bool] | None = None) -> torch.Tensor:
-    """Draw one token per row of ``probs`` [N, V] -> [N] long, each row from its own generator.
-
-    Exponential race: argmax_x p(x) / E_x with E_x ~ Exp(1) i.i.d. is distributed exactly as p (the Gumbel-max
-    trick in another guise); zero-probability tokens can never win. Greedy rows take the argmax, drawing nothing.
-    """
+    """Draw one token per row of ``probs`` [N, V] -> [N] long, each row from its own generator (one uniform a row);
+    greedy rows take the argmax, drawing nothing."""
     N = probs.shape[0]
     greedy = greedy or [False] * N
     if all(greedy):
         return argmax(probs)
-    noise = torch.empty_like(probs)
+    u = torch.zeros(N, dtype=torch.float64, device=probs.device)
     for i in range(N):
-        if greedy[i]:
-            noise[i] = 1.0
-        else:
-            noise[i].exponential_(1.0, generator=generators[i])
-    noise.clamp_(min=1e-30)  # Exp(1) can return exactly 0; 0/0 would poison the argmax
-    return argmax(probs / noise)
+        if not greedy[i]:
+            u[i] = torch.rand((), dtype=torch.float64, generator=generators[i], device=probs.device)
+    drawn = inverse_cdf(probs, u)
+    return torch.where(torch.as_tensor(greedy, device=probs.device), argmax(probs), drawn) if any(greedy) else drawn
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (unnormalised is fine), u [N] uniforms in [0, 1) -> [N] long: the first token whose cumulative
+    probability exceeds u x the row's total, i.e. a draw from the row's law. Cumulated in float64, so the law is
+    the float32 one to ~1e-16. A zero-probability token is never drawn: its cumulative value equals its
+    predecessor's. One uniform a row instead of an exponential race over the vocabulary (argmax p / Exp(1): V
+    draws, ~1.1 ms a row for SmolLM2's 49,152 tokens on this CPU, against ~0.1 ms)."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    target = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

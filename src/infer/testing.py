@@ -156,11 +156,17 @@ def random_llama(vocab_size: int = 8, seed: int = 0, noise_from: int | None = No
 
 
 def random_heads(target, kind: str, seed: int = 0, **kw):
-    """An EAGLE-style or Medusa-style head with random weights for ``target`` (model.draft_heads), attached to it: a
-    poor but legitimate drafter, for losslessness tests of the proposers that draft from the target's states."""
-    from .model.draft_heads import EagleHead, MedusaHeads
+    """An EAGLE-style, EAGLE-3 or Medusa-style head with random weights for ``target`` (model.draft_heads), attached
+    to it: a poor but legitimate drafter, for losslessness tests of the proposers that draft from the target's states.
+    The EAGLE-3 head reads the target's first, middle and last layers and drafts over all tokens but the last eighth
+    (a draft vocabulary: q = 0 outside it)."""
+    from .model.draft_heads import Eagle3Head, EagleHead, MedusaHeads
 
-    head = EagleHead(target.config, **kw) if kind == "eagle" else MedusaHeads(target.config, **kw)
+    if kind == "eagle3":
+        L, V = target.config.num_hidden_layers, target.config.vocab_size
+        head = Eagle3Head(target.config, tuple(sorted({0, L // 2, L - 1})), list(range(V - V // 8)), **kw)
+    else:
+        head = EagleHead(target.config, **kw) if kind == "eagle" else MedusaHeads(target.config, **kw)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():

@@ -6,6 +6,8 @@ Each lives in its own directory with a card (README.md) and records its kind in 
   draft_model   smollm2-lm: a distilled small Llama sharing the target's tokenizer, a plain Hugging Face checkpoint
                 (transformers' assisted generation can use it as well)
   eagle         smollm2-eagle: one decoder layer drafting from the target's hidden states (model.draft_heads)
+  eagle3        smollm2-eagle3: EAGLE-3, one layer over a low, a middle and a high layer of the target, with its own
+                head over a draft vocabulary (model.draft_heads)
   medusa        smollm2-medusa: Medusa-style heads on the target's last hidden state (model.draft_heads)
 
 Drafters without the key are plain draft models (any Llama checkpoint sharing the target's vocabulary).
@@ -19,7 +21,7 @@ import os
 from pathlib import Path
 
 DRAFTERS_DIR = Path(__file__).resolve().parent
-KINDS = ("draft_model", "eagle", "medusa")  # what this version of infer can run
+KINDS = ("draft_model", "eagle", "eagle3", "medusa")  # what this version of infer can run
 EVAL_PROMPTS = DRAFTERS_DIR / "eval_prompts.json"
 
 

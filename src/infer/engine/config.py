@@ -64,14 +64,18 @@ class EngineConfig:
     # activations; "int4" = "q4_1") | "gguf" (each tensor in its file's block type, Q4_K too) | None: see
     # infer.model.quant. Speculation stays lossless relative to the quantized target.
     quantization: str | None = None
+    # Quantization of the drafter (a draft model's or a head's projections, and its draft-vocabulary rows), one of
+    # the same names or None; "auto": "q8_0" where the target is quantized on the CPU (a draft step then runs on
+    # infer::qlinear like the target's steps; Q8_0 keeps the drafter's own argmax, at about half bfloat16's bytes),
+    # else None. Lossless either way: drafts are only proposals.
+    draft_quantization: str | None = "auto"
     # torch.compile the decode/verify steps (infer.model.compile). None (auto): on for models of at least
     # COMPILE_AUTO_MIN_PARAMS parameters, where the step is bound by memory bandwidth and compiling pays for its
     # start-up; tiny models (tests, the demo pair) stay eager. False: never.
     compile: bool | None = None
     # With compile: build the compiled steps in a background thread and serve meanwhile (a step without its graph
     # yet runs eagerly, bit for bit the same: engine.warmup); False builds them all before the engine serves.
-    # Engines whose eager and compiled steps differ in rounding (bfloat16 without exact casts: a plain, non-speculating
-    # engine) always build first.
+    # Engines whose eager and compiled steps may differ in rounding (no infer CPU kernels: CUDA) always build first.
     compile_in_background: bool = True
     seed: int | None = None  # seeds requests that bring no seed of their own
     # Shard the target over this many processes (engine.tp_executor, model/tp.py): rank 0 is this process and runs
@@ -159,6 +163,14 @@ class EngineConfig:
 
             if self.quantization not in QUANTIZATIONS:
                 bad(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.draft_quantization == "auto":
+            self.draft_quantization = "q8_0" if self.quantization is not None and self.device == "cpu" else None
+        if self.draft_quantization is not None:
+            from ..model.quant import QUANTIZATIONS
+
+            if self.draft_quantization not in QUANTIZATIONS or self.draft_quantization == "gguf":
+                bad(f"draft_quantization must be one of {tuple(q for q in QUANTIZATIONS if q != 'gguf')}, 'auto' "
+                    f"or None, got {self.draft_quantization!r}")
         if self.compile not in (None, True, False):
             bad(f"compile must be True, False or None (auto), got {self.compile!r}")
         if not isinstance(self.compile_in_background, bool):

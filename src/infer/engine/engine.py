@@ -20,7 +20,7 @@ from ..model.draft_heads import DraftHead, load_heads
 from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
-from ..model.quant import quantize_model
+from ..model.quant import quantize_linears, quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
 from ..drafters import drafter_kind
@@ -95,6 +95,11 @@ class Engine:
             elif draft_vocab.vocab_size != self.draft_model.config.vocab_size:
                 raise ValueError(f"draft_vocab was built for a vocabulary of {draft_vocab.vocab_size} tokens, the "
                                  f"drafter has {self.draft_model.config.vocab_size}")
+            if cfg.draft_quantization is not None:  # draft steps on infer's integer kernels (EngineConfig says when)
+                self._quantize_drafter(cfg.draft_quantization)
+                draft_vocab = draft_vocab.quantized(cfg.draft_quantization) if draft_vocab is not None else None
+            if self.compiled and hasattr(self.draft_model, "_forward"):  # a draft model, an EAGLE head: not Medusa
+                compile_model(self.draft_model)  # its graphs are built by the warm-up, before rounds draft
         self.draft_vocab = draft_vocab
         if self.compiled:  # whole rotary tables now: a table that grows mid-request would recompile the step
             self.model.rotary.reserve(self.max_seq_len, self.device, self.model.dtype)
@@ -114,15 +119,15 @@ class Engine:
 
     def _start_warmup(self) -> Warmup | None:
         """Build the compiled steps (engine.warmup): in a background thread where a step run eagerly meanwhile gives
-        the same bits (CPU kernels, and float32 or exact casts), else now. None if this model's graphs for this pool
-        layout and these widths were built already (another engine over the same model)."""
+        the same bits (infer's CPU kernels), else now. None if this model's (and drafter's) graphs for these pool
+        layouts and widths were built already (another engine over the same models)."""
         decoder = self.decoder
         warmup = Warmup(self, self.config.max_spec_length if decoder else 0, tree=bool(decoder and decoder.tree))
-        if warmup.key in self.model.compiled.warmed:
+        if not warmup.stages:
             place_on_hugepages(self.model)  # a no-op where the first engine's warm-up did it
             self._finish_warmup(None)  # the graphs exist (or are being built): profile now if no profile is stored
             return None
-        self.model.compiled.warmed.add(warmup.key)
+        warmup.claim()
         background = self._compiles_in_background()
         if decoder is not None:
             decoder.ready = False  # drafts wait for compiled verify steps and a cost model (_finish_warmup)
@@ -133,9 +138,8 @@ class Engine:
 
     def _compiles_in_background(self) -> bool:
         """Whether a compiled target's steps are built in a background thread: where a step run eagerly meanwhile
-        gives the same bits (infer's CPU kernels, and float32 or exact casts: a speculating engine's)."""
-        exact = self.model.dtype == torch.float32 or self.config.use_speculative_decoding
-        return self.config.compile_in_background and exact and self.device.type == "cpu" and kernels.available()
+        gives the same bits (infer's CPU kernels: model.compile says why)."""
+        return self.config.compile_in_background and self.device.type == "cpu" and kernels.available()
 
     def _finish_warmup(self, warmup: Warmup | None) -> None:
         """Once the compiled steps exist: profile a missing cost model (now fast: no graph left to build), save it,
@@ -185,9 +189,21 @@ class Engine:
         if want is None:
             want = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()) \
                 >= COMPILE_AUTO_MIN_PARAMS
-        if want:  # a speculating engine's verify pass must reproduce its decode steps bit for bit
-            compile_model(model, exact_casts=bool(self.config.use_speculative_decoding))
+        if want:  # one numerics for decode and verify, plain and speculating (model.compile)
+            compile_model(model)
         return bool(want)
+
+    def _quantize_drafter(self, quantization: str) -> None:
+        """Quantize the drafter's own weights in place (a head's borrowed embedding and LM head stay the target's);
+        a drafter passed in already quantized, or already compiled by another engine, is left as it is."""
+        drafter = self.draft_model
+        if getattr(drafter, "compiled", None) is not None or getattr(drafter, "quantized", None):
+            return
+        if isinstance(drafter, DraftHead):
+            quantize_linears(drafter, quantization)
+            drafter.quantized = quantization
+        elif drafter.quantization is None:
+            quantize_model(drafter, quantization)
 
     def _check_draft_tokenizer(self) -> None:
         draft_tok = Tokenizer(self.draft_path)

@@ -6,7 +6,7 @@ verify, at two contexts, in two places of the pool and at a few batch sizes make
 request's rounds do not stop to compile. That is ~15 graphs: a minute and more even when inductor's on-disk cache
 holds them all (Dynamo re-traces each at every start), which is why it runs in the background.
 
-Background (``EngineConfig.compile_in_background``, the default where it is exact): a thread first does what the
+Background (``EngineConfig.compile_in_background``, the default on the CPU with infer's kernels): a thread first does what the
 first token does not need (moves the weights onto 2 MiB pages, the same values; imports the compiler:
 model.compile.CompiledSteps; removes damaged entries from inductor's cache), then runs the steps on a *twin* of each
 pool (the same layout, so the same guards, over storage of its own: no KV the engine owns is touched), in order of
@@ -16,8 +16,8 @@ else the same code eagerly. Both give the same bits, so the tokens never depend 
 test_warmup.py). The speculative decoder drafts only once ``ready``: an eager verify costs several decode steps, and
 the cost model prices compiled ones. When the thread is done, the engine may compile on a miss again, as before.
 
-An engine whose eager and compiled steps round differently (bfloat16 without exact casts: a plain engine) runs the
-same warm-up in the foreground instead.
+An engine whose eager and compiled steps may round differently (no infer kernels: CUDA, or a failed kernel build)
+runs the same warm-up in the foreground instead.
 """
 
 from __future__ import annotations
@@ -92,14 +92,27 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
             pool.free(s)
 
 
-def warmup_stages(k_max: int, tree: bool, max_batch: int) -> list[tuple[str, dict]]:
+@torch.inference_mode()
+def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int]) -> None:
+    """A lone row's draft steps (Proposer.warm_steps) at two contexts on ``pool``, a twin of the draft pool: every
+    graph of a compiled drafter those need exists afterwards, with its sizes dynamic (as run_steps for the target)."""
+    for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + max(widths) + 1):
+        if ctx + max(widths) + 1 > min(max_seq_len, pool.max_seq_len):
+            return
+        proposer.warm_steps(pool, ctx, widths)
+
+
+def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False) -> list[tuple[str, dict]]:
     """(what, run_steps keywords) in order of need: a lone request's decode step, its verify widths (a round's
-    K + 1 tokens; tree verifies up to a tree's nodes), then the batch sizes the cost model profiles (rows of B > 1)."""
+    K + 1 tokens; tree verifies up to a tree's nodes), a compiled drafter's steps (``draft``), then the batch sizes
+    the cost model profiles (rows of B > 1)."""
     widths = profile_widths(k_max)
     stages = [("the decode step", {"widths": [1]})]
     if k_max:
         verify = widths if not tree else sorted(set(widths) | {MAX_NODES})
         stages.append((f"verify steps of up to {max(verify)} tokens", {"widths": verify, "tree": tree}))
+    if k_max and draft:
+        stages.append(("the drafter's steps", {"widths": widths, "draft": True}))
     batches = [b for b in (2, 4, 8, 16, 32, 64) if b <= max_batch]
     if batches:
         stages.append((f"batched steps (up to {batches[-1]} rows)", {"widths": widths, "batches": batches}))
@@ -115,9 +128,20 @@ class Warmup:
         self.runner, self.kv, self.model = engine.runner, engine.kv, engine.model
         self.max_seq_len = engine.max_seq_len
         max_batch = engine.config.max_batch_size
-        self.stages = warmup_stages(k_max, tree, max_batch)
-        # what the built graphs depend on besides the model: another engine with the same key needs no warm-up
+        # a compiled drafter's steps run on a twin of the draft pool (its model proposer: a hybrid's drafter)
+        drafter = engine.draft_model
+        self.drafter = drafter if getattr(drafter, "compiled", None) is not None else None
+        proposer = engine.decoder.proposer if engine.decoder is not None else None
+        self.proposer = getattr(proposer, "model", proposer)
+        draft = self.drafter is not None and self.kv.draft_pool is not None
+        # what the built graphs depend on besides the model: another engine with the same key builds none of them
+        # (the target's in model.compiled.warmed, the drafter's in its own)
         self.key = (type(self.kv.pool).__name__, repr(sorted(self.kv.pool.layout().items())), k_max, tree, max_batch)
+        self.draft_key = (repr(sorted(self.kv.draft_pool.layout().items())), k_max) if draft else None
+        stages = warmup_stages(k_max, tree, max_batch, draft)
+        target_built = self.key in self.model.compiled.warmed
+        drafter_built = not draft or self.draft_key in self.drafter.compiled.warmed
+        self.stages = [(w, kw) for w, kw in stages if (drafter_built if kw.get("draft") else target_built) is False]
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.seconds: dict[str, float] = {}  # stage -> wall seconds, for the start-up benchmark
@@ -128,6 +152,25 @@ class Warmup:
         self._stepping = False  # an engine step is running
         self._closed_at = 0.0  # when the engine last took the time back
         self._stop = False
+
+    def claim(self) -> None:
+        """Mark this warm-up's graphs as being built (another engine over the same models builds them no more)."""
+        if any(not kw.get("draft") for _, kw in self.stages):
+            self.model.compiled.warmed.add(self.key)
+        if any(kw.get("draft") for _, kw in self.stages):
+            self.drafter.compiled.warmed.add(self.draft_key)
+
+    def _unclaim(self) -> None:
+        self.model.compiled.warmed.discard(self.key)
+        if self.draft_key is not None:
+            self.drafter.compiled.warmed.discard(self.draft_key)
+
+    def _draft_steps(self, widths: list[int]) -> None:
+        """The drafter's steps, on a twin of the draft pool; rounds draft only once this has run
+        (Engine._finish_warmup). The twin is made outside inference mode, as the engine's pools are: the graphs are
+        guarded on the cache tensors' kind."""
+        self.drafter.compiled.ensure_built()
+        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter), self.max_seq_len, widths)
 
     @property
     def ready(self) -> bool:
@@ -223,13 +266,17 @@ class Warmup:
             for what, kw in self.stages:
                 t0 = time.perf_counter()
                 with progress.stage(f"compiling {what}"):
+                    if kw.get("draft"):
+                        self._draft_steps(kw["widths"])
+                        self.seconds[what] = time.perf_counter() - t0
+                        continue
                     for rows in kw.get("batches", [1]):
                         run_steps(self.runner, pool, self.max_seq_len, kw["widths"], rows, kw.get("tree", False))
                 self.seconds[what] = time.perf_counter() - t0
             if self._thread is not None:
                 progress.note(f"compiled steps ready after {time.perf_counter() - start:.1f} s: full speed from here")
         except _Stopped:
-            compiled.warmed.discard(self.key)  # not built: another engine over this model builds them again
+            self._unclaim()  # not built: another engine over these models builds them again
         except Exception as e:  # the engine keeps serving eagerly (same tokens); say why it stays slow
             self.error = e
             why = " ".join([line.strip() for line in str(e).splitlines() if line.strip()][:2])  # compiler logs are long

@@ -4,9 +4,11 @@
     if kernels.available():
         y = torch.ops.infer.linear(x, weight, scale)     # x [M, K] float32/bf16; weight [N, K] f32/bf16/int8
 
-``infer::rms_norm`` (norm.cpp) is the few-token steps' RMSNorm: as an opaque op it makes a compiled step bit-identical
-to the same step run eagerly (inductor's fused norm sums in another order), which lets the engine serve eagerly
-while graphs compile in the background (engine.warmup).
+``infer::rms_norm`` (norm.cpp) is the few-token steps' RMSNorm, and ``infer::rope`` / ``infer::silu_mul``
+(pointwise.cpp) their bfloat16 elementwise chains: as opaque ops they make a compiled step bit-identical to the same
+step run eagerly (inductor's fused norm sums in another order; its fused bfloat16 chains round once where eager
+rounds at every op), with inductor's fast defaults, which lets the engine serve eagerly while graphs compile in the
+background (engine.warmup) and gives plain and speculating engines one numerics.
 
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
@@ -34,7 +36,8 @@ import torch
 from ..cachedir import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp"]
+SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp",
+           HERE / "pointwise.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 
@@ -100,6 +103,14 @@ def _build() -> None:
     @torch.library.register_fake("infer::rms_norm")
     def _(x, weight, eps):  # [M, H] -> [M, H]
         return torch.empty_like(x)
+
+    @torch.library.register_fake("infer::rope")
+    def _(x, cos, sin, heads, head_dim):  # [M, W] -> [M, heads * head_dim]
+        return x.new_empty(x.shape[0], heads * head_dim)
+
+    @torch.library.register_fake("infer::silu_mul")
+    def _(x):  # [M, 2n] -> [M, n]
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("infer::attention")
     def _(q, k, v, mask=None):  # [B, H, T, D], stored as [B, T, H, D]

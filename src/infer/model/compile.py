@@ -50,11 +50,11 @@ DEFAULT_CACHE_DIR = cache_dir("inductor")
 # more than the work (SmolLM2 bf16: 63 -> 73 tok/s with this threshold). The products stay parallel.
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384}
 # Speculation needs a token's logits to be bit-identical whether the target computes it alone (decode) or among K+1
-# (verify): greedy speculative output must equal greedy decoding. Inductor fuses bfloat16 elementwise work into
-# float32 loops and rounds where the fusion ends, and the decode and verify graphs fuse differently: SmolLM2 bf16
-# drifted from plain decoding after ~70 tokens. Rounding at every cast, as eager does, makes both graphs agree
-# (float32 needs nothing); it costs ~10% of a bfloat16 decode step, so only speculating engines ask for it.
-EXACT_CAST_OPTIONS = {"emulate_precision_casts": True}
+# (verify), and the background warm-up needs a step run eagerly to give the compiled step's bits. On the CPU every
+# reduction and every multi-op bfloat16 chain of a few-token step is an infer kernel (products, attention, norm,
+# rope, silu * up: kernels/pointwise.cpp says why), and what inductor fuses around them rounds once per op as eager
+# does, so its fast defaults give one numerics to eager, decode and verify, plain and speculating engines alike.
+# (Inductor's emulate_precision_casts, which speculating engines used to need, cost ~10% of a bfloat16 step.)
 # On the CPU the graph's wrapper (the code that calls those kernels and allocates their buffers) is C++ rather than
 # Python: ~1 ms less a step for SmolLM2 int8 (~8 ms). Built as its own library, which keeps the first compile near
 # the Python wrapper's (89 s vs 67 s for the demo's steps; 184 s otherwise); warm starts are the same.
@@ -78,7 +78,8 @@ RECOMPILE_LIMIT = 32
 # Dynamo guards every tensor a graph reads: ~370 for SmolLM2 (weights, 60 KV tensors, rotary tables) plus the module
 # tree, ~0.5 ms a call. Once compiled, the model's weights and modules never change shape (quantize_model refuses a
 # compiled model) and a pool's layers all share one shape, so only these guards tell one step's graph from another:
-# the inputs, the plan (attn_meta), the pool's type and first layer, and the rotary tables (they grow).
+# the inputs, the plan (attn_meta), the pool's type and first layer, the rotary tables (they grow) and the layers the
+# forward returns beside the final state (an EAGLE-3 drafter's: LlamaForCausalLM.capture_layers).
 _KV_LAYER_GUARD = re.compile(r"kv\.[kv]\[[1-9]")
 
 
@@ -87,8 +88,8 @@ def step_guards(entries) -> list[bool]:
     is GLOBAL_STATE. That one holds the calling thread's torch thread count (besides autocast and the default dtype,
     which infer never changes): the background warm-up compiles with one thread (engine.warmup) for an engine that
     runs with two, and the kernels are planned for the engine's count either way (``cpu_options``)."""
-    return [not ((e.name.startswith("self") and "rotary" not in e.name) or _KV_LAYER_GUARD.match(e.name)
-                 or e.guard_type == "GLOBAL_STATE") for e in entries]
+    return [not ((e.name.startswith("self") and "rotary" not in e.name and "aux_layers" not in e.name)
+                 or _KV_LAYER_GUARD.match(e.name) or e.guard_type == "GLOBAL_STATE") for e in entries]
 
 
 # One build at a time, across models: the first imports Dynamo, and two threads importing it at once (a target's
@@ -182,23 +183,25 @@ def _compile_method(model, name: str, options: dict) -> tuple[Callable, Callable
     return torch.compile(own, dynamic=None, options=options, **limit), torch._dynamo.run(own)
 
 
-def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None, exact_casts: bool = False):
+def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
     """Attach compiled decode/verify steps to ``model`` (in place; returns it). Idempotent.
 
-    ``exact_casts``: round at every dtype cast as eager does (EXACT_CAST_OPTIONS), for engines that speculate."""
+    ``model``: a LlamaForCausalLM (its ``_forward`` and ``_logits``), or a drafter head with a ``_forward`` of its own
+    (model.draft_heads: an EAGLE head's draft step over its cache), whose ``forward`` dispatches the same way."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:
         # the options now: inductor plans its C++ kernels for this (the engine's) thread count, wherever build runs
         options = {**(cpu_options() if model.device.type == "cpu" else INDUCTOR_OPTIONS),
-                   **(EXACT_CAST_OPTIONS if exact_casts else {}), "guard_filter_fn": step_guards}
+                   "guard_filter_fn": step_guards}
 
         def build():
             configure_cache(cache_dir)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
-            (fwd, run_fwd), (logits, run_logits) = (_compile_method(model, n, dict(options))
-                                                    for n in ("_forward", "_logits"))
+            fwd, run_fwd = _compile_method(model, "_forward", dict(options))
+            logits, run_logits = _compile_method(model, "_logits", dict(options)) if hasattr(model, "_logits") \
+                else (None, None)
             return fwd, logits, run_fwd, run_logits
 
         model.compiled = CompiledSteps(build, max_tokens)

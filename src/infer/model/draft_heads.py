@@ -7,6 +7,10 @@ own few million weights.
   EagleHead    (Li et al. 2024) one decoder layer over entries e_i = fc([embed(x_{i+1}); f_i]) at position i,
                with its own KV cache (the draft pool): it predicts f_{i+1}, whose logits under the target's head
                give x_{i+2}. Drafting feeds its own predictions back: (f^_{i+1}, x^_{i+2}) -> f^_{i+2} -> ...
+  Eagle3Head   (Li et al. 2025, EAGLE-3) the same one-layer shape over a low, a middle and a high layer of the
+               target fused (fc of their outputs, ``aux_layers``) instead of its last state, with a head of its own
+               over a draft vocabulary; its output is a free hidden state (not a prediction of the target's), fed
+               back as the next entry's hidden when drafting, and trained on its own outputs over several steps.
   MedusaHeads  (Cai et al. 2024; Stern et al. 2018's blockwise parallel decoding) head k (k = 1..K) maps f_i
                through a residual SiLU block to the state whose logits predict x_{i+1+k}: K drafts from one state
                and no cache. The heads' chain (each head's top-1) is the proposal; trees come later.
@@ -27,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Linear, RMSNorm, RotaryEmbedding
-from .llama import DecoderLayer, LlamaForCausalLM
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from .llama import Attention, DecoderLayer, LlamaForCausalLM
 
 
 class _TargetView:
@@ -51,6 +55,7 @@ class DraftHead(nn.Module):
 
     kind = "?"
     has_kv = False  # True: the KV manager keeps a draft pool for the head, in lockstep with the target's
+    quantized: str | None = None  # set when an engine quantized the head's projections (model.quant.quantize_linears)
     _target: _TargetView | None = None
 
     def attach(self, target: LlamaForCausalLM):
@@ -73,6 +78,20 @@ class DraftHead(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target.compute_logits(hidden)
 
+    compiled = None  # an EAGLE head's compiled draft steps (model.compile.compile_model), as a target's
+
+    def _dispatch(self, tokens, features, positions, kv, meta, embed):
+        """An EAGLE head's forward: over a cache, up to ``compiled.max_tokens`` entries, through the compiled step
+        where one is built (the same bits: every reduction an infer kernel, model.compile), else ``_forward``."""
+        self.rotary.reserve(int(positions.max()) if meta is None else meta.kv_len - 1, features.device,
+                            features.dtype)
+        c = self.compiled
+        if c is not None and kv is not None and embed is None and tokens.shape[1] <= c.max_tokens:
+            step = c.steps()[0]
+            if step is not None:
+                return step(tokens, features, positions, kv, meta)
+        return self._forward(tokens, features, positions, kv, meta, embed)
+
 
 class EagleHead(DraftHead):
     kind = "eagle"
@@ -94,11 +113,164 @@ class EagleHead(DraftHead):
         """tokens [B, T] (x_{i+1}), features [B, T, H] (f_i), positions [B, T] (i) -> f^_{i+1} [B, T, H].
 
         ``kv=None``: plain causal attention over the T entries (training)."""
+        return self._dispatch(tokens, features, positions, kv, meta, embed)
+
+    def _forward(self, tokens, features, positions, kv, meta, embed=None) -> torch.Tensor:
         embed = embed if embed is not None else self._target.target.embed_tokens
         x = self.fc(torch.cat([embed(tokens).to(features.dtype), features], -1))
-        self.rotary.reserve(int(positions.max()) if meta is None else meta.kv_len - 1, x.device, x.dtype)
         cos, sin = self.rotary(positions)
         return self.norm(self.layer(x, cos, sin, kv, meta))
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads [norm(embedding); norm(hidden)] (2H wide), the residual stream is
+    the hidden alone."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)  # on the token's embedding
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # on the hidden (fused target layers, or the last output)
+        self.self_attn = Attention(cfg, 0, in_features=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.mlp_bias)
+
+    def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+
+    def forward(self, emb, hidden, cos, sin, kv, meta):
+        h = hidden + self.self_attn(self.attn_input(emb, hidden), cos, sin, kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(DraftHead):
+    kind = "eagle3"
+    has_kv = True  # one layer's KV in the draft pool
+    hidden_input = True  # the proposer feeds each draft entry the previous step's output (EagleProposer)
+
+    def __init__(self, target_config: ModelConfig, aux_layers: tuple[int, ...], draft_ids: list[int],
+                 intermediate_size: int | None = None):
+        super().__init__()
+        if len(aux_layers) < 1 or any(not 0 <= i < target_config.num_hidden_layers for i in aux_layers):
+            raise ValueError(f"aux_layers {aux_layers} must be layers of the target (0..."
+                             f"{target_config.num_hidden_layers - 1})")
+        ids = sorted(set(int(i) for i in draft_ids))
+        if not ids or ids[0] < 0 or ids[-1] >= target_config.vocab_size:
+            raise ValueError(f"draft_ids must be token ids in [0, {target_config.vocab_size})")
+        self.config = replace(target_config, num_hidden_layers=1,
+                              intermediate_size=intermediate_size or target_config.intermediate_size)
+        H = self.config.hidden_size
+        self.aux_layers = tuple(aux_layers)
+        self.fc = Linear(len(aux_layers) * H, H, bias=False)
+        self.layer = Eagle3Layer(self.config)
+        self.norm = RMSNorm(H, self.config.rms_norm_eps)
+        self.lm_head = Linear(H, len(ids), bias=False)  # its own head over the draft vocabulary
+        self.register_buffer("draft_ids", torch.tensor(ids, dtype=torch.long))  # [N] ascending: column j's token
+        self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope)
+
+    def attach(self, target: LlamaForCausalLM):
+        super().attach(target)
+        target.capture_layers(self.aux_layers)  # the target's forward now returns these layers too
+        return self
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads: its captured layers (what follows the final state)."""
+        return len(self.aux_layers) * self.config.hidden_size
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv=None, meta=None,
+                embed: nn.Embedding | None = None) -> torch.Tensor:
+        """tokens [B, T] (x_{i+1}); hidden [B, T, n H]: the target's captured layers at i (fused by fc), or [B, T, H]:
+        the head's own output of the step before; positions [B, T] (i) -> the output [B, T, H] (``draft_logits``
+        scores it; the next draft step reads it as its hidden). ``kv=None``: causal attention over the T entries."""
+        return self._dispatch(tokens, hidden, positions, kv, meta, embed)
+
+    def _forward(self, tokens, hidden, positions, kv, meta, embed=None) -> torch.Tensor:
+        embed = embed if embed is not None else self._target.target.embed_tokens
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        cos, sin = self.rotary(positions)
+        return self.layer(embed(tokens).to(hidden.dtype), hidden, cos, sin, kv, meta)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> float32 logits [..., N] over the draft vocabulary (column j is token draft_ids[j])."""
+        return self.lm_head(self.norm(out)).float()
+
+    def unroll(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int, select: torch.Tensor | None = None,
+               embed: nn.Embedding | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Training-time test (EAGLE-3): the outputs drafting would compute over ``steps`` draft steps, teacher
+        forced on the sequence (each step's token is the true next one, which is what an accepted draft is).
+
+        tokens [B, T] (x_0 .. x_{T-1}), aux [B, T, n H] (the target's captured layers at each position).
+        Step 0: entry i = (x_{i+1}, fc(aux_i)) at position i, i = 0 .. T-2, causal over the entries -> o_0 [B, T-1, H]
+        (o_0[i] predicts x_{i+2}). Step s >= 1, only for the entries ``select`` [M, 2] (row, i) (default: every
+        (b, i) with i + steps <= T - 1): entry (x_{i+1+s}, o_{s-1}[i]) at position i + s, attending to step 0's
+        entries 0 .. i and to its own column's entries of steps 1 .. s, as a draft step attends to the cache
+        (true entries, then the drafts before it) -> o_s [M, H] (predicts x_{i+2+s}).
+        Returns (o_0, [o_1 .. o_{steps-1}], select)."""
+        embed = embed if embed is not None else self._target.target.embed_tokens
+        attn, layer = self.layer.self_attn, self.layer
+        B, T = tokens.shape
+        nh, nkv, D = attn.n_heads, attn.n_kv, attn.head_dim
+        self.rotary.reserve(T + steps, aux.device, aux.dtype)
+
+        def qkv_of(emb, hidden, pos):  # -> q [.., nh, D], k, v [.., nkv, D] (rotated at pos)
+            qkv = attn.qkv_proj(layer.attn_input(emb, hidden))
+            cos, sin = self.rotary(pos)
+            qk = apply_rope(qkv[..., : (nh + nkv) * D].unflatten(-1, (nh + nkv, D)), cos, sin)
+            return qk[..., :nh, :], qk[..., nh:, :], qkv[..., (nh + nkv) * D:].unflatten(-1, (nkv, D))
+
+        def finish(hidden, o):  # residual + MLP after attention output o [.., nh * D]
+            h = hidden + attn.o_proj(o)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+
+        hid0 = self.fc(aux[:, :-1])
+        q0, k0, v0 = qkv_of(embed(tokens[:, 1:]).to(aux.dtype), hid0, torch.arange(T - 1, device=aux.device)[None])
+        o = torch.nn.functional.scaled_dot_product_attention(q0.transpose(1, 2), k0.transpose(1, 2),
+                                                             v0.transpose(1, 2), is_causal=True,
+                                                             enable_gqa=nkv != nh)  # [B, nh, T-1, D]
+        out0 = finish(hid0, o.transpose(1, 2).flatten(-2))
+        if select is None:
+            i = torch.arange(T - steps, device=aux.device)
+            select = torch.stack([torch.arange(B, device=aux.device).repeat_interleave(len(i)), i.repeat(B)], 1)
+        rows, cols = select[:, 0], select[:, 1]
+        kg = k0.repeat_interleave(nh // nkv, 2) if nkv != nh else k0  # [B, T-1, nh, D]
+        vg = v0.repeat_interleave(nh // nkv, 2) if nkv != nh else v0
+        scale = D ** -0.5
+        outs, diag_k, diag_v, hidden = [], [], [], out0[rows, cols]  # [M, H]
+        # step 0's entries after a column are not visible to it: [M, 1, T-1]
+        later = torch.arange(T - 1, device=aux.device)[None, None, :] > cols[:, None, None]
+        for s in range(1, steps):
+            q, k, v = qkv_of(embed(tokens[rows, cols + 1 + s])[:, None].to(aux.dtype), hidden[:, None],
+                             (cols + s)[:, None])
+            q, k, v = q[:, 0], k[:, 0], v[:, 0]  # [M, nh or nkv, D]
+            diag_k.append(k.repeat_interleave(nh // nkv, 1) if nkv != nh else k)
+            diag_v.append(v.repeat_interleave(nh // nkv, 1) if nkv != nh else v)
+            sc0 = (_scores_by_row(q, kg, rows) * scale).masked_fill(later, float("-inf"))  # [M, nh, T-1]
+            scd = torch.stack([(q * kk).sum(-1) for kk in diag_k], -1) * scale  # [M, nh, s]
+            w = torch.cat([sc0, scd], -1).softmax(-1)
+            o = _mix_by_row(w[..., : T - 1], vg, rows) + (w[..., T - 1:, None] * torch.stack(diag_v, 2)).sum(2)
+            hidden = finish(hidden, o.flatten(-2))
+            outs.append(hidden)
+        return out0, outs, select
+
+
+def _scores_by_row(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """q [M, h, D] against the keys of each query's own batch row, k [B, T, h, D] -> [M, h, T] (one matmul per row)."""
+    out = q.new_empty(q.shape[0], q.shape[1], k.shape[1])
+    for b in rows.unique().tolist():
+        m = rows == b
+        out[m] = torch.einsum("mhd,thd->mht", q[m], k[b])
+    return out
+
+
+def _mix_by_row(w: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """weights w [M, h, T] over the values of each query's own row, v [B, T, h, D] -> [M, h, D]."""
+    out = w.new_empty(w.shape[0], w.shape[1], v.shape[-1])
+    for b in rows.unique().tolist():
+        m = rows == b
+        out[m] = torch.einsum("mht,thd->mhd", w[m], v[b])
+    return out
 
 
 class ResBlock(nn.Module):
@@ -135,7 +307,7 @@ def check_target(head, target: LlamaForCausalLM) -> None:
     if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):
         raise ValueError(f"this {head.kind} head was trained for a target of hidden size {c.hidden_size} and "
                          f"vocabulary {c.vocab_size}; the target has {t.hidden_size} and {t.vocab_size}")
-    if isinstance(head, EagleHead) and (c.num_attention_heads, c.num_key_value_heads, c.head_dim) != (
+    if isinstance(head, (EagleHead, Eagle3Head)) and (c.num_attention_heads, c.num_key_value_heads, c.head_dim) != (
             t.num_attention_heads, t.num_key_value_heads, t.head_dim):
         raise ValueError("this eagle head's attention shape differs from the target's")
 
@@ -151,10 +323,12 @@ def save_heads(head: DraftHead, out_dir: str | os.PathLike, dtype=torch.bfloat16
              "head_dim": c.head_dim}
     if isinstance(head, MedusaHeads):
         shape.update(num_heads=head.num_heads, num_layers=head.num_layers)
+    if isinstance(head, Eagle3Head):
+        shape.update(aux_layers=list(head.aux_layers), draft_vocab_size=len(head.draft_ids))
     body = {"infer_drafter": {"kind": head.kind, **shape, **(extra or {})}}
     (out / "config.json").write_text(json.dumps(body, indent=1) + "\n")
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()},
-              str(out / "model.safetensors"))
+    save_file({k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in head.state_dict().items()}, str(out / "model.safetensors"))
     return out
 
 
@@ -168,14 +342,19 @@ def load_heads(path: str | os.PathLike, target: LlamaForCausalLM) -> DraftHead:
                   num_attention_heads=spec.get("num_attention_heads", t.num_attention_heads),
                   num_key_value_heads=spec.get("num_key_value_heads", t.num_key_value_heads),
                   head_dim=spec.get("head_dim", t.head_dim))
+    state = load_file(str(root / "model.safetensors"))
     if kind == "eagle":
         head = EagleHead(cfg, spec["intermediate_size"])
+    elif kind == "eagle3":
+        if "draft_ids" not in state:
+            raise ValueError(f"{root / 'model.safetensors'} lacks draft_ids: not an eagle3 head")
+        head = Eagle3Head(replace(cfg, num_hidden_layers=t.num_hidden_layers), tuple(spec["aux_layers"]),
+                          state["draft_ids"].tolist(), spec["intermediate_size"])
     else:
         head = MedusaHeads(cfg, spec["num_heads"], spec.get("num_layers", 1))
     check_target(head, target)
-    state = load_file(str(root / "model.safetensors"))
     missing = set(head.state_dict()) - set(state)
     if missing:
         raise ValueError(f"{root / 'model.safetensors'} lacks {sorted(missing)[:3]}: not a {kind} head")
     head.load_state_dict({k: v for k, v in state.items() if k in head.state_dict()}, strict=False)
-    return head.to(device=target.device, dtype=target.dtype).eval().attach(target)
+    return head.to(device=target.device, dtype=target.dtype).eval().attach(target)  # .to keeps integer buffers

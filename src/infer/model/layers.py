@@ -83,6 +83,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The first ``heads`` heads of each row of x ``[B, T, W]`` rotated -> ``[B, T, heads, head_dim]`` (cos, sin
+    ``[B, T, 1, head_dim]``). A bfloat16 few-token CPU step takes infer's kernel (kernels/pointwise.cpp: float32
+    inside, one rounding, the same bits eager or compiled); float32 has no rounding for inductor to skip."""
+    B, T, W = x.shape
+    if x.dtype == torch.bfloat16 and few_rows_on_cpu(x):
+        y = torch.ops.infer.rope(x.reshape(B * T, W), cos.reshape(B * T, head_dim), sin.reshape(B * T, head_dim),
+                                 heads, head_dim)
+        return y.view(B, T, heads, head_dim)
+    return apply_rope(x[..., : heads * head_dim].view(B, T, heads, head_dim), cos, sin)
+
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations infer::linear takes
 
 
@@ -135,5 +147,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dtype == torch.bfloat16 and few_rows_on_cpu(gate_up):  # one rounding, eager = compiled (rope_heads)
+            h = torch.ops.infer.silu_mul(gate_up.reshape(-1, 2 * self.intermediate))
+            return self.down_proj(h.view(*x.shape[:-1], self.intermediate))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

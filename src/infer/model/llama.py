@@ -18,28 +18,29 @@ from torch import nn
 
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope, few_rows_on_cpu, linear
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, few_rows_on_cpu, linear, rope_heads
 
 if TYPE_CHECKING:
     from .compile import CompiledSteps
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, in_features: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        # q, k and v are one fused matmul; the loader concatenates the checkpoint's three weights.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # q, k and v are one fused matmul; the loader concatenates the checkpoint's three weights. ``in_features``:
+        # an EAGLE-3 head's layer reads [embedding; hidden] (model.draft_heads)
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x, cos, sin, kv: KVCachePool | None, meta: AttnMeta | None):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x)
         # Rotate q and k together: they share cos/sin per position. [B, T, H + Hkv, D]
-        qk = apply_rope(qkv[..., : self.q_size + self.kv_size].view(B, T, self.n_heads + self.n_kv, self.head_dim),
-                        cos, sin)
+        qk = rope_heads(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim)
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -85,6 +86,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.quantization: str | None = None  # set by infer.model.quant.quantize_model
+        # Layers whose outputs the forward also returns, after the final state (``capture_layers``): an EAGLE-3
+        # drafter reads a low, a middle and a high layer of the target
+        self.aux_layers: tuple[int, ...] = ()
         self.source_blocks = None  # GGUF loads: module name -> the file's quantized rows (loader.load_model)
         # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
         self.compiled: CompiledSteps | None = None
@@ -124,9 +128,20 @@ class LlamaForCausalLM(nn.Module):
         """The network itself (checked inputs, rotary tables reserved): what torch.compile traces."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv, attn_meta)
-        return self.norm(x)
+            if i in self.aux_layers:
+                aux.append(x)
+        return torch.cat([self.norm(x), *aux], -1) if aux else self.norm(x)
+
+    def capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Make the forward return ``[final state; outputs of layers...]`` ``[B, T, (1 + n) H]`` (compute_logits reads
+        the first H). A compiled model's graphs are guarded on this (compile.step_guards): setting it recompiles."""
+        bad = [i for i in layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layers {bad} do not exist: the model has {self.config.num_hidden_layers}")
+        self.aux_layers = tuple(sorted(set(layers)))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -136,12 +151,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.dequantized_weight() if hasattr(self.lm_head, "dequantized_weight") else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``."""
+        """hidden ``[..., hidden]`` (or what ``forward`` returns with captured layers) -> float32 logits
+        ``[..., vocab]``."""
         c = self.compiled
         if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1] and (step := c.steps()[1]) is not None:
             return step(hidden)
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden[..., : self.config.hidden_size]  # the final state (layers captured for a drafter follow it)
         head = linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         return head.float()

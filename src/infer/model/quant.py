@@ -349,3 +349,22 @@ def quantize_model(model, quantization: str | None):
     model.source_blocks = None  # the file's map is not needed any more
     model.quantization = quantization
     return model
+
+
+def quantize_linears(module: nn.Module, quantization: str) -> nn.Module:
+    """Replace every projection of a module that is not a LlamaForCausalLM (a drafter's head: model.draft_heads) by
+    its quantized twin, in place: ``"int8"`` or one of the block types (``Int8Linear`` / ``BlockLinear``; "int4" =
+    "q4_1"). Modules already quantized are left as they are."""
+    if quantization not in QUANTIZATIONS or quantization == "gguf":
+        raise ValueError(f"unknown quantization {quantization!r} for a head; use int8, q8_0, q4_0, q4_1 or int4")
+    if getattr(module, "compiled", None) is not None:
+        raise ValueError("quantize the module before compiling it; this one is already compiled")
+    fmt = "q4_1" if quantization == "int4" else quantization
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            cdt = _compute_dtype(child.weight.dtype)
+            setattr(module, name, Int8Linear(child.weight, child.bias, cdt) if fmt == "int8"
+                    else BlockLinear.quantize(child.weight.detach(), child.bias, cdt, fmt))
+        elif not isinstance(child, _WeightOnlyLinear):
+            quantize_linears(child, quantization)
+    return module

@@ -114,3 +114,16 @@ class DraftModelProposer(Proposer):
         hidden = self.forward(self.drafter, self.kv.draft_pool, slots[:b], [[1]] * b)[:, -1]
         score_synced(hidden, self.draft_vocab, self.drafter.compute_logits)
         return True
+
+    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+        """Run on ``pool`` (a twin of the draft pool) the steps rounds run: first steps of each width (the tokens the
+        drafter has not seen), then one more token (engine.warmup builds their compiled graphs)."""
+        slot = pool.allocate(ctx + max(widths) + 1)
+        try:
+            self.forward(self.drafter, pool, [slot], [[1] * ctx])
+            for t in widths:
+                self.forward(self.drafter, pool, [slot], [[1] * t])
+                self.forward(self.drafter, pool, [slot], [[1]])
+                pool.truncate_to(slot, ctx)
+        finally:
+            pool.free(slot)

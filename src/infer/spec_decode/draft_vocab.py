@@ -17,6 +17,7 @@ united with the prompt's own tokens in the library loop (code copies identifiers
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import weakref
@@ -24,7 +25,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from ..model.layers import linear
 
 RANKING_FILE = "draft_vocab.json"
 
@@ -100,6 +102,23 @@ class DraftVocab:
         self.ids = torch.tensor(ids, dtype=torch.long, device=full_weight.device)  # [N]
         self.weight = full_weight[self.ids].contiguous()  # [N, H]: one dense GEMV, no gather per step
         self._full_weight = full_weight
+        self.head: torch.nn.Module | None = None  # the rows quantized (``quantized``), which ``logits`` then uses
+        self.extra_weight: torch.Tensor | None = None  # rows of tokens added to a quantized vocabulary (``including``)
+
+    def quantized(self, quantization: str | None) -> DraftVocab:
+        """The same vocabulary scored by its rows quantized (model.quant: int8 or a block type), so a draft step's
+        scoring runs on infer's integer kernels like the drafter's layers; self for None."""
+        if quantization is None:
+            return self
+        from ..model.quant import quantize_linears
+
+        out = copy.copy(self)
+        holder = torch.nn.Module()
+        holder.rows = torch.nn.Linear(self.weight.shape[1], len(self.id_list), bias=False, device=self.weight.device,
+                                      dtype=self.weight.dtype)
+        holder.rows.weight.data = self.weight
+        out.head = quantize_linears(holder, quantization).rows
+        return out
 
     @classmethod
     def from_ranking(cls, drafter, ranking: Sequence[int], size: int) -> DraftVocab:
@@ -116,14 +135,35 @@ class DraftVocab:
         return len(self.id_list)
 
     def including(self, token_ids: Iterable[int]) -> DraftVocab:
-        """S united with ``token_ids`` (e.g. the prompt's); self when they are all in S already."""
+        """S united with ``token_ids`` (e.g. the prompt's); self when they are all in S already. A quantized vocabulary
+        keeps its quantized rows and scores the added tokens' rows beside them, unquantized (ids then ascend within
+        each part only: a tie between the parts goes to S's token)."""
         have = set(self.id_list)
-        extra = {int(t) for t in token_ids} - have
-        return self if not extra else DraftVocab(self._full_weight, have | extra)
+        extra = sorted({int(t) for t in token_ids} - have)
+        if not extra:
+            return self
+        if self.head is None:
+            return DraftVocab(self._full_weight, have | set(extra))
+        if self.extra_weight is not None:  # an extended one: rebuild from the base rows
+            base = self.id_list[: self.head.out_features]
+            return self._extend(base, sorted(set(self.id_list[len(base):]) | set(extra)))
+        return self._extend(self.id_list, extra)
+
+    def _extend(self, base: list[int], extra: list[int]) -> DraftVocab:
+        out = copy.copy(self)
+        out.id_list = base + extra
+        out.ids = torch.tensor(out.id_list, dtype=torch.long, device=self._full_weight.device)
+        out.extra_weight = self._full_weight[torch.tensor(extra, device=self._full_weight.device)].contiguous()
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[..., H]`` -> float32 logits ``[..., N]`` over S."""
-        return F.linear(hidden, self.weight).float()
+        """hidden ``[..., H]`` -> float32 logits ``[..., N]`` over S (infer's kernels for a few rows on the CPU)."""
+        if self.head is None:
+            return linear(hidden, self.weight).float()
+        scores = self.head(hidden)
+        if self.extra_weight is not None:
+            scores = torch.cat([scores, linear(hidden, self.extra_weight)], -1)
+        return scores.float()
 
     def expand(self, sub_logits: torch.Tensor) -> torch.Tensor:
         """``[..., N]`` -> ``[..., V]``, -inf outside S (probability 0 after any temperature / top-k / top-p)."""
@@ -134,6 +174,23 @@ class DraftVocab:
     def token(self, sub_index: torch.Tensor) -> torch.Tensor:
         """Indices into S -> token ids."""
         return self.ids[sub_index]
+
+
+class HeadVocab(DraftVocab):
+    """A drafter's own head over its fixed draft vocabulary (an EAGLE-3 head: ``draft_ids``, ``draft_logits``): no
+    rows of another head to add, so prompts' tokens outside it are not added (``including`` is the identity)."""
+
+    def __init__(self, head):
+        self.vocab_size = head.config.vocab_size
+        self.ids = head.draft_ids  # [N] ascending
+        self.id_list = self.ids.tolist()
+        self._head = head
+
+    def including(self, token_ids: Iterable[int]) -> DraftVocab:
+        return self
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head.draft_logits(hidden)
 
 
 class PromptVocabs:

@@ -1,4 +1,5 @@
-"""EagleProposer: drafts with an EAGLE-style feature head (model.draft_heads.EagleHead) from the target's hidden states.
+"""EagleProposer: drafts with an EAGLE-style feature head (model.draft_heads: EagleHead, Eagle3Head) from the target's
+hidden states.
 
 Alignment. A request of L tokens x_0 .. x_{L-1} in decode has the target's cache at L - 1 and, in the feature store,
 the target's f_i for the positions it computed (f_i predicted x_{i+1}). The head's entry at position i is
@@ -12,6 +13,10 @@ entries 0 .. L-2 built from *true* features, and drafting continues from there:
 Trees (``propose_tree``): the same catch-up gives f^_{L-1} and the root's top children; each further depth feeds the
 frontier's nodes as entries at one position (L-2 + their depth), each with its parent's predicted feature and a
 tree mask over the nodes fed this round (its ancestors), in one head forward a depth.
+
+EAGLE-3 (Eagle3Head) follows the same alignment with two differences: the true f_i are the target's captured
+layers (fused by the head's fc), and f^ is the head's own output (a free hidden state scored by its own head over its
+draft vocabulary, HeadVocab), which the next draft entry reads as its hidden.
 
 Entries built from predicted features (positions >= L-1) are dropped at the next round, which rebuilds them from
 the target's true features of the accepted tokens: the head's cache is truncated to what it ``fed`` from true
@@ -27,9 +32,9 @@ import weakref
 import torch
 
 from ..cache.base import TreeAttn
-from ..model.draft_heads import EagleHead
+from ..model.draft_heads import Eagle3Head, EagleHead
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
-from .draft_vocab import DraftVocab, PromptVocabs
+from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
 from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 from .tree import DraftTree, FrontierFeed, grow, top_children
@@ -39,14 +44,21 @@ class EagleProposer(Proposer):
     uses_draft_model = True
     uses_features = True
 
-    def __init__(self, head: EagleHead, kv, draft_vocab: DraftVocab | None = None):
+    def __init__(self, head: EagleHead | Eagle3Head, kv, draft_vocab: DraftVocab | None = None):
+        if isinstance(head, Eagle3Head):
+            draft_vocab = HeadVocab(head)  # its own head over its own draft vocabulary, whatever was asked
         self.head, self.kv, self.draft_vocab = head, kv, draft_vocab
+        H = head.config.hidden_size
+        # what of the target's hidden [n, (1 + captured) H] the head reads: the final state (EAGLE), or the layers
+        # captured after it (EAGLE-3)
+        self._cols = slice(H, None) if isinstance(head, Eagle3Head) else slice(0, H)
+        self._width = head.feature_width if isinstance(head, Eagle3Head) else H
         self.features = FeatureStore()
         self._vocab = PromptVocabs(draft_vocab)
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> entries from true features
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
-        self.features.add(req, start, hidden)
+        self.features.add(req, start, hidden[..., self._cols])
 
     def _fed_len(self, req) -> int:
         return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
@@ -55,12 +67,14 @@ class EagleProposer(Proposer):
         return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
 
     def _forward(self, slots: list[int], tokens: list[list[int]], feats: list[torch.Tensor],
-                 tree: TreeAttn | None = None) -> torch.Tensor:
-        """Append entries (tokens x_{i+1}, features f_i) to the head's slots in one padded forward -> [n, T, H]."""
-        pool, dev = self.kv.draft_pool, self.head.device
+                 tree: TreeAttn | None = None, pool=None) -> torch.Tensor:
+        """Append entries (tokens x_{i+1}, features f_i) to the head's slots in one padded forward -> [n, T, H]
+        (``pool``: another than the draft pool, for warm_steps)."""
+        pool, dev = pool or self.kv.draft_pool, self.head.device
         T = max(len(t) for t in tokens)
         x = torch.zeros(len(tokens), T, dtype=torch.long)
-        f = torch.zeros(len(tokens), T, self.head.config.hidden_size, dtype=self.head.dtype, device=dev)
+        # true features (catch-up entries) or the previous step's outputs (draft entries): one kind per call
+        f = torch.zeros(len(tokens), T, feats[0].shape[-1], dtype=self.head.dtype, device=dev)
         for i, (t, h) in enumerate(zip(tokens, feats)):
             x[i, :len(t)] = torch.as_tensor(t)
             f[i, :len(t)] = h
@@ -76,7 +90,7 @@ class EagleProposer(Proposer):
             fed, end = self._fed_len(r), r.num_tokens - 1
             pool.truncate_to(slot, fed)  # entries past fed came from predicted features
             t = r.token_slice(fed + 1, end + 1)
-            f = self.features.get(r, fed, end, head.config.hidden_size, head.dtype, head.device)
+            f = self.features.get(r, fed, end, self._width, head.dtype, head.device)
             self._fed[r] = end
             self.features.drop_before(r, end)
             if len(t) > CATCH_UP_BATCHED:
@@ -102,14 +116,18 @@ class EagleProposer(Proposer):
         toks, feats, alone = self._catch_up([reqs[b] for b in idx], [dslots[b] for b in idx])
         catch_up_s = time.perf_counter() - t0 if alone else 0.0
         catch_up = max(len(t) for t in toks)
+        pool, dev = self.kv.draft_pool, self.head.device
         for j in range(max(ks)):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
-            if j > 0:
+            if j == 0:
+                out = self._forward([dslots[b] for b in idx], toks, feats)
+                f_hat = out[torch.arange(len(idx)), torch.tensor([len(t) - 1 for t in toks])]  # [n, H]
+            else:  # one entry a row: the last draft and f^ of the step before, as tensors (no host sync)
                 keep = [i for i, b in enumerate(prev_idx) if ks[b] > j]
-                toks = [[int(t)] for t in drawer.drafts[idx, j - 1].tolist()]
-                feats = list(f_hat[keep, None])  # f^ of the previous step is this entry's feature
-            out = self._forward([dslots[b] for b in idx], toks, feats)
-            f_hat = out[torch.arange(len(idx)), torch.tensor([len(t) - 1 for t in toks])]  # [n, H]
+                if len(keep) < len(prev_idx):
+                    f_hat = f_hat[keep]
+                meta = pool.prepare([dslots[b] for b in idx], [1] * len(idx), dev)
+                f_hat = self.head(drawer.drafts[idx, j - 1][:, None], f_hat[:, None], meta.positions, pool, meta)[:, 0]
             drawer.draw(j, idx, f_hat)
             prev_idx = idx
         return drawer.proposal(ks, catch_up=catch_up, catch_up_tokens=alone, catch_up_s=catch_up_s)
@@ -146,13 +164,26 @@ class EagleProposer(Proposer):
         return trees
 
     # -- profiling --------------------------------------------------------------------------------------------
-    def _zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
+    def _zeros(self, n: int, width: int | None = None) -> torch.Tensor:
+        return torch.zeros(n, width or self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
 
     def scratch_fill(self, slots: list[int], n: int) -> None:
-        self._forward(slots, [[1] * n] * len(slots), [self._zeros(n)] * len(slots))
+        self._forward(slots, [[1] * n] * len(slots), [self._zeros(n, self._width)] * len(slots))
 
     def scratch_step(self, slots: list[int] | None, b: int) -> bool:
         f_hat = self._forward(slots[:b], [[1]] * b, [self._zeros(1)] * b)[:, -1]
         score_synced(f_hat, self.draft_vocab, self.head.compute_logits)
         return True
+
+    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+        """Run on ``pool`` (a twin of the draft pool) what rounds run: catch-ups of each width from true features,
+        each followed by a draft step from the head's own output (engine.warmup builds their compiled graphs)."""
+        slot = pool.allocate(ctx + max(widths) + 1)
+        try:
+            self._forward([slot], [[1] * ctx], [self._zeros(ctx, self._width)], pool=pool)
+            for t in widths:
+                out = self._forward([slot], [[1] * t], [self._zeros(t, self._width)], pool=pool)
+                self._forward([slot], [[1]], [out[0, -1:]], pool=pool)
+                pool.truncate_to(slot, ctx)
+        finally:
+            pool.free(slot)

@@ -34,7 +34,7 @@ class MedusaProposer(Proposer):
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
         end = start + len(hidden)
-        self.features.add(req, end - 1, hidden[-1:])  # only the last state is ever read
+        self.features.add(req, end - 1, hidden[-1:, : self.heads.config.hidden_size])  # the last final state only
         self.features.drop_before(req, end - 1)
 
     def _state(self, req):

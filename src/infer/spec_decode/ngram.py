@@ -152,6 +152,9 @@ class HybridProposer(Proposer):
                 trees[b] = t
         return trees
 
+    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+        self.model.warm_steps(pool, ctx, widths)
+
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]

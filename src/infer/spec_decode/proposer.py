@@ -96,6 +96,11 @@ class Proposer(ABC):
         host; False when a draft step costs nothing worth timing."""
         return False
 
+    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+        """Run a lone row's draft steps (after ``ctx`` tokens of context; first steps of each of ``widths``) on
+        ``pool``, a twin of the draft pool, so a compiled drafter's graphs exist before rounds draft
+        (engine.warmup). Nothing for proposers without a model."""
+
 
 class DraftDrawer:
     """Drafts from a drafter's hidden states, one position at a time, for rows of a DraftBatch: the argmax when the
@@ -112,29 +117,38 @@ class DraftDrawer:
         self.ctx_seen = None if batch.seen is None else batch.seen.clone()
 
     def draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """Draft position ``j`` of rows ``idx`` from their hidden states [n, H] -> the drafts [n]."""
+        """Draft position ``j`` of rows ``idx`` from their hidden states [n, H] -> the drafts [n].
+
+        With a draft vocabulary S the sampling pipeline runs over S's N columns: it gives what it gives over the
+        vocabulary with -inf outside S (temperature, top-k, top-p and min-p only ever see S's tokens; the penalty
+        context is read at S's ids), at N/V of the cost; q is then scattered into [V] (0 outside S)."""
         batch, dv, sampling = self.batch, self.dv, self.batch.sampling
         rows_t = torch.tensor(idx, device=batch.device)
         if dv is None:
             logits = self.head(hidden)  # [n, V]
         else:
-            sub_logits = dv.logits(hidden)  # [n, N]
-            if sampling is None and self.logits is None:  # greedy: map the argmax within S, skip the scatter
-                self.drafts[rows_t, j] = dv.token(argmax(sub_logits))
-                return self.drafts[rows_t, j]
-            logits = dv.expand(sub_logits)  # [n, V], -inf outside S: q(x) = 0 there
-        if self.logits is not None:
-            self.logits[rows_t, j] = logits
+            logits = dv.logits(hidden)  # [n, N]
+            if self.logits is not None:
+                self.logits[rows_t, j] = dv.expand(logits)
         if sampling is None:  # greedy: argmax needs no probabilities
-            self.drafts[rows_t, j] = argmax(logits)
+            drafts = argmax(logits)
+            self.drafts[rows_t, j] = drafts if dv is None else dv.token(drafts)
             return self.drafts[rows_t, j]
-        V = batch.vocab_size
+        if dv is None and self.logits is not None:
+            self.logits[rows_t, j] = logits
         sub = sampling if len(idx) == len(batch.reqs) else SamplingBatch.from_params(
-            [sampling.rows[b] for b in idx], V, batch.device)
-        probs = logits_to_probs(logits, sub, None if self.ctx_seen is None else self.ctx_seen[rows_t])
-        self.drafts[rows_t, j] = sample(probs, [batch.generators[b] for b in idx],
-                                        [batch.reqs[b].params.greedy for b in idx])
-        self.q[rows_t, j] = probs
+            [sampling.rows[b] for b in idx], batch.vocab_size, batch.device)
+        seen = None if self.ctx_seen is None else self.ctx_seen[rows_t]
+        if seen is not None and dv is not None:
+            seen = seen[:, dv.ids]
+        probs = logits_to_probs(logits, sub, seen)  # [n, V] or [n, N]
+        drawn = sample(probs, [batch.generators[b] for b in idx], [batch.reqs[b].params.greedy for b in idx])
+        if dv is None:
+            self.drafts[rows_t, j] = drawn
+            self.q[rows_t, j] = probs
+        else:
+            self.drafts[rows_t, j] = dv.token(drawn)
+            self.q[rows_t[:, None], j, dv.ids] = probs  # 0 outside S (a fresh tensor each proposal)
         if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
             self.ctx_seen[rows_t, self.drafts[rows_t, j]] = True
         return self.drafts[rows_t, j]

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .. import progress
-from ..model.draft_heads import EagleHead, MedusaHeads
+from ..model.draft_heads import Eagle3Head, EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
 from .acceptance import make_policy
 from .draft_model import DraftModelProposer
@@ -61,7 +61,7 @@ def draft_vocab_for(drafter: LlamaForCausalLM, drafter_path, size) -> DraftVocab
 
 def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None) -> Proposer:
     """The proposer for a drafter of each kind (model.draft_heads: heads that draft from the target's states)."""
-    if isinstance(drafter, EagleHead):
+    if isinstance(drafter, (EagleHead, Eagle3Head)):  # EAGLE-3 brings its own draft vocabulary
         return EagleProposer(drafter, kv, draft_vocab)
     if isinstance(drafter, MedusaHeads):
         return MedusaProposer(drafter, draft_vocab)

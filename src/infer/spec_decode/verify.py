@@ -29,7 +29,7 @@ import torch
 
 from .acceptance import AcceptancePolicy, ExactAcceptance
 
-from ..sampling import argmax
+from ..sampling import argmax, inverse_cdf
 
 PAD = -1
 
@@ -90,12 +90,13 @@ def _uniforms(generators, B, K, device, nd: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
-    """One draw per row of probs [B, V] (exponential race, see sampling.sample)."""
+    """One draw per row of probs [B, V], one uniform a row (sampling.inverse_cdf)."""
+    B = probs.shape[0]
     if isinstance(generators, torch.Generator) or generators is None:
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generators)
+        u = torch.rand(B, dtype=torch.float64, generator=generators, device=probs.device)
     else:
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(1.0, generator=g) for g in generators])
-    return argmax(probs / noise.clamp_(min=1e-30))
+        u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=probs.device) for g in generators])
+    return inverse_cdf(probs, u)
 
 
 def draft_diagnostics(draft_tokens, q, p, num_draft=None):
@@ -128,7 +129,7 @@ def rejection_sample(
     Edge cases are exact: p(t) = 0 always rejects; p == q never rejects (and if rounding makes it reject, the
     residual is 0 everywhere and we sample p, which equals it in exact arithmetic); zero-probability tokens of
     truncated supports (top-k / top-p / min-p) are never drawn from a residual, since max(0, 0 - q) = 0.
-    Random draws per row, in order: num_draft[b] uniforms, then V exponentials for the final token.
+    Random draws per row, in order: num_draft[b] uniforms, then one for the final token.
     """
     policy = policy or ExactAcceptance()
     B, K = draft_tokens.shape
