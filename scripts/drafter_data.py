@@ -21,9 +21,10 @@ Everything is built offline and reproducibly (fixed seeds), in resumable stages:
                restores them (prompts rebuilt, the teacher's top-20 recomputed by one teacher-forced pass) before
                answering more, so the data grows across sessions.
   4. layers    (EAGLE-3, issue 33) the outputs of the target's layers AUX_LAYERS (a low, a middle and a high one) at
-               every position, one teacher-forced pass per batch of the target as it is served (the GGUF's Q4_1
-               blocks, bfloat16: what the head meets at run time), bfloat16 in shards -> WORK/layers-NNN.pt, loaded
-               memory-mapped by the trainer (~3.5 KB a position).
+               every position, bfloat16 (~3.5 KB a position) -> WORK/layers/*.pt, loaded memory-mapped by the
+               trainer. The answers stage captures them as the engine computes them (the runner's feature sink:
+               what the head meets at run time, from the same Q4_1 target); this stage teacher-forces the rows it
+               did not (answered earlier, or restored), ~1 s a conversation here.
 
 The target runs as the drafters will serve it (REAL_MODEL_SETTINGS: the GGUF's own Q4_1 blocks, bfloat16; the first
 drafters' data came from int8 weights, the setting of its day).
@@ -234,6 +235,15 @@ def stage_answers(work: Path, train: list[dict], num: int, max_tokens: int, batc
     # registered the prompt's blocks, and prefill only the last block (prefill is ~40% of the work here)
     llm = load_target(max_batch_size=batch, compile=False, enable_prefix_caching=True)
     tok = llm.tokenizer
+    # The layers EAGLE-3 reads (stage 4), taken as the engine computes them: every prefill chunk's and decode step's
+    # hidden states go through the runner's feature sink, the captured layers after the final state.
+    H = llm.model.config.hidden_size
+    llm.model.capture_layers(AUX_LAYERS)
+    captured: dict[str, list] = {}
+    llm.engine.runner.feature_sink = lambda r, start, h: captured.setdefault(r.request_id, []).append(
+        (start, h[:, H:].to(torch.bfloat16).clone()))
+    (work / "layers").mkdir(exist_ok=True)
+    known: list[tuple[list[int], torch.Tensor]] = []  # recent rows' (prompt ids, layers): prefix-cache hits read them
     with out.open("a") as f, tqdm(total=len(jobs), initial=done, desc="answers", unit="answer") as bar:
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
@@ -254,6 +264,23 @@ def stage_answers(work: Path, train: list[dict], num: int, max_tokens: int, batc
                         reqs[i].num_computed < len(reqs[i].prompt_ids) for i in part)):
                     for o in llm.engine.step():
                         steps[o.request_id].append(o)
+            layers = {}
+            for n, (i, r) in enumerate(zip(ids, reqs)):
+                parts = sorted(captured.pop(r.request_id, []), key=lambda x: x[0])
+                # positions served from the prefix cache (the chat template's system block; all of a prompt but
+                # its last block for a later answer of the same prompt) were computed for an earlier row from the
+                # same tokens: its layers there are this row's
+                cached = parts[0][0] if parts else 0
+                head = [] if cached == 0 else next(([h[:cached]] for ids0, h in reversed(known)
+                                                    if len(h) >= cached and ids0[:cached] == i[:cached]), None)
+                if head is None or not parts:
+                    continue
+                rows_h = torch.cat(head + [h for _, h in parts])
+                if len(rows_h) == len(i) + len(r.output_ids) - 1:
+                    layers[done + start + n] = rows_h
+                    known.append((i, rows_h))
+            del known[:-2 * batch]
+            torch.save(layers, work / "layers" / f"gen-{done + start:06d}.pt")
             for p, i, r in zip(chunk, ids, reqs):
                 outs = [o for o in steps[r.request_id] if o.token_id is not None]
                 f.write(json.dumps({**p, "prompt_ids": i, "answer_ids": [o.token_id for o in outs],
@@ -363,28 +390,38 @@ def stage_features(work: Path, batch: int = 8):
         path.with_suffix(".tmp").rename(path)
 
 
+def covered_rows(work: Path) -> set[int]:
+    """Rows of answers.jsonl whose captured layers are stored in WORK/layers/*.pt (captured while answering, or by
+    teacher forcing)."""
+    rows = set()
+    for path in sorted((work / "layers").glob("*.pt")):
+        rows |= set(torch.load(path, mmap=True, weights_only=True))
+    return rows
+
+
 def stage_layers(work: Path, batch: int = 8):
-    """WORK/layers-NNN.pt: {row index in answers.jsonl: bfloat16 [prompt + answer - 1, 3 H]}, the outputs of
-    AUX_LAYERS at every position (model.llama: capture_layers), shard by shard (a killed run resumes at the first
-    missing shard; a shard is written only once all its conversations are answered)."""
+    """WORK/layers/tf-NNN.pt: {row index in answers.jsonl: bfloat16 [prompt + answer - 1, 3 H]}, the outputs of
+    AUX_LAYERS at every position (model.llama: capture_layers) for the rows the answers stage did not capture
+    (rows answered before it captured them, rows restored from the packed answers), by one teacher-forced pass of
+    the served target per batch, FEATURE_SHARD rows a file (resumable: rows already covered are skipped)."""
     from infer.demo import real_model_path, REAL_MODEL_SETTINGS
     from infer.model.loader import load_model
     from infer.model.quant import quantize_model
 
     rows = [json.loads(line) for line in (work / "answers.jsonl").open()]
     ids = [r["prompt_ids"] + r["answer_ids"][:-1] for r in rows]
+    (work / "layers").mkdir(exist_ok=True)
+    todo = sorted(set(range(len(ids))) - covered_rows(work))
     model = None
-    full = len(ids) // FEATURE_SHARD * FEATURE_SHARD
-    for n, start in enumerate(tqdm(range(0, full, FEATURE_SHARD), desc="layer shards")):
-        path = work / f"layers-{n:03d}.pt"
-        if path.exists():
-            continue
+    n0 = len(list((work / "layers").glob("tf-*.pt")))
+    for n, start in enumerate(tqdm(range(0, len(todo), FEATURE_SHARD), desc="layer files")):
         if model is None:
             model = load_model(real_model_path(), torch.bfloat16, torch.device("cpu"))
             quantize_model(model, REAL_MODEL_SETTINGS["quantization"])
             model.capture_layers(AUX_LAYERS)
+            del model.layers[max(AUX_LAYERS) + 1:]  # nothing after the last captured layer is needed
         H = model.config.hidden_size
-        idx = sorted(range(start, start + FEATURE_SHARD), key=lambda i: len(ids[i]))
+        idx = sorted(todo[start:start + FEATURE_SHARD], key=lambda i: len(ids[i]))
         out = {}
         for b in range(0, len(idx), batch):
             part = idx[b:b + batch]
@@ -396,6 +433,7 @@ def stage_layers(work: Path, batch: int = 8):
                 h = model(x)[..., H:]  # [b, T, 3H]: causal, so right padding changes nothing before it
             for j, i in enumerate(part):
                 out[i] = h[j, :len(ids[i])].clone()
+        path = work / "layers" / f"tf-{n0 + n:03d}.pt"
         torch.save(out, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
 

@@ -210,14 +210,16 @@ def load_items3(work: Path) -> list[dict]:
     """Conversations with the target's captured layers: ``ids`` [T] (prompt + answer less its last token, cut to
     MAXLEN from the left), ``aux`` bf16 [T, 3H] (memory-mapped), ``first`` (the first position whose next token is
     an answer token; < 0 when the cut took the prompt), the teacher's ``top_ids`` / ``top_logp`` [A, 20] and the
-    ``answer`` tokens."""
+    ``answer`` tokens. Rows without captured layers (drafter_data.py's stage ``layers`` not run yet) are left out."""
     rows = [json.loads(line) for line in (work / "answers.jsonl").open()]
-    shards = sorted(work.glob("layers-*.pt"))
+    shards = sorted((work / "layers").glob("*.pt"))
     if not shards:
-        raise SystemExit(f"no {work}/layers-*.pt: run scripts/drafter_data.py --stages layers first")
+        raise SystemExit(f"no {work}/layers/*.pt: run scripts/drafter_data.py (answers, then --stages layers)")
     items = []
     for shard in shards:
-        for i, aux in torch.load(shard, mmap=True).items():
+        for i, aux in torch.load(shard, mmap=True, weights_only=True).items():
+            if i >= len(rows):  # captured for rows not yet written (a run stopped between the two)
+                continue
             r = rows[i]
             if len(r["answer_ids"]) < 2:
                 continue

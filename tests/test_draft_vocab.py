@@ -56,6 +56,28 @@ def test_including_adds_tokens_and_reuses_itself_when_nothing_is_new(pair):
     torch.testing.assert_close(more.weight, drafter.lm_head_weight[[1, 2, 9]])
 
 
+def test_a_quantized_vocabulary_scores_its_rows_on_the_block_kernel_and_adds_prompt_tokens_beside_them(pair):
+    """DraftVocab.quantized (issue 33): the same ids, scored by Q8_0 rows (within Q8_0's error of the float rows);
+    tokens added later (a prompt's) are scored unquantized beside them, their ids after the quantized part's."""
+    from infer.model.quant import BlockLinear
+
+    _, drafter, _ = pair
+    dv = DraftVocab(drafter.lm_head_weight, range(0, 200, 3))
+    q = dv.quantized("q8_0")
+    assert isinstance(q.head, BlockLinear) and q.id_list == dv.id_list and dv.head is None
+    hidden = torch.randn(3, drafter.config.hidden_size)
+    exact = dv.logits(hidden)
+    assert (q.logits(hidden) - exact).abs().max() <= 0.02 * exact.abs().max()
+    more = q.including([1, 4, 3])  # 3 is in S already
+    assert more.id_list == dv.id_list + [1, 4] and more.head is q.head
+    got = more.logits(hidden)
+    assert got.shape == (3, dv.size + 2)
+    torch.testing.assert_close(got[:, -2:], drafter.compute_logits(hidden)[:, [1, 4]])
+    assert torch.equal(more.token(torch.tensor([dv.size, dv.size + 1])), torch.tensor([1, 4]))
+    assert more.including([4, 9, 11]).id_list == dv.id_list + [1, 4, 11]  # 9 is in S: rebuilt from the base rows
+    assert q.quantized(None) is q
+
+
 def test_ranking_round_trip_orders_by_count_then_id(tmp_path):
     write_ranking(tmp_path, [5, 9, 5, 0, 9], "test")
     assert load_ranking(tmp_path) == [1, 4, 0, 2, 3]

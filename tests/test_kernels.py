@@ -171,6 +171,55 @@ def test_rms_norm_rejects_bad_input():
         torch.ops.infer.rms_norm(x[None], w, 1e-5)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [(15, 64), (3, 6)])  # 6: half a head shorter than the 8-lane vector body
+def test_rope_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, heads, d):
+    """infer::rope (kernels/pointwise.cpp): x cos + rotate_half(x) sin in float32, rounded once to x's dtype (float32:
+    exactly ATen's ops), rows independent of each other; reads the first heads of a strided row (the qkv product)."""
+    gen = torch.Generator().manual_seed(heads)
+    M = kernels.MAX_ROWS
+    qkv = (torch.randn(M, (heads + 2) * d, generator=gen) * 4).to(dt)
+    cos, sin = torch.randn(M, d, generator=gen).to(dt), torch.randn(M, d, generator=gen).to(dt)
+    y = torch.ops.infer.rope(qkv, cos, sin, heads, d)
+    x = qkv.float()[:, :heads * d].view(M, heads, d)
+    x1, x2 = x.chunk(2, -1)
+    ref = x * cos.float()[:, None] + torch.cat((-x2, x1), -1) * sin.float()[:, None]
+    assert y.dtype == dt and torch.equal(y, ref.view(M, -1).to(dt))
+    for i in range(M):
+        assert torch.equal(torch.ops.infer.rope(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], heads, d), y[i:i + 1])
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1536, 13])  # 13: the scalar tail only
+def test_silu_mul_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, n):
+    """infer::silu_mul: silu(gate) * up in float32 (its own exp: within a few ulp of ATen's), rounded once; the
+    vector body and the scalar tail agree, rows are independent of each other; extremes stay finite."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(kernels.MAX_ROWS, 2 * n, generator=gen) * 4).to(dt)
+    x[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0]).to(dt)
+    y = torch.ops.infer.silu_mul(x)
+    ref = F.silu(x.float()[:, :n]) * x.float()[:, n:]
+    assert y.dtype == dt and torch.isfinite(y.float()).all()
+    assert ((y.float() - ref).abs() <= 2e-6 * ref.abs() + (2 ** -7) * ref.abs() * (dt == torch.bfloat16) + 1e-30).all()
+    for i in range(x.shape[0]):
+        assert torch.equal(torch.ops.infer.silu_mul(x[i:i + 1]), y[i:i + 1])
+    # the vector body (8 lanes) and the scalar tail compute the same function: a row shifted by a few columns
+    shifted = torch.ops.infer.silu_mul(torch.cat([x[:1, 3:n], x[:1, n + 3:]], -1))
+    assert torch.equal(shifted, y[:1, 3:])
+
+
+def test_pointwise_kernels_reject_bad_input():
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        torch.ops.infer.rope(x, torch.randn(2, 4), torch.randn(2, 2), 2, 4)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.infer.rope(x, torch.randn(2, 4), torch.randn(2, 4), 3, 4)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infer.silu_mul(x.half())
+    with pytest.raises(RuntimeError, match=r"rows, 2 \* n"):
+        torch.ops.infer.silu_mul(torch.randn(2, 7))
+
+
 def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):
     """The same greedy tokens with the kernels and with INFER_CPU_KERNELS=0 (ATen), on a float32 tiny model."""
     script = ("import sys, json, torch; torch.set_num_threads(1)\n"

@@ -26,9 +26,10 @@ EXAMPLES = 25
 @pytest.fixture(scope="module")
 def live(ckpt_dirs):
     # an unbounded queue: a fuzzed request of many prompts x n choices is served, not refused with a 503 (a full
-    # queue's 503 is tested in test_server_routes.py)
+    # queue's 503 is tested in test_server_routes.py). A short context: a chat request without max_tokens fills it, and
+    # n = 15 such choices of 256 tokens took longer than a request's 10 s timeout on a loaded CI machine.
     engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], draft_model=ckpt_dirs["mha"], spec_length=2,
-                                      max_batch_size=4, block_size=4))
+                                      max_batch_size=4, block_size=4, max_seq_len=64))
     with ServerThread(build_app(engine, "tiny", max_body_bytes=64 << 10)) as srv:
         srv.engine = engine
         yield srv

@@ -36,6 +36,8 @@ HELP = {
     "lenience": "lenient acceptance's l in (0, 1] (LOSSY below 1)",
     "draft_vocab_size": "drafter scores only its N most frequent tokens (auto: the size the ranking beside the "
                         "drafter recommends; none: the whole vocabulary)",
+    "draft_quantization": "quantization of the drafter's own weights: auto (q8_0 with a quantized target on the "
+                          "CPU) | none | int8 | q8_0 | q4_0 | q4_1",
     "dtype": "auto (the checkpoint's) | float32 | bfloat16 | float16",
     "device": "cpu | cuda | cuda:N",
     "quantization": "quantization of the target: int8 (weight-only, per row) | q8_0 | q4_0 | q4_1 (llama.cpp's "
@@ -65,7 +67,7 @@ MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_
                 "tensor_parallel_size")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
-               "draft_vocab_size")
+               "draft_vocab_size", "draft_quantization")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")
 

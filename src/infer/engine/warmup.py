@@ -71,6 +71,10 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
     try:
         for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + widest + 1):
             size = ctx + widest
+            if held and not pool.can_fit([(None, size)] * rows):  # a pool for one sequence: the second context
+                for s in held:  # where the first was (its length still differs, which is what makes it dynamic)
+                    pool.free(s)
+                held = []
             if size > max_seq_len or not pool.can_fit([(None, size)] * rows):
                 return
             slots = [pool.allocate(size) for _ in range(rows)]

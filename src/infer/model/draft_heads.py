@@ -81,12 +81,14 @@ class DraftHead(nn.Module):
     compiled = None  # an EAGLE head's compiled draft steps (model.compile.compile_model), as a target's
 
     def _dispatch(self, tokens, features, positions, kv, meta, embed):
-        """An EAGLE head's forward: over a cache, up to ``compiled.max_tokens`` entries, through the compiled step
-        where one is built (the same bits: every reduction an infer kernel, model.compile), else ``_forward``."""
+        """An EAGLE head's forward: appending up to ``compiled.max_tokens`` entries to a cache (not a first, causal
+        fill: a prompt's, eager as the target's prefill), through the compiled step where one is built (the same
+        bits: every reduction an infer kernel, model.compile), else ``_forward``."""
         self.rotary.reserve(int(positions.max()) if meta is None else meta.kv_len - 1, features.device,
                             features.dtype)
         c = self.compiled
-        if c is not None and kv is not None and embed is None and tokens.shape[1] <= c.max_tokens:
+        if c is not None and kv is not None and embed is None and tokens.shape[1] <= c.max_tokens \
+                and not meta.is_causal:
             step = c.steps()[0]
             if step is not None:
                 return step(tokens, features, positions, kv, meta)

@@ -64,6 +64,7 @@ class DraftModelProposer(Proposer):
         drawer = DraftDrawer(batch, self.drafter.compute_logits, self._vocab(reqs))
         catch_up = fed = 0
         catch_up_s = 0.0
+        dev = self.drafter.device
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:
@@ -72,10 +73,12 @@ class DraftModelProposer(Proposer):
                                            [reqs[b].token_slice(pool.seq_len(dslots[b])) for b in idx])
                 catch_up_s = time.perf_counter() - t0 if fed else 0.0
                 catch_up = max(len(r) for r in rows)
-            else:
-                rows = [[int(t)] for t in drawer.drafts[idx, j - 1].tolist()]
-            hidden = self.forward(self.drafter, pool, [dslots[b] for b in idx], rows)
-            drawer.draw(j, idx, hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])])
+                hidden = self.forward(self.drafter, pool, [dslots[b] for b in idx], rows)
+                last = hidden[torch.arange(len(idx)), torch.tensor([len(x) - 1 for x in rows])]
+            else:  # one token a row, the draft before, as a tensor (no host sync inside the drafting loop)
+                meta = pool.prepare([dslots[b] for b in idx], [1] * len(idx), dev)
+                last = self.drafter(drawer.drafts[idx, j - 1][:, None], meta.positions, pool, meta)[:, 0]
+            drawer.draw(j, idx, last)
         return drawer.proposal(list(ks), catch_up=catch_up, catch_up_tokens=fed, catch_up_s=catch_up_s)
 
     supports_tree = True
