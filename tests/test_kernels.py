@@ -126,6 +126,22 @@ def test_attention_decode_equals_verify():
             assert torch.equal(alone[0, :, 0], verify[b, :, t])
 
 
+@pytest.mark.parametrize("D", [24, 19])  # 24: a 16-lane block then an 8-lane one; 19: a scalar tail
+def test_attention_query_is_the_same_in_any_group(D):
+    """The kernel runs a KV head's queries in groups sharing each key load; a query's output must not depend on its
+    company: alone, with its own mask row (a tree's holes included), it is bit-identical to its row in the step."""
+    q, k, v = _qkv(torch.float32, B=2, H=6, Hkv=2, T=5, L=23, D=D, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(2, 1, 5, k.shape[2], generator=gen) < 0.7  # holes anywhere, as a token tree's ancestors
+    mask[..., 0] = True
+    verify = torch.ops.infer.attention(q, k, v, mask)
+    assert (verify.double() - _sdpa(q, k, v, mask)).abs().max() < 1e-5
+    for b in range(2):
+        for t in range(5):
+            alone = torch.ops.infer.attention(q[b:b + 1, :, t:t + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1, :, t:t + 1])
+            assert torch.equal(alone[0, :, 0], verify[b, :, t])
+
+
 def test_attention_query_that_sees_nothing_is_zero_not_nan():
     q, k, v = _qkv(torch.float32, B=1, T=2)
     mask = torch.zeros(1, 1, 2, k.shape[2], dtype=torch.bool)

@@ -5,8 +5,9 @@
 //   -> o [B, H, T, D], stored as [B, T, H, D] so that the caller's transpose + reshape to [B, T, H * D] is free.
 //
 // ATen's flash-attention kernel costs ~70 us a call on a decode step's few thousand scores (blocking and thread
-// set-up sized for long prefills); this one splits the step's (query, head) pairs over the threads and keeps the
-// weighted sum of values in registers.
+// set-up sized for long prefills); this one splits the step's queries over the threads in groups of one KV head's
+// queries (up to QB: the G query heads of a token, the K+1 tokens of a verify), which share every K and V load, and
+// keeps the weighted sums of values in registers.
 //
 // Batch invariance: a query attends to the keys before the last one its mask allows, in order; scores, the
 // softmax sums and the weighted sum of values are accumulated in the same order whatever L, T or B are. A token's
@@ -27,122 +28,199 @@ namespace {
 
 using namespace infer_kernels;
 
-// q . k for one key row: 8-lane partial sums over D (one chain per key), then the scalar tail. The same order for
-// every key, whether it is computed alone or beside three others (dot4 interleaves four independent chains to hide
-// the FMA latency; each key's arithmetic is unchanged).
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D, int64_t D8) {
-  V8 a = zero8();
-  for (int64_t d = 0; d < D8; d += 8) a = fma8(load8(k + d), load8(q + d), a);
-  float s = hsum8(a);
-  for (int64_t d = D8; d < D; ++d) s += to_float(k[d]) * q[d];
-  return s;
-}
+// Up to QB queries of one KV head go through its keys together: each K and V row is loaded (and widened from
+// bfloat16) once for all of them, which is most of the work at head_dim 64. A query's own arithmetic is unchanged by
+// its company: its score for a key is an 8-lane fma chain over D in order, a horizontal sum, then the D % 8 tail in
+// scalar; its output lane d sums p_j v_j[d] over the keys it sees in key order.
+constexpr int QB = 4;
+
+struct Query {
+  const float* q;    // [D] scaled
+  float* sc;         // [len] scores, then probabilities
+  const bool* mrow;  // nullptr: every key visible
+  int64_t len;       // keys 0..len-1 may be visible
+  bool dense;        // every key before len visible
+};
 
 template <typename T>
-inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t D, int64_t D8,
-                 float* out) {
-  V8 a0 = zero8(), a1 = zero8(), a2 = zero8(), a3 = zero8();
-  for (int64_t d = 0; d < D8; d += 8) {
-    const V8 qd = load8(q + d);
-    a0 = fma8(load8(k0 + d), qd, a0);
-    a1 = fma8(load8(k1 + d), qd, a1);
-    a2 = fma8(load8(k2 + d), qd, a2);
-    a3 = fma8(load8(k3 + d), qd, a3);
-  }
-  const T* ks[4] = {k0, k1, k2, k3};
-  const float h[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
-  for (int i = 0; i < 4; ++i) {
-    float s = h[i];
-    for (int64_t d = D8; d < D; ++d) s += to_float(ks[i][d]) * q[d];
-    out[i] = s;
-  }
-}
-
-// One (batch row, query, head): o = sum_j p_j v_j over the keys it sees, accumulated in key order. The output row is
-// walked in blocks of 64 lanes held in registers (8 independent chains); D % 8 trailing lanes in scalar.
-template <typename T>
-void attend_one(const float* qf, const T* kp, const T* vp, int64_t kstride, int64_t vstride, const bool* mrow,
-                int64_t mstride, int64_t len, int64_t D, float* sc, T* o) {
-  const int64_t D8 = D & ~int64_t(7);
-  auto visible = [&](int64_t j) { return !mrow || mrow[j * mstride]; };
+inline void scores(Query* qs, int nq, const T* kp, int64_t kstride, int64_t maxlen, int64_t D, int64_t D8) {
   int64_t j = 0;
-  for (; j + 4 <= len; j += 4)
-    dot4(qf, kp + j * kstride, kp + (j + 1) * kstride, kp + (j + 2) * kstride, kp + (j + 3) * kstride, D, D8, sc + j);
-  for (; j < len; ++j) sc[j] = dot(qf, kp + j * kstride, D, D8);
-  for (j = 0; j < len; ++j)
-    if (!visible(j)) sc[j] = -std::numeric_limits<float>::infinity();
-  using Vec = at::vec::Vectorized<float>;
-  const float mx = *std::max_element(sc, sc + len);
-  for (j = 0; j < len; j += Vec::size()) {  // elementwise: a lane's result does not depend on len
-    const int64_t n = std::min<int64_t>(Vec::size(), len - j);
-    (Vec::loadu(sc + j, n) - Vec(mx)).exp_u20().store(sc + j, n);
-  }
-  float sum = 0.0f;
-  for (j = 0; j < len; ++j) sum += sc[j];
-  const float inv = 1.0f / sum;
-  for (j = 0; j < len; ++j) sc[j] *= inv;
-  for (int64_t d0 = 0; d0 < D8; d0 += 64) {
-    const int64_t nv = std::min<int64_t>(64, D8 - d0) / 8;
-    V8 a[8] = {zero8(), zero8(), zero8(), zero8(), zero8(), zero8(), zero8(), zero8()};
-    for (j = 0; j < len; ++j) {
-      if (!visible(j)) continue;
-      const V8 p = set8(sc[j]);
-      const T* vr = vp + j * vstride + d0;
-      if (nv == 8) {  // the usual D = 64/128 block: a constant trip count keeps a[0..7] in registers
-        for (int i = 0; i < 8; ++i) a[i] = fma8(p, load8(vr + 8 * i), a[i]);
-      } else {
-        for (int i = 0; i < nv; ++i) a[i] = fma8(p, load8(vr + 8 * i), a[i]);
+  for (; j + 2 <= maxlen; j += 2) {  // two keys x nq queries: independent fma chains hide the latency
+    const T* k0 = kp + j * kstride;
+    const T* k1 = k0 + kstride;
+    V8 a0[QB], a1[QB];
+    for (int i = 0; i < QB; ++i) a0[i] = a1[i] = zero8();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const V8 x0 = load8(k0 + d), x1 = load8(k1 + d);
+      for (int i = 0; i < nq; ++i) {
+        const V8 qd = load8(qs[i].q + d);
+        a0[i] = fma8(x0, qd, a0[i]);
+        a1[i] = fma8(x1, qd, a1[i]);
       }
     }
-    float tmp[8];
-    for (int i = 0; i < nv; ++i) {
-      store8(tmp, a[i]);
-      for (int l = 0; l < 8; ++l) o[d0 + 8 * i + l] = static_cast<T>(tmp[l]);
+    for (int i = 0; i < nq; ++i) {
+      float s0 = hsum8(a0[i]), s1 = hsum8(a1[i]);
+      for (int64_t d = D8; d < D; ++d) {
+        s0 += to_float(k0[d]) * qs[i].q[d];
+        s1 += to_float(k1[d]) * qs[i].q[d];
+      }
+      qs[i].sc[j] = s0;
+      qs[i].sc[j + 1] = s1;
     }
   }
-  for (int64_t d = D8; d < D; ++d) {
-    float acc = 0.0f;
-    for (j = 0; j < len; ++j)
-      if (visible(j)) acc += sc[j] * to_float(vp[j * vstride + d]);
-    o[d] = static_cast<T>(acc);
+  for (; j < maxlen; ++j) {
+    const T* k0 = kp + j * kstride;
+    V8 a0[QB];
+    for (int i = 0; i < QB; ++i) a0[i] = zero8();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const V8 x0 = load8(k0 + d);
+      for (int i = 0; i < nq; ++i) a0[i] = fma8(x0, load8(qs[i].q + d), a0[i]);
+    }
+    for (int i = 0; i < nq; ++i) {
+      float s0 = hsum8(a0[i]);
+      for (int64_t d = D8; d < D; ++d) s0 += to_float(k0[d]) * qs[i].q[d];
+      qs[i].sc[j] = s0;
+    }
   }
+}
+
+// a query's scores -> probabilities over its own keys (masked ones 0), as softmax in float32
+inline void softmax(Query& qy, int64_t mstride) {
+  float* sc = qy.sc;
+  const int64_t len = qy.len;
+  qy.dense = true;
+  if (qy.mrow)
+    for (int64_t j = 0; j < len; ++j)
+      if (!qy.mrow[j * mstride]) {
+        sc[j] = -std::numeric_limits<float>::infinity();
+        qy.dense = false;
+      }
+  // max is exact in any order; the sum runs in Vec::size() lanes (lane l: keys j = l mod lanes, in order) then
+  // across the lanes: an order fixed by len, which is the query's own
+  using Vec = at::vec::Vectorized<float>;
+  Vec vmx(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + Vec::size() <= len; j += Vec::size()) vmx = at::vec::maximum(vmx, Vec::loadu(sc + j));
+  float lanes[Vec::size()];
+  vmx.store(lanes);
+  float mx = *std::max_element(lanes, lanes + Vec::size());
+  for (; j < len; ++j) mx = std::max(mx, sc[j]);
+  Vec vsum(0.0f);
+  for (j = 0; j < len; j += Vec::size()) {  // elementwise: a lane's result does not depend on len
+    const int64_t n = std::min<int64_t>(Vec::size(), len - j);
+    const Vec e = (Vec::loadu(sc + j, n) - Vec(mx)).exp_u20();
+    e.store(sc + j, n);
+    vsum = vsum + Vec::set(Vec(0.0f), e, n);  // lanes past the tail add 0
+  }
+  vsum.store(lanes);
+  float sum = 0.0f;
+  for (int l = 0; l < Vec::size(); ++l) sum += lanes[l];
+  const Vec inv(1.0f / sum);
+  for (j = 0; j < len; j += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), len - j);
+    (Vec::loadu(sc + j, n) * inv).store(sc + j, n);
+  }
+}
+
+// o_i = sum_j p_ij v_j for the group, 16 output lanes at a time (2 x nq accumulators in registers)
+template <typename T>
+inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstride, int64_t mstride, int64_t D,
+                            int64_t D8, T* const* o) {
+  int64_t common = qs[0].len, maxlen = 0;  // keys every query of the group sees (all dense) / any query may see
+  bool dense = true;
+  for (int i = 0; i < nq; ++i) {
+    common = std::min(common, qs[i].len);
+    maxlen = std::max(maxlen, qs[i].len);
+    dense = dense && qs[i].dense;
+  }
+  if (!dense) common = 0;
+  for (int64_t d0 = 0; d0 < D8; d0 += 16) {
+    const bool two = d0 + 16 <= D8;
+    V8 a0[QB], a1[QB];
+    for (int i = 0; i < QB; ++i) a0[i] = a1[i] = zero8();
+    int64_t j = 0;
+    for (; j < common; ++j) {
+      const T* vr = vp + j * vstride + d0;
+      const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
+      for (int i = 0; i < nq; ++i) {
+        const V8 p = set8(qs[i].sc[j]);
+        a0[i] = fma8(p, x0, a0[i]);
+        a1[i] = fma8(p, x1, a1[i]);
+      }
+    }
+    for (; j < maxlen; ++j) {
+      const T* vr = vp + j * vstride + d0;
+      const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
+      for (int i = 0; i < nq; ++i) {
+        if (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride])) continue;
+        const V8 p = set8(qs[i].sc[j]);
+        a0[i] = fma8(p, x0, a0[i]);
+        a1[i] = fma8(p, x1, a1[i]);
+      }
+    }
+    float tmp[16];
+    for (int i = 0; i < nq; ++i) {
+      store8(tmp, a0[i]);
+      store8(tmp + 8, a1[i]);
+      for (int l = 0; l < (two ? 16 : 8); ++l) o[i][d0 + l] = static_cast<T>(tmp[l]);
+    }
+  }
+  for (int i = 0; i < nq; ++i)
+    for (int64_t d = D8; d < D; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < qs[i].len; ++j)
+        if (!qs[i].mrow || qs[i].mrow[j * mstride]) acc += qs[i].sc[j] * to_float(vp[j * vstride + d]);
+      o[i][d] = static_cast<T>(acc);
+    }
 }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
             std::array<int64_t, 3> mstride, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), D8 = D & ~int64_t(7);
   const int64_t Hkv = k.size(1), L = k.size(2), G = H / Hkv;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();  // [B, T, H, D] contiguous
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const auto qst = q.strides(), ks = k.strides(), vs = v.strides();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // one item per (batch row, query, head); query heads of one KV head read the same rows (L2-resident)
-  const int64_t items = B * Tq * H;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D));
+  // one item per (batch row, KV head, group): the KV head's G x T queries (index t * G + g) in groups of <= QB
+  const int64_t per_head = G * Tq, groups = (per_head + QB - 1) / QB, items = B * Hkv * groups;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D * QB));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> buf;
+    buf.resize(QB * (D + L));
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t h = item % H, t = (item / H) % Tq, b = item / (H * Tq), hk = h / G;
-      const bool* mrow = mask ? mask + b * mstride[0] + t * mstride[1] : nullptr;
-      T* o = op + ((b * Tq + t) * H + h) * D;
-      int64_t len = L;  // keys 0..len-1 are the ones this query may see
-      if (mrow)
-        while (len > 0 && !mrow[(len - 1) * mstride[2]]) --len;
-      if (len == 0) {  // a query that may see nothing (never built by infer's pools): zeros, not NaN
-        std::fill_n(o, D, static_cast<T>(0.0f));
-        continue;
+      const int64_t grp = item % groups, hk = (item / groups) % Hkv, b = item / (groups * Hkv);
+      // groups of near-equal size: 15 queries -> 4 + 4 + 4 + 3
+      const int64_t first = grp * per_head / groups, last = (grp + 1) * per_head / groups;
+      Query qs[QB];
+      T* outs[QB];
+      int nq = 0;
+      int64_t maxlen = 0;
+      for (int64_t x = first; x < last; ++x) {
+        const int64_t t = x / G, h = hk * G + x % G;
+        const bool* mrow = mask ? mask + b * mstride[0] + t * mstride[1] : nullptr;
+        T* o = op + ((b * Tq + t) * H + h) * D;
+        int64_t len = L;  // keys 0..len-1 are the ones this query may see
+        if (mrow)
+          while (len > 0 && !mrow[(len - 1) * mstride[2]]) --len;
+        if (len == 0) {  // a query that may see nothing (never built by infer's pools): zeros, not NaN
+          std::fill_n(o, D, static_cast<T>(0.0f));
+          continue;
+        }
+        float* qf = buf.data() + nq * (D + L);
+        const T* qr = qp + b * qst[0] + h * qst[1] + t * qst[2];
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qr[d]) * scale;
+        qs[nq] = Query{qf, qf + D, mrow, len, true};
+        outs[nq++] = o;
+        maxlen = std::max(maxlen, len);
       }
-      buf.resize(D + len);
-      float* qf = buf.data();  // [D] the query row, scaled
-      float* sc = qf + D;      // [len] scores, then probabilities
-      const T* qr = qp + b * qs[0] + h * qs[1] + t * qs[2];
-      for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qr[d]) * scale;
-      attend_one<T>(qf, kp + b * ks[0] + hk * ks[1], vp + b * vs[0] + hk * vs[1], ks[2], vs[2], mrow, mstride[2], len,
-                    D, sc, o);
+      if (nq == 0) continue;
+      scores<T>(qs, nq, kp + b * ks[0] + hk * ks[1], ks[2], maxlen, D, D8);
+      for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2]);
+      weighted_values<T>(qs, nq, vp + b * vs[0] + hk * vs[1], vs[2], mstride[2], D, D8, outs);
     }
   });
 }
