@@ -60,9 +60,10 @@ def common_args(prompt: str, n: int, temp: float, threads: int, seed: int = 0) -
 
 def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, n: int, temp: float, k: int,
                 threads: int) -> Run:
-    """llama-speculative-simple: the target verifies up to ``k`` drafts of the draft model per step."""
+    """llama-speculative-simple: the target verifies up to ``k`` drafts of the draft model per step (--spec-type
+    draft-simple: this llama.cpp infers the kind from a draft GGUF's metadata and finds none in a plain Llama)."""
     return _run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
-                 "--spec-draft-n-max", str(k), "-td", str(threads), *common_args(prompt, n, temp, threads)])
+                 "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-td", str(threads), *common_args(prompt, n, temp, threads)])
 
 
 def lookup(bin_dir: Path, target: Path, prompt: str, n: int, temp: float, k: int, threads: int) -> Run:
