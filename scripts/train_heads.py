@@ -346,7 +346,8 @@ the layer's own previous output when drafting, and its own head over a {n_sub}-t
 
 - Data: scripts/drafter_data.py (issue 33): SmolLM2's own answers (its Q4_1 blocks, bf16), at temperature 0.7 and
   greedy, to {n_conv} training conversations; the outputs of its layers {list(head.aux_layers)} at every position
-  (stage `layers`, teacher forcing, the same Q4_1 model); {n_tok} answer positions supervise, with the target's
+  (captured as the engine computed them while answering, the runner's feature sink; stage `layers`
+  teacher-forces the rows answered before, the same Q4_1 model); {n_tok} answer positions supervise, with the target's
   top-20 next-token law as the engine reported it.
 - Training: scripts/train_drafters.py eagle3 (scripts/train_heads.py): forward KL to the target's top-20
   (renormalised over the draft vocabulary), training-time test over {TTT_STEPS} draft steps (step s from the outputs of

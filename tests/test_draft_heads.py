@@ -106,6 +106,11 @@ def test_joint_distribution_equals_target(kind, params):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_joint_distribution_equals_target_on_the_contiguous_backend(kind):
+    assert _pvalue(kind, PARAMS[0], kv_cache_backend="contiguous") > 0.001
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_lossy_rule_is_detected_with_the_same_drafter(kind):
     assert _pvalue(kind, PARAMS[0], acceptance="skip_adjustment") < 1e-4
 

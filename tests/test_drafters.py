@@ -25,7 +25,7 @@ needs_real = pytest.mark.skipif(REAL is None, reason="real model not installed: 
 
 def test_shipped_drafters_are_listed_by_kind_small_and_carded():
     paths = drafter_paths()
-    assert set(paths) == {"draft_model", "eagle", "medusa"}
+    assert set(paths) == {"draft_model", "eagle", "eagle3", "medusa"}
     from infer.demo import drafter_paths as from_demo
 
     assert from_demo() == paths
@@ -33,12 +33,13 @@ def test_shipped_drafters_are_listed_by_kind_small_and_carded():
     cfg = json.loads((lm / "config.json").read_text())
     assert cfg["infer_drafter"]["kind"] == "draft_model" and cfg["vocab_size"] == 49152
     assert cfg["torch_dtype"] == "bfloat16"
-    weights = sum(f.stat().st_size for f in DRAFTERS_DIR.rglob("*.safetensors"))
-    assert weights <= 40 * 2**20, f"shipped drafters weigh {weights / 2**20:.1f} MB (budget 40 MB)"
+    for f in DRAFTERS_DIR.rglob("*.safetensors"):  # the budget is per drafter (issue 33)
+        mb = f.stat().st_size / 2**20
+        assert mb <= 40, f"{f.parent.name} weighs {mb:.1f} MB (budget 40 MB)"
     for d in paths.values():
         card = (d / "README.md").read_text()
         assert "wall time" in card and "Data" in card and "Validation" in card
-    for kind in ("eagle", "medusa"):  # heads record their kind and shape, never the target's weights
+    for kind in ("eagle", "eagle3", "medusa"):  # heads record their kind and shape, never the target's weights
         spec = json.loads((paths[kind] / "config.json").read_text())["infer_drafter"]
         assert spec["kind"] == kind and spec["hidden_size"] == 576
     prompts = eval_prompts()
@@ -77,7 +78,7 @@ def test_transformers_loads_the_distilled_drafter_and_agrees_with_ours():
 
 @needs_real
 @pytest.mark.parametrize("kind,ks,floor", [("draft_model", (4, "auto"), 0.15), ("eagle", (4,), 0.15),
-                                           ("medusa", (4,), 0.05)])
+                                           ("eagle3", (4,), 0.15), ("medusa", (4,), 0.05)])
 def test_shipped_drafter_greedy_parity_on_smollm2_and_it_drafts_well(kind, ks, floor):
     """float32: the speculative output is the plain output token for token; and the shipped drafter is a trained
     one (a random drafter accepts ~0 of its drafts over a 49,152-token vocabulary). Accepted / drafted measured
