@@ -142,6 +142,22 @@ def test_attention_query_is_the_same_in_any_group(D):
             assert torch.equal(alone[0, :, 0], verify[b, :, t])
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_attention_with_holes_equals_the_visible_keys_alone(dt):
+    """A token tree's node sees its ancestors' keys with its other nodes' keys masked between them; as a chain the
+    same keys are contiguous. The node's output must be bit-identical to the chain's (tests/test_trees.py relies on
+    it): no sum may group the keys by their index in the cache."""
+    q, k, v = _qkv(dt, B=1, H=6, Hkv=2, T=1, L=41, D=64, seed=3)
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        mask = torch.rand(1, 1, 1, k.shape[2], generator=gen) < 0.5
+        mask[..., 0] = True
+        keep = mask[0, 0, 0].nonzero().flatten()
+        holes = torch.ops.infer.attention(q, k, v, mask)
+        chain = torch.ops.infer.attention(q, k[:, :, keep], v[:, :, keep], None)
+        assert torch.equal(holes, chain), seed
+
+
 def test_attention_query_that_sees_nothing_is_zero_not_nan():
     q, k, v = _qkv(torch.float32, B=1, T=2)
     mask = torch.zeros(1, 1, 2, k.shape[2], dtype=torch.bool)

@@ -11,8 +11,8 @@
 //
 // Batch invariance: a query attends to the keys before the last one its mask allows, in order; scores, the
 // softmax sums and the weighted sum of values are accumulated in the same order whatever L, T or B are. A token's
-// attention output is therefore the same alone (decode, L = its position + 1) and among K+1 (verify, larger L,
-// later keys masked).
+// attention output is therefore the same alone (decode, L = its position + 1), among K+1 (verify, larger L,
+// later keys masked) and as a node of a tree (its siblings' keys masked between its ancestors').
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -84,8 +84,25 @@ inline void scores(Query* qs, int nq, const T* kp, int64_t kstride, int64_t maxl
   }
 }
 
-// a query's scores -> probabilities over its own keys (masked ones 0), as softmax in float32
-inline void softmax(Query& qy, int64_t mstride) {
+// sum of x[0..n) in Vec::size() lanes (lane l: elements i = l mod lanes, in order), then across the lanes
+inline float lane_sum(const float* x, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec vsum(0.0f);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t m = std::min<int64_t>(Vec::size(), n - j);
+    vsum = vsum + Vec::set(Vec(0.0f), Vec::loadu(x + j, m), m);  // lanes past the tail add 0
+  }
+  float lanes[Vec::size()];
+  vsum.store(lanes);
+  float sum = 0.0f;
+  for (int l = 0; l < Vec::size(); ++l) sum += lanes[l];
+  return sum;
+}
+
+// a query's scores -> probabilities over its own keys (masked ones 0), as softmax in float32. The sum runs over the
+// visible keys' values compacted (in `scratch`, >= len floats, when some are masked), so its order is fixed by the
+// visible keys alone: a tree node's probabilities equal its path's as a chain, where the same keys are contiguous.
+inline void softmax(Query& qy, int64_t mstride, float* scratch) {
   float* sc = qy.sc;
   const int64_t len = qy.len;
   qy.dense = true;
@@ -95,8 +112,7 @@ inline void softmax(Query& qy, int64_t mstride) {
         sc[j] = -std::numeric_limits<float>::infinity();
         qy.dense = false;
       }
-  // max is exact in any order; the sum runs in Vec::size() lanes (lane l: keys j = l mod lanes, in order) then
-  // across the lanes: an order fixed by len, which is the query's own
+  // max is exact in any order
   using Vec = at::vec::Vectorized<float>;
   Vec vmx(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
@@ -105,16 +121,19 @@ inline void softmax(Query& qy, int64_t mstride) {
   vmx.store(lanes);
   float mx = *std::max_element(lanes, lanes + Vec::size());
   for (; j < len; ++j) mx = std::max(mx, sc[j]);
-  Vec vsum(0.0f);
-  for (j = 0; j < len; j += Vec::size()) {  // elementwise: a lane's result does not depend on len
+  for (j = 0; j < len; j += Vec::size()) {  // elementwise: a value does not depend on its lane or on len
     const int64_t n = std::min<int64_t>(Vec::size(), len - j);
-    const Vec e = (Vec::loadu(sc + j, n) - Vec(mx)).exp_u20();
-    e.store(sc + j, n);
-    vsum = vsum + Vec::set(Vec(0.0f), e, n);  // lanes past the tail add 0
+    (Vec::loadu(sc + j, n) - Vec(mx)).exp_u20().store(sc + j, n);
   }
-  vsum.store(lanes);
-  float sum = 0.0f;
-  for (int l = 0; l < Vec::size(); ++l) sum += lanes[l];
+  float sum;
+  if (qy.dense) {
+    sum = lane_sum(sc, len);
+  } else {
+    int64_t n = 0;
+    for (j = 0; j < len; ++j)
+      if (qy.mrow[j * mstride]) scratch[n++] = sc[j];
+    sum = lane_sum(scratch, n);
+  }
   const Vec inv(1.0f / sum);
   for (j = 0; j < len; j += Vec::size()) {
     const int64_t n = std::min<int64_t>(Vec::size(), len - j);
@@ -190,7 +209,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D * QB));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> buf;
-    buf.resize(QB * (D + L));
+    buf.resize(QB * (D + L) + L);  // + L: the softmax's scratch
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t grp = item % groups, hk = (item / groups) % Hkv, b = item / (groups * Hkv);
       // groups of near-equal size: 15 queries -> 4 + 4 + 4 + 3
@@ -219,7 +238,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       if (nq == 0) continue;
       scores<T>(qs, nq, kp + b * ks[0] + hk * ks[1], ks[2], maxlen, D, D8);
-      for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2]);
+      for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
       weighted_values<T>(qs, nq, vp + b * vs[0] + hk * vs[1], vs[2], mstride[2], D, D8, outs);
     }
   });
