@@ -1,10 +1,12 @@
 """Start-up: the cost profile kept on disk (spec_decode.profile_store) and the compiled steps built in the background
 (engine.warmup) while the engine already serves, with the same tokens whatever has been compiled so far."""
 
+import faulthandler
 import json
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -173,10 +175,13 @@ def test_serving_while_the_thread_compiles_gives_the_eager_tokens(gqa_dir):
     """No hold this time: requests run while graphs appear under them, until the warm-up is done."""
     expected = _ids(LLM(gqa_dir, compile=False, max_batch_size=1).generate(PROMPTS, GREEDY))
     llm = LLM(gqa_dir, compile=True, max_batch_size=1)
-    rounds = 0
+    rounds, deadline = 0, time.monotonic() + 600
     while not llm.engine.warmup.ready or rounds == 0:
         assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
         rounds += 1
+        if time.monotonic() > deadline:  # a warm-up that never finishes under load: say where each thread is
+            faulthandler.dump_traceback(all_threads=True)
+            pytest.fail(f"the warm-up was not done after {rounds} rounds of requests (10 min)")
     assert llm.engine.warmup.error is None
     # the warm-up also moved the weights onto 2 MiB pages (Engine.__init__ leaves that to it), under the requests
     assert getattr(llm.model, "_on_hugepages", False) == hugepages_supported()
@@ -266,3 +271,44 @@ def test_the_warmup_thread_runs_one_openmp_thread_and_leaves_the_others_theirs(g
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_waiting_on_a_lock_the_parked_warmup_holds_still_ends():
+    """The warm-up thread parks at Python calls while the engine steps (Warmup.engine_turn); parked while holding a
+    lock the step needs (an import's, logging's), it must not wait for the step forever: after MAX_PARK_S it runs
+    beside the step, lets go of the lock, and the step ends."""
+    w = object.__new__(warmup.Warmup)
+    w._thread, w.done, w._open, w._lock = threading.current_thread(), threading.Event(), threading.Event(), \
+        threading.Lock()
+    w._open.set()
+    w._stepping, w._steps, w._let_run, w._closed_at, w._stop = False, 0, -1, 0.0, False
+    shared, holding, stepped = threading.Lock(), threading.Event(), threading.Event()
+
+    def busy():
+        return sum(range(10))
+
+    def warm():  # the warm-up thread: takes the lock, then works through Python calls holding it
+        sys.settrace(w._gate)
+        try:
+            with shared:
+                holding.set()
+                for _ in range(40):
+                    busy()
+                    time.sleep(0.005)
+        finally:
+            sys.settrace(None)
+
+    def step():  # the engine: a step that needs the lock
+        with w.engine_turn():
+            with shared:
+                pass
+        stepped.set()
+
+    t = threading.Thread(target=warm, daemon=True)
+    t.start()
+    assert holding.wait(10)
+    e = threading.Thread(target=step, daemon=True)
+    e.start()
+    assert stepped.wait(20), "the engine's step waited forever on the parked warm-up"
+    t.join(10)
+    w.done.set()

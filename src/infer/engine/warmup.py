@@ -43,6 +43,10 @@ from ..spec_decode.tree_verify import ancestor_mask, tree_depths
 # warm-up progresses under a constant load too (the engine keeps 2/3 of the time).
 WARMUP_SHARE = 0.5
 IDLE_S = 0.02  # the engine counts as idle (the warm-up runs freely) this long after its last step
+# The warm-up parks at a Python call, where it may hold a lock (an import's, logging's, the compiler's) that the
+# engine's step then waits for: a step still running after this long is let run beside the warm-up instead of
+# waiting on it forever (a slower step, never a stuck one; both threads compute the same bits either way).
+MAX_PARK_S = 1.0
 
 
 _RUNNING: weakref.WeakSet = weakref.WeakSet()  # warm-ups whose thread was started
@@ -154,6 +158,8 @@ class Warmup:
         self._open.set()
         self._lock = threading.Lock()
         self._stepping = False  # an engine step is running
+        self._steps = 0  # engine steps begun (engine_turn)
+        self._let_run = -1  # the step the warm-up no longer parks for (MAX_PARK_S)
         self._closed_at = 0.0  # when the engine last took the time back
         self._stop = False
 
@@ -199,12 +205,13 @@ class Warmup:
         beside the tracer instead of ~13 ms alone. So the warm-up thread runs only while the engine lets it: for
         WARMUP_SHARE of each step's time right after the step, and whenever the engine has been idle for IDLE_S
         (no request). Elsewhere it parks at its next Python call (``_gate``, its trace hook), also while the engine's
-        caller handles a step's outputs and schedules the next."""
+        caller handles a step's outputs and schedules the next; never for more than MAX_PARK_S at a time."""
         if self._thread is None or self.done.is_set():
             yield
             return
         with self._lock:
             self._stepping = True
+            self._steps += 1
             self._open.clear()
         t0 = time.perf_counter()
         try:
@@ -224,14 +231,19 @@ class Warmup:
         the thread once ``stop()`` was called. Returns None: no per-line tracing."""
         if self._stop:
             raise _Stopped
-        if self._open.is_set():
+        if self._open.is_set() or self._let_run == self._steps:
             return
+        parked = time.perf_counter()
         while not self._open.wait(IDLE_S):
             if self._stop:
                 raise _Stopped
             with self._lock:
-                if not self._stepping and time.perf_counter() - self._closed_at >= IDLE_S:
+                now = time.perf_counter()
+                if not self._stepping and now - self._closed_at >= IDLE_S:
                     self._open.set()  # the engine went idle: full speed until its next step
+                    return
+                if self._stepping and now - parked >= MAX_PARK_S:  # it may wait on a lock this thread holds:
+                    self._let_run = self._steps  # run beside it until it ends
                     return
 
     def stop(self, timeout: float = 60.0) -> None:
