@@ -18,7 +18,7 @@ Medusa-style heads), each with its defaults (auto K) and with K pinned, plus pro
 what `infer chat` runs on SmolLM2 (infer.demo.real_model_speculation).
 Peers, same GGUF file and the same distilled drafter: transformers at its fastest CPU setting for it (float32),
 ``generate``, ``generate(assistant_model=smollm2-lm)`` and prompt lookup, in this process; llama.cpp
-(benchmarks/llama_cpp.py, with --llama-dir) on the same prompts in the same rounds: plain decoding (llama-simple,
+(benchmarks/llama_cpp.py, with --llama-dir) on the same prompts in the same rounds: plain decoding (llama-completion,
 greedy), its speculation with smollm2-lm converted to GGUF (llama-speculative-simple, K = 4 and its default 3) and
 its n-gram lookup (llama-lookup), plus llama-bench's token generation for each GGUF of the target given
 (--llama-gguf: the fastest plain llama.cpp configuration). llama.cpp's times are its own (encode + decode).
@@ -187,7 +187,7 @@ def main() -> None:
                         recs[n][i].append(r)
         rows = {}
         for n in names:
-            if not all(recs[n]):  # a variant that does not run at this temperature (llama-simple: greedy only)
+            if not all(recs[n]):  # a variant that does not run at this temperature (llama.cpp plain: greedy only)
                 continue
             med = lambda key, i: statistics.median(r[key] for r in recs[n][i])  # noqa: E731
             toks = [recs[n][i][-1]["tokens"] for i in range(len(ids))]

@@ -6,7 +6,7 @@ binaries runs them. To build the tools used here (~20 min on 2 cores), from the 
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-    cmake --build build -j 2 --target llama-bench llama-speculative-simple llama-lookup llama-simple
+    cmake --build build -j 2 --target llama-bench llama-speculative-simple llama-lookup llama-completion
 
 and pass ``--llama-dir .../build/bin``. A drafter shipped as a Hugging Face checkpoint (smollm2-lm) is converted to a
 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (``--llama-src``, the llama.cpp source tree), once, into a cache.
@@ -39,8 +39,12 @@ class Run:
 def _parse(out: str) -> Run:
     enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) (?:seconds|s)", out)
-    if dec is None:
-        raise RuntimeError(f"llama.cpp printed no timing:\n{out[-2000:]}")
+    if dec is None:  # llama-completion: its perf lines, in ms (decode: the evals after the prompt's)
+        pe = re.search(r"prompt eval time =\s+([\d.]+) ms", out)
+        ev = re.search(r"(?<!prompt )eval time =\s+([\d.]+) ms /\s+(\d+) runs", out)
+        if ev is None:
+            raise RuntimeError(f"llama.cpp printed no timing:\n{out[-2000:]}")
+        return Run(int(ev.group(2)), float(pe.group(1)) / 1e3 if pe else 0.0, float(ev.group(1)) / 1e3)
     drafted = re.search(r"n_drafted\s*=\s*(\d+)", out)
     accepted = re.search(r"n_accept\s*=\s*(\d+)", out)
     return Run(int(dec.group(1)), float(enc.group(2)) if enc else 0.0, float(dec.group(2)),
@@ -73,8 +77,10 @@ def lookup(bin_dir: Path, target: Path, prompt: str, n: int, temp: float, k: int
 
 
 def plain(bin_dir: Path, target: Path, prompt: str, n: int, threads: int) -> Run:
-    """llama-simple: greedy decoding, no speculation (its timing covers the decoding only)."""
-    return _run([str(bin_dir / "llama-simple"), "-m", str(target), "-n", str(n), "-t", str(threads), prompt])
+    """llama-completion: greedy decoding, no speculation, the prompt as raw text (-no-cnv). Not llama-simple: it
+    takes no thread count (a "-t 2" became part of its prompt) and ran llama.cpp's default 4 threads on 2 cores,
+    ~5x slower than llama-bench (the drafters runs of 2026-11-26)."""
+    return _run([str(bin_dir / "llama-completion"), "-no-cnv", "-m", str(target), *common_args(prompt, n, 0.0, threads)])
 
 
 def bench_tg(bin_dir: Path, model: Path, n: int, threads: int) -> float:
