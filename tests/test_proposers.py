@@ -182,3 +182,74 @@ def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair
     assert all(max(w) <= CATCH_UP_BATCHED for w in widths if len(w) > 1)
     plain = LLM(gqa_dir).generate([[0, 5, 6], long_prompt], params)
     assert [a.output_ids, b.output_ids] == [o.token_ids for o in plain]
+
+
+def test_a_round_first_draft_step_is_priced_apart_from_the_later_ones():
+    """The trap it fixes: rounds of k = 1-2, whose first step carries the round's set-up, priced every step at the
+    first's cost, and auto K stopped drafting on a drafter that pays at k = 4."""
+    c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.1})
+    assert c.draft_cost(1, 4) == pytest.approx(0.4) and c.draft_cost(0, 4) == 0.0 and c.draft_cost(1, 0) == 0.0
+    for _ in range(40):  # one-step rounds whose step costs 0.3 (set-up included): the later steps' price stays
+        c.refresh_draft(1, 0.3)
+    assert c.draft_first[1] == pytest.approx(0.3, rel=1e-3) and c.draft[1] == pytest.approx(0.1)
+    for _ in range(40):
+        c.refresh_draft(1, 0.3, 0.05)
+    assert c.draft_cost(1, 4) == pytest.approx(0.3 + 3 * 0.05, rel=1e-3)
+    policy = GoodputSpecLength(6, c)
+    r = _req([1, 2])
+    for _ in range(10):
+        policy.observe(r, 4, 3)  # a ~ 0.75: k = 4 costs 0.45 + verify 1.4 for ~3 tokens
+    k = policy.choose([r], [6])[0]
+    # the old pricing (every step at what one-step rounds measured) drafts shorter, and measures one-step rounds
+    old = GoodputSpecLength(6, CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.3}))
+    old.state = policy.state
+    assert k >= 4 and old.choose([r], [6])[0] <= 2
+
+
+def test_an_overpriced_drafter_is_re_measured_by_exploration_rounds():
+    """A draft step priced far above its cost (a stall while it was measured, a profile stored on a busy machine)
+    sends every row to k = 0; with no drafting round nothing would correct it. Every EXPLORE_EVERY rounds (then
+    twice as many) the best row drafts 2, which re-measures the price, and drafting resumes once it is right."""
+    from infer.spec_decode import spec_length as sl
+
+    policy = GoodputSpecLength(6, CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.3}, {1: 5.0}))
+    r = _req([1, 2])
+    for _ in range(10):
+        policy.observe(r, 4, 4)  # a row the drafter predicts well
+    rounds = [policy.choose([r], [6]) for _ in range(3 * sl.EXPLORE_EVERY + 1)]
+    explored = [i + 1 for i, ks in enumerate(rounds) if ks[0] >= 2]
+    assert explored == [sl.EXPLORE_EVERY, 3 * sl.EXPLORE_EVERY]  # then 2x as long between them
+    assert all(ks[0] <= 1 for i, ks in enumerate(rounds) if i + 1 not in explored)
+    for _ in range(30):  # what exploration rounds measure: a step costs 0.02 of a decode
+        policy.drafted(1, 2, 0.03, 0.02)
+    assert policy.choose([r], [6])[0] >= 3
+    assert policy.explore_every == sl.EXPLORE_EVERY  # drafting by choice resets the back-off
+
+
+def test_free_drafts_are_priced_and_estimated_apart_from_the_model():
+    """A hybrid's row with an n-gram match drafts without model steps: it drafts (up to the match's length) even where
+    the model's steps are too dear, and its acceptance does not move the model's estimate."""
+    policy = GoodputSpecLength(6, CostModel.from_points(2, 6, {(1, 1): 1.0, (1, 7): 1.3, (2, 1): 1.0, (2, 7): 1.5},
+                                                         {1: 5.0, 2: 5.0}))
+    copy, other = _req([1, 2]), _req([3, 4])
+    policy.free = lambda req, k: min(k, 3) if req is copy else None
+    for _ in range(5):
+        policy.observe(copy, 3, 3, free=True)
+        policy.observe(other, 4, 0)
+    assert policy.alpha(copy, free=True) > 0.8 and policy.alpha(copy) == pytest.approx(policy.alpha(_req([9])))
+    assert policy.choose([copy, other], [6, 6]) == [3, 0]
+    policy.free = lambda req, k: None
+    assert policy.choose([copy, other], [6, 6]) == [0, 0]  # the same rows drafted by the model: too dear
+
+
+def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
+    """Through the engine: the hybrid's model steps priced at 1000 s, n-gram copies still drafted and accepted, the
+    output the plain one."""
+    params = SamplingParams(temperature=0, max_tokens=60)
+    plain = LLM(gqa_dir).generate([[0, 5, 6]], params)[0]
+    eng = Engine(EngineConfig(model=gqa_dir, draft_model=gqa_dir, proposer="hybrid", prompt_lookup_min=1))
+    costs = eng.decoder.spec_length.costs
+    costs.draft[:] = [1000.0] * len(costs.draft)
+    costs.draft_first[:] = [1000.0] * len(costs.draft_first)
+    out = eng.run([eng.add_request([0, 5, 6], params)])[0]
+    assert out.output_ids == plain.token_ids and out.num_accepted_tokens > 0

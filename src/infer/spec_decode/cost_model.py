@@ -2,8 +2,8 @@
 the drafter's lazy catch-up, measured at start-up and refreshed by every round (spec_decode.spec_length reads it).
 
     costs = profile_costs(run_verify, run_draft, profile_batch, k_max, max_batch)   # start-up (spec_decode.setup)
-    costs.verify_cost(B, T), costs.draft_cost(B), costs.catch_up                     # seconds
-    costs.refresh_verify(B, T, s), costs.refresh_draft(B, s), costs.refresh_catch_up(n, s)   # after each round
+    costs.verify_cost(B, T), costs.draft_cost(B, k), costs.catch_up                  # seconds
+    costs.refresh_verify(B, T, s), costs.refresh_draft(B, first_s, step_s), costs.refresh_catch_up(n, s)  # rounds
 """
 
 from __future__ import annotations
@@ -14,23 +14,35 @@ from dataclasses import dataclass, field
 @dataclass
 class CostModel:
     """Seconds per target forward over B rows x T tokens (``verify_cost(B, T)``, T = 1 is a plain decode step) and
-    per draft step over B rows (``draft_cost(B)``), for B = 1..max_batch and T = 1..k_max + 1.
+    per k draft steps over B rows (``draft_cost(B, k)``), for B = 1..max_batch and T = 1..k_max + 1.
 
     The shape over (B, T) comes from a start-up profile at a few points, interpolated in between (``verify``). Its
     level is refreshed by every target forward the engine runs: ``scale[B]``, an EMA of measured / profiled. One
     factor per batch size, for all T, because the profile's error is a factor: it runs at short contexts, and at a
     real context (~300 tokens, demo pair) every width T measured 1.3-1.6x its profile, whereas a per-cell EMA would
     leave the widths a batch rarely runs (and the plain step, once a batch speculates) at their profiled values.
-    Draft steps are refreshed per cell: every drafting round measures one."""
+
+    A round's first draft step is priced apart from the others (``draft_first``): it also pays the round's set-up
+    (the drafter's per-round bookkeeping, the draft vocabulary of the batch) and feeds what the drafter has not seen
+    since the last round (an EAGLE head: the accepted run, up to K + 1 entries), so it costs up to ~2x a later step.
+    Charging it to every step made rounds of k = 1-2 price a step at 2-3x its cost, and auto K stopped drafting on a
+    drafter that pays at k = 4 (docs/benchmarks.md, drafters). Both are refreshed per cell by every drafting round."""
 
     max_batch: int
     k_max: int
     verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2] profiled; index 0 unused
-    draft: list[float] = field(default_factory=list)  # [max_batch + 1]
+    draft: list[float] = field(default_factory=list)  # [max_batch + 1] a draft step after a round's first
+    draft_first: list[float] = field(default_factory=list)  # [max_batch + 1] a round's first draft step (see above)
     ema: float = 0.2
     scale: dict[int, float] = field(default_factory=dict)  # B -> measured / profiled (EMA)
     last_scale: float = 1.0  # the latest factor of any B: the guess for a batch size not yet measured
     catch_up: float = 0.0  # seconds per token of the drafter's lazy prefill (a row fed alone), EMA
+
+    def __post_init__(self):
+        if not self.draft_first:  # profiled: a lone draft step of one token a row, the same for both until rounds run
+            self.draft_first = list(self.draft)
+        if len(self.draft_first) != len(self.draft):
+            raise ValueError(f"draft_first has {len(self.draft_first)} entries, draft {len(self.draft)}")
 
     @classmethod
     def from_points(cls, max_batch: int, k_max: int, verify_pts: dict, draft_pts: dict) -> CostModel:
@@ -62,8 +74,12 @@ class CostModel:
     def verify_cost(self, B: int, T: int) -> float:
         return self._cell(B, T) * self.scale.get(min(B, self.max_batch), self.last_scale)
 
-    def draft_cost(self, B: int) -> float:
-        return self.draft[min(B, self.max_batch)] if B else 0.0
+    def draft_cost(self, B: int, k: int = 1) -> float:
+        """Seconds of a round's k draft steps over B rows: the first step, then k - 1 more."""
+        if not B or not k:
+            return 0.0
+        b = min(B, self.max_batch)
+        return self.draft_first[b] + (k - 1) * self.draft[b]
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
     # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
@@ -78,9 +94,13 @@ class CostModel:
             old = self.scale.get(B, self.last_scale)
             self.scale[B] = self.last_scale = self._update(old, seconds / self._cell(B, T))
 
-    def refresh_draft(self, B: int, seconds_per_step: float) -> None:
+    def refresh_draft(self, B: int, first_s: float, step_s: float | None = None) -> None:
+        """A round's draft steps over B rows: its first took ``first_s``, the later ones ``step_s`` each (None: the
+        round drafted one step)."""
         if 1 <= B <= self.max_batch:
-            self.draft[B] = self._update(self.draft[B], seconds_per_step)
+            self.draft_first[B] = self._update(self.draft_first[B], first_s)
+            if step_s is not None:
+                self.draft[B] = self._update(self.draft[B], step_s)
 
     def refresh_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens > 0:

@@ -95,6 +95,9 @@ class NgramProposer(Proposer):
     def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
         return [self.tree(r, k) for r, k in zip(batch.reqs, batch.ks)]
 
+    def free_drafts(self, req, k: int) -> int:
+        return len(self.lookup(req, k))  # every draft is a copy; no match: none (the row decodes plainly)
+
     def propose(self, batch: DraftBatch) -> Proposal:
         return _proposal([self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)], batch)
 
@@ -114,7 +117,7 @@ def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:
         drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
     nd = [len(f) for f in found]
     drafts = drafts.to(batch.device)
-    return Proposal(drafts, nd, None, None)
+    return Proposal(drafts, nd, None, None, free=[bool(f) for f in found])
 
 
 class HybridProposer(Proposer):
@@ -135,6 +138,10 @@ class HybridProposer(Proposer):
 
     def pending(self, req) -> int:
         return self.model.pending(req)
+
+    def free_drafts(self, req, k: int) -> int | None:
+        """An n-gram match drafts for free; without one the model drafts (priced)."""
+        return len(self.ngram.lookup(req, k)) or None
 
     def observe(self, req, start, hidden) -> None:
         self.model.observe(req, start, hidden)
@@ -165,6 +172,7 @@ class HybridProposer(Proposer):
             return out
         mp = self.model.propose(_sub_batch(batch, rest))
         out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
+        out.model_rows, out.model_steps, out.first_s, out.steps_s = mp.model_rows, mp.model_steps, mp.first_s, mp.steps_s
         rows = torch.tensor(rest, device=batch.device)
         out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts
         for i, b in enumerate(rest):

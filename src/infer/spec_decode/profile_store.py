@@ -29,7 +29,7 @@ import torch
 from ..cachedir import cache_dir, write_atomic
 from .cost_model import CostModel
 
-FORMAT = 1  # bumped when the file's layout or the meaning of its numbers changes
+FORMAT = 2  # bumped when the file's layout or the meaning of its numbers changes
 
 
 def default_dir() -> Path:
@@ -109,6 +109,7 @@ class ProfileStore:
 
 def _to_json(c: CostModel) -> dict:
     return {"max_batch": c.max_batch, "k_max": c.k_max, "verify": c.verify, "draft": c.draft,
+            "draft_first": c.draft_first,
             "scale": {str(b): s for b, s in c.scale.items()}, "last_scale": c.last_scale, "catch_up": c.catch_up}
 
 
@@ -117,10 +118,12 @@ def _from_json(d: dict) -> CostModel:
     mb, km = int(d["max_batch"]), int(d["k_max"])
     verify = [[float(x) for x in row] for row in d["verify"]]
     draft = [float(x) for x in d["draft"]]
-    if mb < 1 or km < 0 or len(verify) != mb + 1 or any(len(r) != km + 2 for r in verify) or len(draft) != mb + 1:
+    first = [float(x) for x in d["draft_first"]]
+    if mb < 1 or km < 0 or len(verify) != mb + 1 or any(len(r) != km + 2 for r in verify) or len(draft) != mb + 1 \
+            or len(first) != mb + 1:
         raise ValueError(f"tables do not match max_batch={mb}, k_max={km}")
-    if any(x <= 0 or x != x for r in verify[1:] for x in r[1:]) or any(x < 0 or x != x for x in draft):
+    if any(x <= 0 or x != x for r in verify[1:] for x in r[1:]) or any(x < 0 or x != x for x in draft + first):
         raise ValueError("a cost is not a positive number")
     scale = {int(b): float(s) for b, s in d.get("scale", {}).items()}
-    return CostModel(mb, km, verify, draft, scale=scale, last_scale=float(d.get("last_scale", 1.0)),
+    return CostModel(mb, km, verify, draft, first, scale=scale, last_scale=float(d.get("last_scale", 1.0)),
                      catch_up=float(d.get("catch_up", 0.0)))

@@ -6,6 +6,8 @@
     proposal.q           [B, K, V] or None: the distribution each draft was drawn from; None means every draft is
                                        deterministic (q = one-hot on it), which verification handles exactly
     proposal.logits      [B, K, V] or None: raw draft logits, only when ``keep_logits`` (EGAG, debug)
+    proposal.free        [B] bool or None: rows whose drafts cost no model step (copies from the context)
+    proposal.first_s, steps_s, model_rows, model_steps: what the drafter's model steps took (the cost model)
 
 Invariants every proposer keeps (the round relies on them for losslessness):
 - drafts are a function of the request's tokens (``Request.all_ids()``), the target's hidden states at them (handed
@@ -21,6 +23,7 @@ Invariants every proposer keeps (the round relies on them for losslessness):
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -55,9 +58,16 @@ class Proposal:
     num_draft: list[int]  # [B]
     q: torch.Tensor | None = None  # [B, K, V]
     logits: torch.Tensor | None = None  # [B, K, V]
-    catch_up: int = 0  # most tokens a row brought to the batched first draft step (beyond 2: some catching up)
+    catch_up: int = 0  # most tokens a row brought to the batched first draft step (beyond K + 1: some catching up)
     catch_up_tokens: int = 0  # tokens fed to the proposer's model alone, before drafting (lazy prefills)
     catch_up_s: float = 0.0  # and the seconds they took (not a draft step's cost)
+    free: list[bool] | None = None  # rows drafted at no model cost (n-gram copies): their acceptance is kept apart
+    # the model's draft steps, for the cost model: rows in its first step, steps run, seconds of the first step (with
+    # the round's set-up, less the lone catch-up above) and of the later steps together
+    model_rows: int = 0
+    model_steps: int = 0
+    first_s: float = 0.0
+    steps_s: float = 0.0
 
 
 class Proposer(ABC):
@@ -76,6 +86,11 @@ class Proposer(ABC):
         """A tree per row (rooted at its last token), up to ``batch.ks[b]`` deep, ``width`` children kept a depth
         (spec_decode.tree.grow); a row that cannot draft gets its root alone. Before the cut to the node budget."""
         raise NotImplementedError(f"the {self.name} proposer drafts chains only")
+
+    def free_drafts(self, req: Request, k: int) -> int | None:
+        """How many drafts (<= k) ``req`` would get now at no model cost (an n-gram copy from its context); None when
+        its drafts come from a model, priced by the cost model. Auto K prices and estimates such rows apart."""
+        return None
 
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two
@@ -115,6 +130,9 @@ class DraftDrawer:
         self.q = None if batch.sampling is None else torch.zeros(B, K, V, device=dev)
         self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
         self.ctx_seen = None if batch.seen is None else batch.seen.clone()
+        # timing of the model steps (the cost model): from here (the proposer's set-up and catch-up are the first
+        # step's), to the end of the first draw, to the end of the last
+        self.t_start, self.t_first, self.t_last, self.rows, self.steps = time.perf_counter(), 0.0, 0.0, 0, 0
 
     def draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """Draft position ``j`` of rows ``idx`` from their hidden states [n, H] -> the drafts [n].
@@ -122,6 +140,15 @@ class DraftDrawer:
         With a draft vocabulary S the sampling pipeline runs over S's N columns: it gives what it gives over the
         vocabulary with -inf outside S (temperature, top-k, top-p and min-p only ever see S's tokens; the penalty
         context is read at S's ids), at N/V of the cost; q is then scattered into [V] (0 outside S)."""
+        try:
+            return self._draw(j, idx, hidden)
+        finally:
+            self.t_last = time.perf_counter()
+            self.steps = max(self.steps, j + 1)
+            if j == 0:
+                self.t_first, self.rows = self.t_last, len(idx)
+
+    def _draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
         batch, dv, sampling = self.batch, self.dv, self.batch.sampling
         rows_t = torch.tensor(idx, device=batch.device)
         if dv is None:
@@ -154,7 +181,11 @@ class DraftDrawer:
         return self.drafts[rows_t, j]
 
     def proposal(self, num_draft: list[int], **kw) -> Proposal:
-        return Proposal(self.drafts, num_draft, self.q, self.logits, **kw)
+        """The drafts, with the model steps' timing (``catch_up_s``, a lone prefill, is not a step's cost)."""
+        timing = {} if not self.steps else dict(
+            model_rows=self.rows, model_steps=self.steps, steps_s=self.t_last - self.t_first,
+            first_s=max(0.0, self.t_first - self.t_start - kw.get("catch_up_s", 0.0)))
+        return Proposal(self.drafts, num_draft, self.q, self.logits, **timing, **kw)
 
 
 def score_synced(hidden: torch.Tensor, draft_vocab, compute_logits) -> None:

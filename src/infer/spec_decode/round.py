@@ -167,11 +167,12 @@ class SpeculativeDecoder:
             res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance)
         n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
         t2 = time.perf_counter()
-        drafting = sum(1 for k in nd if k)
-        # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that still brought
-        # more than two tokens a row says little about a draft step
-        self.spec_length.timed(B, K + 1, t2 - t1, drafting, K if prop.catch_up <= 2 else 0,
-                               t1 - t0 - prop.catch_up_s)
+        self.spec_length.timed(B, K + 1, t2 - t1)
+        # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that brought more than
+        # a round's worth of tokens (after rounds at K = 0) says little about a round's first step
+        usual = prop.catch_up <= self.kv.lookahead + 1
+        if prop.model_steps and usual:
+            self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
         if prop.catch_up_tokens:
             self.spec_length.caught_up(prop.catch_up_tokens, prop.catch_up_s)
         forwards_s = t2 - t0
@@ -183,14 +184,15 @@ class SpeculativeDecoder:
             # keep g and the n accepted drafts; token j was judged by the target's p_j
             emitted = self.settle(r, lens[b], k, n, out_tokens[b], hidden[b, :n + 1], logits[b], range(n + 1),
                                   res.is_bonus[b], outputs)
-            h = self.spec_length.observe(r, k, n, None if prop.logits is None else prop.logits[b, :k])
+            h = self.spec_length.observe(r, k, n, None if prop.logits is None else prop.logits[b, :k],
+                                         free=bool(prop.free and prop.free[b]))
             if k and self.on_round is not None:
                 rec = RoundRecord(k, host[b][:k], n, emitted, bool(res.is_bonus[b]),
                                   res.expected_accept[b, :k].tolist(), h_norm=h)
                 if n < k:
                     rec.p_rejected, rec.q_rejected = float(res.p_draft[b, n]), float(res.q_draft[b, n])
                 self.on_round(rec, r)
-        if prop.catch_up <= 2:  # a lazy prefill's round says nothing about a round's bookkeeping
+        if usual:  # a lazy prefill's round says nothing about a round's bookkeeping
             self.spec_length.round_overhead(B, True, time.perf_counter() - t_in - forwards_s)
         return outputs
 
@@ -224,6 +226,6 @@ class SpeculativeDecoder:
         forward_s = time.perf_counter() - t0
         outputs = self.runner.emit_decoded(reqs, tokens, logits)
         if self.ready:  # before, the step may have run eagerly: not what the cost model prices
-            self.spec_length.timed(len(reqs), 1, forward_s, 0, 0, 0.0)
+            self.spec_length.timed(len(reqs), 1, forward_s)
             self.spec_length.round_overhead(len(reqs), False, time.perf_counter() - t_in - forward_s)
         return outputs

@@ -101,7 +101,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         store = CostStore(cfg, runner.model, kv, max_batch, widest)
         costs = costs or cache.get(key) or store.load()
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
-        decoder.spec_length.pending = proposer.pending
+        decoder.spec_length.pending, decoder.spec_length.free = proposer.pending, proposer.free_drafts
 
         def profile_now() -> None:
             with progress.stage("profiling what a speculative round costs (first start with these settings)"):

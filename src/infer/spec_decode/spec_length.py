@@ -3,15 +3,17 @@
 Any K schedule is lossless: K only trades draft and verify work against tokens per round. A policy answers
 
     ks = policy.choose(reqs, caps)        # K_b <= caps[b] for each decode request (0: plain decode for that row)
-    policy.observe(req, k, n, logits)     # after the round: k drafted, n accepted (logits [k, V] for EGAG)
-    policy.timed(...)                     # measured costs of the round just run (the cost model refreshes)
+    policy.observe(req, k, n, logits, free)  # after the round: k drafted, n accepted (logits [k, V] for EGAG)
+    policy.timed(B, T, s), policy.drafted(rows, steps, first_s, steps_s)  # what the round measured (cost model)
 
 **Goodput K** (``spec_length="auto"``). Leviathan et al. (2023, section 3.3) choose K to maximise the walltime
 improvement (1 - a^(K+1)) / ((1 - a)(K c + 1)); here the "1" (a verify costs one decode) is replaced by what the
 machine measures. With B decode rows, row b at acceptance estimate a_b, the round's expected output is
 sum_b E(a_b, K_b), E(a, k) = (1 - a^(k+1)) / (1 - a), and its cost is k draft steps at the batch size that drafts
 plus one target forward over B x (k+1) tokens. The policy maximises tokens per second over k in 0..K_max and over
-how many of the most promising rows draft (the rest take k = 0 inside the same verify pass). k = 0 is plain
+how many of the most promising rows draft (the rest take k = 0 inside the same verify pass); k drafts cost a round's
+first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up). k = 0 is
+plain
 decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns, K falls to
 0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
 refreshes its batch size's level (measured / profiled, an EMA). Also counted: each step's bookkeeping outside the
@@ -23,6 +25,15 @@ so the estimate follows the text, shrunk toward the acceptance of all requests (
 starts from what the drafter usually achieves. A request whose estimate has sent it to k = 0 drafts once more
 (k = 1) after ``PROBE_EVERY`` rounds, then twice as many, up to ``PROBE_MAX``, if speculation could pay at a high
 acceptance, so it is not stuck at 0 when its text turns predictable.
+
+Free drafts. A proposer that copies drafts from the context (prompt lookup; a hybrid's rows with an n-gram match:
+``Proposer.free_drafts``) spends no model step on them: such a row is priced without draft steps, capped at the match's
+length, and its acceptance is estimated apart from the model's (a copy is right far more often than a head's guess).
+
+Exploration. The price of a draft step is only measured by rounds that draft; a price set too high (a stall while
+it was measured, a profile stored on a busy machine) would keep every row at k = 0 for good. After EXPLORE_EVERY
+rounds with no model draft step (doubled after each, up to EXPLORE_MAX), the most promising model row drafts two
+tokens whatever the price, which re-measures both the first and a later draft step (~1% of the rounds, then less).
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ ALPHA_CAP = 0.98  # E(a, k) is bounded by k + 1 anyway; this keeps 1 - a away fr
 # within the cost model's error (its estimates of a round's parts are within a few percent, demo pair, 8 rows), and
 # a loss there is a loss for every row of the batch. One request gains 15-50%; a full batch of the demo pair ~0-5%.
 MARGIN = 0.08
+EXPLORE_EVERY = 64  # rounds without a model draft step before one row drafts 2 anyway (re-pricing a draft step),
+EXPLORE_MAX = 1024  # doubled after each exploration up to this; reset when a round drafts by choice
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -61,10 +74,13 @@ class FixedSpecLength:
     def choose(self, reqs, caps: list[int]) -> list[int]:
         return [min(self.k, c) for c in caps]
 
-    def observe(self, req, k: int, n: int, logits=None) -> None:
+    def observe(self, req, k: int, n: int, logits=None, free: bool = False) -> None:
         pass
 
-    def timed(self, *args) -> None:
+    def timed(self, B: int, T: int, seconds: float) -> None:
+        pass
+
+    def drafted(self, rows: int, steps: int, first_s: float, steps_s: float) -> None:
         pass
 
     def round_overhead(self, B: int, spec: bool, seconds: float) -> None:
@@ -92,15 +108,17 @@ class EntropySpecLength(FixedSpecLength):
     def choose(self, reqs, caps):
         return [min(self._of(r).next_gamma(), c) for r, c in zip(reqs, caps)]
 
-    def observe(self, req, k, n, logits=None):
+    def observe(self, req, k, n, logits=None, free=False):
         """Returns the round's normalised drafter entropy (for the debug view)."""
         return self._of(req).observe(logits) if logits is not None and k else None
 
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0
+    accepted: float = 0.0  # the model's drafts
     judged: float = 0.0
+    free_accepted: float = 0.0  # free drafts (n-gram copies), counted apart
+    free_judged: float = 0.0
     rounds_at_zero: int = 0
     probe_every: int = PROBE_EVERY
 
@@ -116,6 +134,10 @@ class GoodputSpecLength:
         # prior: a = 0.6, worth 10 judged drafts: one rejected probe moves it to 0.55, not 0.4 (with the prior worth 2,
         # a single early rejection sent every request of a sampled workload to k = 0 for good)
         self.global_accepted, self.global_judged = 6.0, 10.0
+        self.global_free_accepted, self.global_free_judged = 6.0, 10.0  # the same prior for free drafts
+        self.free = lambda req, k: None  # the proposer's Proposer.free_drafts
+        # rounds since a model draft step was last timed, and after how many an exploration round drafts anyway
+        self.unpriced, self.explore_every = 0, EXPLORE_EVERY
         self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
         self.pending = lambda req: 0  # the proposer's Proposer.pending: tokens a row must catch up before drafting
         # rounds the decode batch has kept its size since it last shrank (0: it grew since): how far set-up costs may
@@ -126,15 +148,18 @@ class GoodputSpecLength:
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
 
-    def alpha(self, req) -> float:
+    def alpha(self, req, free: bool = False) -> float:
         s = self.state.get(req) or _Acceptance()
+        if free:
+            a_global = self.global_free_accepted / self.global_free_judged
+            return (s.free_accepted + PRIOR_WEIGHT * a_global) / (s.free_judged + PRIOR_WEIGHT)
         a_global = self.global_accepted / self.global_judged
         return (s.accepted + PRIOR_WEIGHT * a_global) / (s.judged + PRIOR_WEIGHT)
 
     def _best(self, alphas: list[float], caps: list[int], setup: list[tuple[float, int]] | None = None,
-              horizon: int = 1 << 30) -> tuple[float, int, int]:
+              horizon: int = 1 << 30, free: list[bool] | None = None) -> tuple[float, int, int]:
         """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0; k = 0 (plain decoding,
-        its tokens/s raised by MARGIN) unless some k beats it.
+        its tokens/s raised by MARGIN) unless some k beats it. Rows with ``free[b]`` draft without model steps.
 
         ``setup[b]`` = (seconds, tokens left): a one-time cost row b pays when it starts drafting (its drafter's lazy
         prefill of what it has not seen), spread over the rounds it will draft: its rounds left at that k (tokens
@@ -144,27 +169,33 @@ class GoodputSpecLength:
         plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
         best = (B / (self.costs.verify_cost(B, 1) + plain_o) * (1.0 + MARGIN), 0, 0)
         order = sorted(range(B), key=lambda b: -alphas[b])
-        draft = [0.0] + [self.costs.draft_cost(m) for m in range(1, B + 1)]
-        # per row, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds and tokens left
+        # per row, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds and tokens left,
+        # whether its drafts are free
         e_rows = [([expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
-                   *(setup[b] if setup is not None else (0.0, 1))) for b in order]
+                   *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b])) for b in order]
         for k in range(1, self.k_max + 1):
             fixed = self.costs.verify_cost(B, k + 1) + spec_o
-            total, setup_s = float(B), 0.0
-            for m, (e, cap, once, left) in enumerate(e_rows, 1):
+            total, setup_s, models = float(B), 0.0, 0
+            draft_s = [self.costs.draft_cost(n, k) for n in range(B + 1)]  # k steps over n model rows
+            for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
                 x = e[min(k, cap)]
                 total += x - 1.0  # extra tokens of the m-th drafting row
-                if once:  # its set-up seconds, amortised over min(its rounds left, horizon)
+                models += not is_free
+                if once and not is_free:  # its set-up seconds, amortised over min(its rounds left, horizon)
                     setup_s += once * max(x / max(x, left), 1.0 / horizon)
-                rate = total / (fixed + k * draft[m] + setup_s)
+                rate = total / (fixed + draft_s[models] + setup_s)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
 
     def choose(self, reqs, caps):
         B = len(reqs)
-        alphas = [self.alpha(r) for r in reqs]
-        setup = [(self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids)) for r in reqs]
+        free = [self.free(r, c) if c else None for r, c in zip(reqs, caps)]  # free drafts available, or None
+        caps = [c if f is None else min(c, f) for c, f in zip(caps, free)]
+        is_free = [f is not None for f in free]
+        alphas = [self.alpha(r, f) for r, f in zip(reqs, is_free)]
+        setup = [(0.0 if f else self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids))
+                 for r, f in zip(reqs, is_free)]
         if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
             self.rounds_at_size = 1
         elif B > self.last_size:  # a request joined: it stays for its tokens
@@ -172,7 +203,7 @@ class GoodputSpecLength:
         elif self.rounds_at_size:
             self.rounds_at_size += 1
         self.last_size = B
-        _, k, m = self._best(alphas, caps, setup, horizon=self.rounds_at_size or 1 << 30)
+        _, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free)
         order = sorted(range(B), key=lambda b: -alphas[b])
         ks = [0] * B
         for b in order[:m]:
@@ -190,26 +221,49 @@ class GoodputSpecLength:
                         s.probe_every = min(2 * s.probe_every, PROBE_MAX)  # reset only if the row drafts by choice
             elif ks[b]:
                 s.rounds_at_zero, s.probe_every = 0, PROBE_EVERY
+        self._explore(ks, caps, is_free, alphas)
         self.last_choice = (max(ks), sum(1 for x in ks if x))
         return ks
 
-    def observe(self, req, k, n, logits=None):
+    def _explore(self, ks: list[int], caps: list[int], is_free: list[bool], alphas: list[float]) -> None:
+        """After ``explore_every`` rounds without two model draft steps, the most promising model row drafts 2."""
+        models = [b for b in range(len(ks)) if caps[b] and not is_free[b]]
+        if not models:
+            return
+        if any(ks[b] >= 2 for b in models):  # drafting by choice: its rounds keep the prices measured
+            self.unpriced, self.explore_every = 0, EXPLORE_EVERY
+            return
+        self.unpriced += 1
+        if self.unpriced >= self.explore_every:
+            b = max(models, key=lambda b: alphas[b])
+            ks[b] = min(2, caps[b])
+            self.unpriced, self.explore_every = 0, min(2 * self.explore_every, EXPLORE_MAX)
+
+    def observe(self, req, k, n, logits=None, free=False):
         if not k:
             return None
         s = self.state.setdefault(req, _Acceptance())
         judged = min(n + 1, k)
-        s.accepted, s.judged = DECAY * s.accepted + n, DECAY * s.judged + judged
-        self.global_accepted = 0.99 * self.global_accepted + n
-        self.global_judged = 0.99 * self.global_judged + judged
+        if free:
+            s.free_accepted, s.free_judged = DECAY * s.free_accepted + n, DECAY * s.free_judged + judged
+            self.global_free_accepted = 0.99 * self.global_free_accepted + n
+            self.global_free_judged = 0.99 * self.global_free_judged + judged
+        else:
+            s.accepted, s.judged = DECAY * s.accepted + n, DECAY * s.judged + judged
+            self.global_accepted = 0.99 * self.global_accepted + n
+            self.global_judged = 0.99 * self.global_judged + judged
         return None
 
     # Without a cost model yet (the decoder is not ready: it decodes plainly meanwhile), nothing is refreshed.
-    def timed(self, B: int, T: int, verify_s: float, drafting_rows: int, draft_steps: int, draft_s: float) -> None:
-        if self.costs is None:
-            return
-        self.costs.refresh_verify(B, T, verify_s)
-        if draft_steps:
-            self.costs.refresh_draft(drafting_rows, draft_s / draft_steps)
+    def timed(self, B: int, T: int, verify_s: float) -> None:
+        """A target forward over B rows x T tokens took ``verify_s``."""
+        if self.costs is not None:
+            self.costs.refresh_verify(B, T, verify_s)
+
+    def drafted(self, rows: int, steps: int, first_s: float, steps_s: float) -> None:
+        """A round's ``steps`` model draft steps over ``rows`` rows: the first took ``first_s``, the rest ``steps_s``."""
+        if self.costs is not None and steps:
+            self.costs.refresh_draft(rows, first_s, steps_s / (steps - 1) if steps > 1 else None)
 
     def caught_up(self, tokens: int, seconds: float) -> None:
         """The proposer fed ``tokens`` of lazy prefill in ``seconds``."""
