@@ -150,7 +150,9 @@ class DraftDrawer:
 
     def _draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
         batch, dv, sampling = self.batch, self.dv, self.batch.sampling
-        rows_t = torch.tensor(idx, device=batch.device)
+        # the rows as an index tensor; not needed where every row draws and nothing else is kept (greedy)
+        rows_t = None if sampling is None and len(idx) == len(batch.reqs) and self.logits is None else \
+            torch.tensor(idx, device=batch.device)
         if dv is None:
             logits = self.head(hidden)  # [n, V]
         else:
@@ -159,8 +161,9 @@ class DraftDrawer:
                 self.logits[rows_t, j] = dv.expand(logits)
         if sampling is None:  # greedy: argmax needs no probabilities
             drafts = argmax(logits)
-            self.drafts[rows_t, j] = drafts if dv is None else dv.token(drafts)
-            return self.drafts[rows_t, j]
+            drafts = drafts if dv is None else dv.token(drafts)
+            self.drafts[rows_t if len(idx) < len(batch.reqs) else slice(None), j] = drafts
+            return drafts
         if dv is None and self.logits is not None:
             self.logits[rows_t, j] = logits
         sub = sampling if len(idx) == len(batch.reqs) else SamplingBatch.from_params(
