@@ -12,10 +12,9 @@ machine measures. With B decode rows, row b at acceptance estimate a_b, the roun
 sum_b E(a_b, K_b), E(a, k) = (1 - a^(k+1)) / (1 - a), and its cost is k draft steps at the batch size that drafts
 plus one target forward over B x (k+1) tokens. The policy maximises tokens per second over k in 0..K_max and over
 how many of the most promising rows draft (the rest take k = 0 inside the same verify pass); k drafts cost a round's
-first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up). k = 0 is
-plain
-decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns, K falls to
-0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
+first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up). k = 0
+is plain decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns,
+K falls to 0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
 refreshes its batch size's level (measured / profiled, an EMA). Also counted: each step's bookkeeping outside the
 forwards, and a row's one-time catch-up (the drafter's lazy prefill, ``Proposer.pending``) amortised over the rounds
 it will draft. A k > 0 must beat plain decoding by MARGIN.
@@ -172,7 +171,8 @@ class GoodputSpecLength:
         # per row, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds and tokens left,
         # whether its drafts are free
         e_rows = [([expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
-                   *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b])) for b in order]
+                   *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]) or not caps[b])
+                  for b in order]  # a row that cannot draft (cap 0) costs no draft step either
         for k in range(1, self.k_max + 1):
             fixed = self.costs.verify_cost(B, k + 1) + spec_o
             total, setup_s, models = float(B), 0.0, 0
