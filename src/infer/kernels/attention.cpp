@@ -33,6 +33,17 @@ using namespace infer_kernels;
 // its company: its score for a key is an 8-lane fma chain over D in order, a horizontal sum, then the D % 8 tail in
 // scalar; its output lane d sums p_j v_j[d] over the keys it sees in key order.
 constexpr int QB = 4;
+// K and V rows are fetched PF keys ahead of their use (every cache line of the row): in a step they come cold
+// from memory, the ~100 MB of weights streamed since their layer last ran having evicted them. SmolLM2 decode,
+// in-process A/B: 12.4 -> 10.9 ms a step at 512 keys, 10.5 -> 9.6 at 256 (AMD EPYC, 2 cores); 16 keys ahead does
+// about as well, 8 less
+constexpr int64_t PF = 32;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < D * int64_t(sizeof(T)); off += 64) prefetch(c + off);
+}
 
 struct Query {
   const float* q;    // [D] scaled
@@ -48,6 +59,10 @@ inline void scores(Query* qs, int nq, const T* kp, int64_t kstride, int64_t maxl
   for (; j + 2 <= maxlen; j += 2) {  // two keys x nq queries: independent fma chains hide the latency
     const T* k0 = kp + j * kstride;
     const T* k1 = k0 + kstride;
+    if (j + PF + 1 < maxlen) {
+      prefetch_row(k0 + PF * kstride, D);
+      prefetch_row(k1 + PF * kstride, D);
+    }
     V8 a0[QB], a1[QB];
     for (int i = 0; i < QB; ++i) a0[i] = a1[i] = zero8();
     for (int64_t d = 0; d < D8; d += 8) {
@@ -160,6 +175,7 @@ inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstrid
     int64_t j = 0;
     for (; j < common; ++j) {
       const T* vr = vp + j * vstride + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(vp + (j + PF) * vstride, D);
       const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
       for (int i = 0; i < nq; ++i) {
         const V8 p = set8(qs[i].sc[j]);
@@ -169,6 +185,7 @@ inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstrid
     }
     for (; j < maxlen; ++j) {
       const T* vr = vp + j * vstride + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(vp + (j + PF) * vstride, D);
       const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
       for (int i = 0; i < nq; ++i) {
         if (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride])) continue;
@@ -237,6 +254,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         maxlen = std::max(maxlen, len);
       }
       if (nq == 0) continue;
+      for (int64_t j = 0; j < std::min(PF, maxlen); ++j) {  // the loops fetch from key PF on
+        prefetch_row(kp + b * ks[0] + hk * ks[1] + j * ks[2], D);
+        prefetch_row(vp + b * vs[0] + hk * vs[1] + j * vs[2], D);
+      }
       scores<T>(qs, nq, kp + b * ks[0] + hk * ks[1], ks[2], maxlen, D, D8);
       for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
       weighted_values<T>(qs, nq, vp + b * vs[0] + hk * vs[1], vs[2], mstride[2], D, D8, outs);
