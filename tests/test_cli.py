@@ -46,3 +46,26 @@ def test_chat_streams_replies_and_resets(gqa_dir):
     r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--quantization", "int9"],
                        input="", capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "int9" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], '
+                      '"additionalProperties": false}')
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "16", "--json-schema", str(schema),
+            "--draft-model", str(gqa_dir), "--spec-length", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.removeprefix("x").strip() in ('{"a":1}', '{"a":2}'), r.stdout
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "4", "--choice", "yes",
+            "--choice", "no", "--temperature", "1")
+    assert r.returncode == 0 and r.stdout.removeprefix("x").strip() in ("yes", "no"), (r.stdout, r.stderr)
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "(unclosed")
+    assert r.returncode == 2 and "invalid regex" in r.stderr and "Traceback" not in r.stderr
+    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "a", "--choice", "b")
+    assert r.returncode == 2 and "exactly one" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
+                        "--max-tokens", "12", "--regex", "[0-9]{3}"], input="a number\n", capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import re
+    assert re.search(r"\b[0-9]{3}\b", r.stdout), r.stdout

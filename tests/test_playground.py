@@ -6,6 +6,7 @@ fails this test: it is not skipped.
 
 ``INFER_SCREENSHOT=path`` also saves a screenshot of the finished page (the README's docs/playground.png)."""
 
+import json
 import os
 import shutil
 import time
@@ -70,6 +71,25 @@ def test_page_streams_coloured_tokens_with_the_api_key(page, server):
     assert page.inner_text("#ks") != "-" and page.is_hidden("#error")
     if os.environ.get("INFER_SCREENSHOT"):
         page.screenshot(path=os.environ["INFER_SCREENSHOT"], full_page=True)
+
+
+def test_json_schema_box_gets_json_that_follows_it(page, server):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"enum": [1, 2, 3]}},
+              "required": ["name", "n"], "additionalProperties": False}
+    page.select_option("#mode", "completion")
+    page.fill("#prompt", demo_prompts()[0]["prompt"])
+    page.fill("#max_tokens", "64")
+    page.click("#structured summary")
+    page.fill("#schema", "{not json")  # named in the page, nothing sent
+    page.click("#send")
+    page.wait_for_function("document.getElementById('error').textContent.includes('not valid JSON')")
+    page.fill("#schema", json.dumps(schema))
+    page.click("#send")
+    page.wait_for_function("!document.getElementById('send').disabled && document.getElementById('ntok')"
+                           ".textContent !== '0'", timeout=60_000)
+    answer = json.loads(page.inner_text("#output"))
+    assert set(answer) == {"name", "n"} and answer["n"] in (1, 2, 3), answer
+    page.fill("#schema", "")  # the next tests get free text
 
 
 def test_stop_midway_aborts_the_request_and_frees_its_kv(page, server):

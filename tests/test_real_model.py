@@ -155,3 +155,45 @@ def test_server_answers_chat_with_the_real_template(tokenizers, greedy):
     assert r.usage.prompt_tokens == len(expected_ids)
     _, ours_greedy = greedy(question)
     assert r.choices[0].message.content == hf.decode(ours_greedy[:16], skip_special_tokens=True)
+
+
+def test_server_json_schema_with_speculation():
+    """The official openai client gets JSON that follows its schema from SmolLM2 speculating with its shipped
+    drafter (the EAGLE head, as `infer serve` runs by default), streamed and not."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from infer.demo import real_model_speculation
+    from infer.engine import EngineConfig
+    from infer.engine.async_engine import AsyncEngine
+    from infer.server.app import build_app
+    from infer.server.thread import ServerThread
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40},
+                                               "population_millions": {"type": "number"}},
+              "required": ["city", "country", "population_millions"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    messages = [{"role": "user", "content": "Give the largest city of Japan as JSON with its country and population."}]
+    engine = AsyncEngine(EngineConfig(model=FILE, compile=False, max_batch_size=2, spec_length=3,
+                                      **real_model_speculation()))
+    try:
+        with ServerThread(build_app(engine, "smollm2")) as srv:
+            client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=80, temperature=0,
+                                               response_format=fmt)
+            chunks = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=80,
+                                                    temperature=0.7, seed=3, response_format=fmt, stream=True,
+                                                    stream_options={"include_usage": True})
+            streamed, usage = "", None
+            for c in chunks:
+                streamed += "".join(ch.delta.content or "" for ch in c.choices)
+                usage = c.usage or usage
+    finally:
+        engine.shutdown()
+    for text in (r.choices[0].message.content, streamed):
+        jsonschema.validate(json.loads(text), schema)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.num_draft_tokens > 0 and usage.num_draft_tokens > 0  # it speculated

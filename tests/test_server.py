@@ -1,6 +1,7 @@
 """End-to-end: the real server (uvicorn on 127.0.0.1, ephemeral port) driven by the official openai client."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -235,3 +236,58 @@ def test_speculation_off_per_request_and_the_spec_extension(client):
     assert accepted == usage["num_accepted_tokens"] and sum(t["k"] for t in ends) == usage["num_draft_tokens"]
     plain_chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
     assert all("spec" not in c.choices[0].model_dump() for c in plain_chunks if c.choices)  # only when asked
+
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
+          "required": ["word", "n"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(client, llm):
+    """Both routes take OpenAI's response_format; streamed and not, the text parses and follows the schema, and
+    greedy output equals the library's under the same constraint."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "Answer in JSON"}]
+    full = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0, response_format=fmt)
+    text = full.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert text == llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40, structured={"json_schema": SCHEMA})).text
+    chunks = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=1.0, seed=5,
+                                            response_format=fmt, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), SCHEMA)
+    r = client.completions.create(model=NAME, prompt="JSON:", max_tokens=60, temperature=1.0, seed=2,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason != "length":  # a random model may not close its object in 60 tokens
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:
+        assert r.choices[0].text.startswith("{")
+
+
+def test_structured_outputs_extension(client):
+    r = client.completions.create(model=NAME, prompt="Pick:", max_tokens=10, temperature=1.0, seed=1, n=4,
+                                  extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert {c.text for c in r.choices} <= {"alpha", "beta"}
+    r = client.completions.create(model=NAME, prompt="Code:", max_tokens=12, temperature=1.0, seed=1,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", r.choices[0].text)
+    r = client.completions.create(model=NAME, prompt="List:", max_tokens=30, temperature=1.0, seed=1,
+                                  extra_body={"structured_outputs": {"grammar": 'root ::= "[" [0-9] ("," [0-9])* "]"'}})
+    assert re.fullmatch(r"\[\d(,\d)*\]", r.choices[0].text) or (r.choices[0].finish_reason == "length"
+                                                                  and re.fullmatch(r"\[\d(,\d)*,?", r.choices[0].text))
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format", "foo"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs", "nothing_defined"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "response_format", "not both"),
+])
+def test_bad_constraints_are_400_naming_the_field(server, body, param, words):
+    status, _, answer = _raw(server, "/v1/completions", json.dumps({"model": NAME, "prompt": "x", **body}).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    assert _wait_idle(server.engine)

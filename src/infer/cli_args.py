@@ -13,9 +13,11 @@ import argparse
 import dataclasses
 import types
 import typing
+from pathlib import Path
 
 from .engine.config import EngineConfig
 from .sampling import SamplingParams
+from .structured import StructuredOutput
 
 HELP = {
     "model": "checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id already in the "
@@ -132,7 +134,35 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser, **overrides) -> None:
     add_dataclass_args(p, SamplingParams, SAMPLING_FIELDS, **overrides)
+    g = p.add_argument_group("structured output (one of; infer.structured)")
+    g.add_argument("--json-schema", metavar="SCHEMA", default=argparse.SUPPRESS,
+                   help="the output is JSON following this JSON Schema (inline JSON, or a file holding it)")
+    g.add_argument("--json-object", action="store_true", default=argparse.SUPPRESS,
+                   help="the output is one JSON object")
+    g.add_argument("--regex", default=argparse.SUPPRESS, help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=argparse.SUPPRESS,
+                   help="the output is exactly one of these strings (repeatable)")
+    g.add_argument("--grammar", default=argparse.SUPPRESS,
+                   help="the output follows this grammar: Lark (start: ...) or GBNF (root ::= ...), inline or a file")
+
+
+def _text_or_file(value: str) -> str:
+    """A flag's value, or the contents of the file it names (a schema or grammar is often long)."""
+    path = Path(value)
+    try:
+        if len(value) < 4096 and path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    return value
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**config_kwargs(a, SamplingParams, SAMPLING_FIELDS))
+    kw = config_kwargs(a, SamplingParams, SAMPLING_FIELDS)
+    spec = {k: getattr(a, k) for k in ("json_schema", "json_object", "regex", "choice", "grammar") if hasattr(a, k)}
+    for k in ("json_schema", "grammar"):
+        if k in spec:
+            spec[k] = _text_or_file(spec[k])
+    if spec:
+        kw["structured"] = StructuredOutput(**spec)
+    return SamplingParams(**kw)

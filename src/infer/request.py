@@ -46,6 +46,7 @@ class Request:
         generator: torch.Generator | None = None,
         request_id: str | None = None,
         prompt: str | None = None,
+        grammar=None,
     ):
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -56,6 +57,8 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.generator = generator
+        # structured output (infer.structured.Matcher): its state is output_ids, advanced here; None: unconstrained
+        self.grammar = grammar
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.output_ids: list[int] = []
@@ -111,7 +114,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_ids.append(token)
-        if token in self.eos or token in self.stop_ids:
+        if self.grammar is not None and not self.grammar.accept(token):
+            # every token is drawn under its mask, so this is a bug, not bad input: end the request, keep its text
+            self._finish("abort", "grammar")
+        elif token in self.eos or token in self.stop_ids:
             self._finish("stop", token)  # the stop token is in output_ids, not in the text
         elif self._detok is not None:
             delta = self._detok.push(token)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured import KINDS, StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (SamplingParams sets them to 0)
 SEED_RANGE = (0, 2**64)  # a torch.Generator's seeds; outside them it would overflow or wrap (-1 == 2**64 - 1)
@@ -32,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
+    # constrain the output (infer.structured): a StructuredOutput, or its fields as a dict, e.g. {"regex": "[0-9]+"}
+    structured: StructuredOutput | dict | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -65,6 +68,13 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20] or None")
+        if isinstance(self.structured, dict):
+            try:
+                self.structured = StructuredOutput(**self.structured)
+            except TypeError as e:
+                bad("structured", f"takes the fields {', '.join(KINDS)} ({e})")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput, a dict of its fields, or None")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
 from ..drafters import drafter_kind
 from ..spec_decode.draft_vocab import DraftVocab
+from ..structured import GrammarCompiler
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
 from .config import COMPILE_AUTO_MIN_PARAMS, EngineConfig
@@ -116,6 +117,7 @@ class Engine:
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.kv.free_kv_tokens()
         self._num_threads = torch.get_num_threads()  # the engine thread's: see step()
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request (~1 s: llguidance)
 
     def _start_warmup(self) -> Warmup | None:
         """Build the compiled steps (engine.warmup): in a background thread where a step run eagerly meanwhile gives
@@ -232,6 +234,14 @@ class Engine:
         if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
+        if params.structured is not None:
+            self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this engine's tokenizer and logits width (infer.structured)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None,
@@ -250,7 +260,9 @@ class Engine:
         if generator is None:
             generator = self._generator(params)
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
-        req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt)
+        grammar = self.grammars().matcher(params.structured) if params.structured is not None else None
+        req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
+                      grammar=grammar)
         req.speculate = speculate
         self.requests[req.request_id] = req
         self.scheduler.add(req)

@@ -17,6 +17,7 @@ from ..cache import KVCachePool
 from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
+from ..structured import mask_rows_
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
 from .kv_manager import KVManager
 from .stats import EngineStats
@@ -29,7 +30,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
     alts = []
     if top:
         vals, idx = logp.topk(top)
-        alts = list(zip(idx.tolist(), vals.tolist()))
+        # a structured-output mask may leave fewer than ``top`` tokens possible: the impossible ones are not listed
+        alts = [(i, v) for i, v in zip(idx.tolist(), vals.tolist()) if v != float("-inf")]
     return float(logp[token]), alts
 
 
@@ -55,7 +57,11 @@ class ModelRunner:
         return model(x.to(self.device), meta.positions, pool, meta)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """logits [N, V] of each request's next token -> one token each (the pipeline of sampling.py)."""
+        """logits [N, V] of each request's next token -> one token each (the pipeline of sampling.py). A request
+        with structured output has its disallowed tokens set to -inf in ``logits`` first (in place: the logprobs
+        reported are then those of the law sampled)."""
+        if any(r.grammar is not None for r in reqs):
+            mask_rows_(logits, [r.grammar for r in reqs])
         params = [r.params for r in reqs]
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return argmax(logits).tolist()

@@ -76,12 +76,16 @@ def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:
 
 async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
+    try:
+        structured, field = body.structured()
+    except ValueError as e:
+        raise ApiError(400, str(e), param=str(e).split(":")[0] if ":" in str(e) else "response_format")
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured)
                     kw = {} if body.speculation else {"speculate": False}
                     streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
                 except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
@@ -92,7 +96,10 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
                     raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"})
                 except ValueError as e:
                     state.metrics.requests.labels("rejected").inc()
-                    raise ApiError(400, str(e), param=_param_of(str(e)))
+                    msg = str(e)
+                    if field is not None and msg.startswith("invalid "):  # the grammar library's verdict
+                        raise ApiError(400, f"{field}: {msg}", param=field)
+                    raise ApiError(400, msg, param=_param_of(msg))
     except BaseException:
         for s in streams:
             s.close()

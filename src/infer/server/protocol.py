@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SamplingParams
+from ..structured import StructuredOutput
 
 
 # Strict types, as OpenAI's API: "16" is not an integer and "yes" not a boolean (an integer is still a number).
@@ -40,6 +41,37 @@ class StreamOptions(BaseModel):
     include_spec: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # a JSON Schema (OpenAI's field name)
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that follows a schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """infer's extension (vLLM's ``structured_outputs``): exactly one of a JSON schema, any JSON object, a regular
+    expression, a list of choices, or a grammar (Lark, or GBNF/EBNF with ``::=`` rules from ``root``)."""
+
+    model_config = STRICT
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Common(BaseModel):
     model_config = STRICT
 
@@ -57,14 +89,36 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     speculation: bool = True  # infer's extension: false decodes this request plainly (same output, its own speed)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
     _valid_stop = field_validator("stop")(valid_text)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """The constraint asked for and the field that asked (for a 400 naming it); ValueError if it is malformed."""
+        fmt, ext = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and ext is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        try:
+            if fmt is not None and fmt.type == "json_object":
+                return StructuredOutput(json_object=True), "response_format"
+            if fmt is not None and fmt.type == "json_schema":
+                if fmt.json_schema is None:
+                    raise ValueError("response_format of type json_schema needs a json_schema object with a schema")
+                return StructuredOutput(json_schema=fmt.json_schema.schema_), "response_format"
+            if ext is not None:
+                return StructuredOutput(json_schema=ext.json_, json_object=bool(ext.json_object), regex=ext.regex,
+                                        choice=ext.choice, grammar=ext.grammar), "structured_outputs"
+        except ValueError as e:
+            raise ValueError(f"{'response_format' if ext is None else 'structured_outputs'}: {e}") from None
+        return None, None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, stop=self.stop,
-                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured)
 
 
 class CompletionRequest(_Common):

@@ -107,7 +107,7 @@ def _sub_batch(batch: DraftBatch, rows: list[int]) -> DraftBatch:
                       None if batch.sampling is None else
                       SamplingBatch.from_params([batch.sampling.rows[b] for b in rows], batch.vocab_size, batch.device),
                       None if batch.seen is None else batch.seen[rows], [batch.generators[b] for b in rows],
-                      batch.vocab_size, batch.device, batch.keep_logits)
+                      batch.vocab_size, batch.device, batch.keep_logits, batch.grammar)
 
 
 def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:

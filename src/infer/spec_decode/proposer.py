@@ -14,7 +14,8 @@ Invariants every proposer keeps (the round relies on them for losslessness):
   over by the runner to proposers with ``uses_features``), the proposer's own models and each row's generator only;
   a proposer never touches the target's KV cache;
 - where q is given, q[b, j] is computed with the row's sampling pipeline (``logits_to_probs`` with the same
-  params as the target, the penalty context grown by drafts[b, :j]) and drafts[b, j] is a draw from it;
+  params as the target, the penalty context grown by drafts[b, :j], and a structured-output row's grammar mask at
+  position j: ``batch.grammar``, which DraftDrawer applies) and drafts[b, j] is a draw from it;
 - a tree (``propose_tree``, proposers with ``supports_tree``) holds deterministic candidates: a function of the
   same inputs, never of a row's generator, so verification follows the matching child exactly (spec_decode.tree);
 - state a proposer keeps per request (a draft KV slot, an n-gram index) describes tokens of the sequence only,
@@ -31,6 +32,7 @@ import torch
 
 from ..request import Request
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
+from .grammar import RoundGrammar
 from .tree import DraftTree
 
 
@@ -46,6 +48,7 @@ class DraftBatch:
     vocab_size: int
     device: torch.device
     keep_logits: bool = False
+    grammar: RoundGrammar | None = None  # structured output: the round's masks, which model drafters draw under
 
     @property
     def K(self) -> int:
@@ -159,10 +162,16 @@ class DraftDrawer:
             logits = dv.logits(hidden)  # [n, N]
             if self.logits is not None:
                 self.logits[rows_t, j] = dv.expand(logits)
+        grammar = batch.grammar
+        if grammar is not None:  # structured output: q has no mass where the grammar forbids a token
+            reqs = [batch.reqs[b] for b in idx]
+            logits = grammar.restrict(j, reqs, logits, None if dv is None else dv.ids)
         if sampling is None:  # greedy: argmax needs no probabilities
             drafts = argmax(logits)
             drafts = drafts if dv is None else dv.token(drafts)
             self.drafts[rows_t if len(idx) < len(batch.reqs) else slice(None), j] = drafts
+            if grammar is not None:
+                grammar.push(j, reqs, drafts)
             return drafts
         if dv is None and self.logits is not None:
             self.logits[rows_t, j] = logits
@@ -181,6 +190,8 @@ class DraftDrawer:
             self.q[rows_t[:, None], j, dv.ids] = probs  # 0 outside S (a fresh tensor each proposal)
         if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
             self.ctx_seen[rows_t, self.drafts[rows_t, j]] = True
+        if grammar is not None:
+            grammar.push(j, reqs, self.drafts[rows_t, j])
         return self.drafts[rows_t, j]
 
     def proposal(self, num_draft: list[int], **kw) -> Proposal:

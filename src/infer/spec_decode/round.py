@@ -29,6 +29,7 @@ import torch
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from .acceptance import AcceptancePolicy, ExactAcceptance
+from .grammar import RoundGrammar
 from .proposer import DraftBatch, Proposer
 from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
@@ -135,11 +136,17 @@ class SpeculativeDecoder:
         seen = seen_mask([r.all_ids() for r in reqs], V, dev) if sampling is not None and sampling.use_penalty else None
         gens = [r.generator for r in reqs]
         keep_logits = self.spec_length.needs_logits  # EGAG reads the drafter's raw logits
+        grammar = RoundGrammar.of(reqs, max(ks), V)  # structured output: masks for every judged position
         t0 = time.perf_counter()
-        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits))
+        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar))
         t1 = time.perf_counter()
         nd = prop.num_draft
+        host = prop.drafts.tolist()
+        if grammar is not None:  # drafts the grammar forbids are cut (grammar.py: the same law)
+            nd = grammar.finish(reqs, host, nd)
         if max(nd) == 0:  # nothing to verify (e.g. no n-gram matched anywhere)
+            if grammar is not None:
+                grammar.release()
             return self._plain(reqs, t_in)
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
@@ -147,10 +154,12 @@ class SpeculativeDecoder:
 
         # -- verify: [g, t_1 .. t_n] per row in one target forward -> p_0 .. p_K --------------------------------
         lens = [r.num_tokens for r in reqs]
-        host = drafts.tolist()
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
         hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
         logits = runner.model.compute_logits(hidden)  # [B, K+1, V]
+        if grammar is not None:  # p' = the target restricted to what the grammar allows, at each position
+            grammar.apply(reqs, logits)
+            grammar.release()  # the matchers follow the emitted tokens from here (Request.append)
         nd_t = torch.tensor(nd, device=dev)
         if fast_greedy:
             top = argmax(logits)  # [B, K+1]

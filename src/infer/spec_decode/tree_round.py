@@ -26,6 +26,8 @@ import torch
 
 from ..cache.base import TreeAttn
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
+from ..structured import allowed
+from .grammar import prune_tree
 from .proposer import DraftBatch
 from .tree import TreeShape, to_batch
 from .tree_verify import ancestor_mask, greedy_tree_verify, tree_depths, tree_verify
@@ -53,6 +55,10 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     t0 = time.perf_counter()
     grown = dec.proposer.propose_tree(DraftBatch(reqs, depths, sampling, seen, gens, V, dev), shape.width)
     trees = [t.prune(shape.budget, d) for t, d in zip(grown, depths)]
+    masks = {}  # structured output: row -> the grammar's mask at each of its nodes (forbidden branches dropped)
+    for b, r in enumerate(reqs):
+        if r.grammar is not None:
+            trees[b], masks[b] = prune_tree(r, trees[b])
     t1 = time.perf_counter()
     if all(len(t) == 1 for t in trees):  # nothing drafted anywhere
         return dec._plain(reqs, t_in)
@@ -64,6 +70,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     attn = TreeAttn(torch.tensor(base, device=dev)[:, None] + depth, base, ancestor_mask(parents))
     hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
     logits = runner.model.compute_logits(hidden)  # [B, N, V]
+    for b, m in masks.items():  # p' at every node: the target restricted to what the grammar allows after its path
+        logits[b, :len(m)].masked_fill_(~allowed(m, V).to(dev), float("-inf"))
     if fast_greedy:
         res = greedy_tree_verify(tokens, parents, num_nodes, argmax(logits))
     else:

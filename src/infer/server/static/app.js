@@ -48,6 +48,13 @@ function requestBody(speculation) {
     max_tokens: Math.trunc(num("max_tokens")),
   };
   if ($("seed").value !== "") body.seed = Math.trunc(num("seed"));
+  const schema = $("schema").value.trim();
+  if (schema) {
+    // a schema that is not JSON is named here; one the grammar library refuses comes back as the server's 400
+    let parsed;
+    try { parsed = JSON.parse(schema); } catch (e) { throw new Error(`the JSON schema is not valid JSON: ${e.message}`); }
+    body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: parsed } };
+  }
   const prompt = $("prompt").value;
   if ($("mode").value === "chat") body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
@@ -69,8 +76,10 @@ async function run(speculation) {
   $("send").disabled = $("compare").disabled = true;
   $("stop").disabled = false;
   try {
+    let body;
+    try { body = requestBody(speculation); } catch (e) { showError(e.message); return null; }
     const resp = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(requestBody(speculation)), signal: controller.signal,
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
     });
     if (!resp.ok) {
       showError(await errorMessage(resp));
