@@ -224,10 +224,10 @@ def letters(tmp_path_factory):
     return Tokenizer(out)
 
 
-def _masks(letters):
+def _masks(letters, regex=REGEX):
     """[V] allowed first tokens, [V, V] allowed second tokens after each first one."""
     comp = GrammarCompiler(letters, V, [0])
-    m, bm = comp.matcher(StructuredOutput(regex=REGEX)), comp.bitmask(1)
+    m, bm = comp.matcher(StructuredOutput(regex=regex)), comp.bitmask(1)
     m.fill(bm, 0)
     first = allowed(bm, V)[0]
     second = torch.zeros(V, V, dtype=torch.bool)
@@ -276,6 +276,19 @@ def test_constrained_joint_law_is_exact(letters, backend):
     assert 1 < int(first.sum()) < V and not torch.equal(second[1], second[7])  # the masks matter
     counts, target = _sampled(letters, PARAMS, backend)
     assert chi2_pvalue(counts, _masked_joint(target, PARAMS, first, second)) > 0.001
+
+
+def test_forced_tokens_are_drafted_for_free(ckpt_dirs):
+    """A JSON schema's keys are forced text: rounds draft them without the drafter (grammar.forced_drafts), every
+    forced draft is accepted, and the output equals plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured=SPECS["json_schema"])
+    eng = _engine(ckpt_dirs, proposer="ngram", spec_length=4)  # prompt lookup finds nothing here: drafts are forced
+    plain = _engine(ckpt_dirs)
+    ids = plain.tokenizer.encode("Give me JSON:")
+    (a,) = plain.run([plain.add_request(ids, params)])
+    (b,) = eng.run([eng.add_request(ids, params)])
+    assert a.output_ids == b.output_ids and valid("json_schema", b.text)
+    assert b.num_draft_tokens >= 10 and b.num_target_forwards < len(b.output_ids) - 8
 
 
 def test_unmasked_drafter_with_cut_drafts_is_caught(letters, monkeypatch):

@@ -23,6 +23,7 @@ permanent error state on a token it does not allow, so nothing is consumed witho
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -191,10 +192,36 @@ class Matcher:
         if undo:
             self.m.rollback(undo)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (its fixed text, e.g. a JSON key and ``":``, canonically tokenized;
+        the end-of-sequence token once the grammar has stopped), [] where it leaves a choice."""
+        if self.m.is_stopped():
+            return [self.compiler.lltok.eos_token]
+        return self.m.compute_ff_tokens()
+
     @property
     def done(self) -> bool:
         """The grammar is complete and nothing but an end-of-sequence token may follow."""
         return self.m.is_stopped()
+
+
+# bias of a mask byte: _BYTE_BIAS[b, k] = 0 where bit k of b is set (allowed), else -inf. A mask word's bytes are its
+# bits 0-7, 8-15, ... on a little-endian machine, so a row's bytes in order are its tokens in order.
+_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+assert sys.byteorder == "little", "structured output's masks are read as little-endian words"
+
+
+def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., words] int32 bitmask -> [..., vocab_size] float32: 0 where a token is allowed, -inf where not (columns
+    past the mask's are not allowed). Adding it to logits is the mask: one gather of 8 values a byte and one add,
+    branch-free (a masked_fill over a scattered 49,152-token mask costs ~6x as much)."""
+    lead = bitmask.shape[:-1]
+    by = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
+    bias = _BYTE_BIAS.index_select(0, by).view(*lead, -1)
+    if bias.shape[-1] >= vocab_size:
+        return bias[..., :vocab_size]
+    pad = torch.full((*lead, vocab_size - bias.shape[-1]), float("-inf"))
+    return torch.cat([bias, pad], -1)
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -213,9 +240,8 @@ def bit(bitmask_row: torch.Tensor, token: int) -> bool:
 
 
 def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (in place) -> disallowed tokens at -inf; ``bitmask`` [N, words] on the CPU."""
-    keep = allowed(bitmask, logits.shape[-1]).to(logits.device)
-    return logits.masked_fill_(~keep, float("-inf"))
+    """logits [..., V] (in place) -> disallowed tokens at -inf; ``bitmask`` [..., words] on the CPU."""
+    return logits.add_(mask_bias(bitmask, logits.shape[-1]).to(logits.device))
 
 
 def mask_rows_(logits: torch.Tensor, matchers: list) -> torch.Tensor:

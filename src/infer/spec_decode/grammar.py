@@ -17,10 +17,13 @@ Exactness (relative to the masked target p'):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..request import Request
-from ..structured import allowed, bit
+from ..structured import bit, mask_bias
+from .proposer import Proposal
 from .tree import DraftTree
 
 
@@ -75,17 +78,17 @@ class RoundGrammar:
         picked = [(i, row) for i, row in picked if self._fill(row, j)]
         if not picked:
             return logits
-        ok = allowed(torch.stack([row.masks[j] for _, row in picked]), self.V)  # [n, V]
+        bias = mask_bias(torch.stack([row.masks[j] for _, row in picked]), self.V)  # [n, V]: 0 or -inf
         if ids is not None:
-            ok = ok[:, ids.cpu()]  # [n, N]
-        ok = ok.to(logits.device)
-        empty = ~ok.any(-1)
+            bias = bias[:, ids.cpu()]  # [n, N]
+        empty = torch.isinf(bias).all(-1)
         for (i, row), e in zip(picked, empty.tolist()):
             if e:
                 row.limit = j
+        bias[empty] = 0.0
         logits = logits.clone()
         rows = torch.tensor([i for i, _ in picked], device=logits.device)
-        logits[rows] = logits[rows].masked_fill(~ok & ~empty[:, None], float("-inf"))
+        logits[rows] += bias.to(logits.device)
         return logits
 
     def push(self, j: int, reqs: list[Request], drafts: torch.Tensor) -> None:
@@ -119,9 +122,9 @@ class RoundGrammar:
         B, T, V = logits.shape
         idx = [b for b, r in enumerate(reqs) if r in self.rows]
         if idx:
-            ok = allowed(torch.stack([self.rows[reqs[b]].masks[:T] for b in idx]), V).to(logits.device)
+            bias = mask_bias(torch.stack([self.rows[reqs[b]].masks[:T] for b in idx]), V)  # [n, T, V]
             rows = torch.tensor(idx, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
+            logits[rows] += bias.to(logits.device)
         return logits
 
     def release(self) -> None:
@@ -154,3 +157,41 @@ def prune_tree(req: Request, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
 
     visit(0, 0)
     return out, masks[:len(out)]
+
+
+def forced_drafts(reqs: list[Request], caps: list[int]) -> dict[int, list[int]]:
+    """Rows whose grammar forces their next tokens (a JSON key, its ``":``, a closing brace's EOS): those tokens, up to
+    the row's cap. They are drafted for free, as deterministic drafts verified like any other (exact), and the
+    proposer skips the row this round (a drafter's cache never holds a token it did not draft itself)."""
+    out = {}
+    for b, (r, cap) in enumerate(zip(reqs, caps)):
+        if r.grammar is not None and cap > 0:
+            tokens = r.grammar.forced()[:cap]
+            if tokens:
+                out[b] = tokens
+    return out
+
+
+def with_forced(prop: Proposal, forced: dict[int, list[int]], K: int, vocab_size: int) -> Proposal:
+    """``prop`` widened to K drafts a row, the ``forced`` rows' drafts set to their forced tokens (q one-hot there,
+    where the proposal has a q; those rows count as free drafts)."""
+    B = prop.drafts.shape[0]
+
+    def widen(x, fill_shape):
+        if x is None:
+            return None
+        out = torch.zeros(B, K, *fill_shape, dtype=x.dtype, device=x.device)
+        out[:, :x.shape[1]] = x
+        return out
+
+    drafts, q, logits = widen(prop.drafts, ()), widen(prop.q, (vocab_size,)), widen(prop.logits, (vocab_size,))
+    nd, free = list(prop.num_draft), list(prop.free or [False] * B)
+    for b, tokens in forced.items():
+        t = torch.tensor(tokens, device=drafts.device)
+        drafts[b] = 0
+        drafts[b, :len(t)] = t
+        nd[b], free[b] = len(t), True
+        if q is not None:
+            q[b] = 0.0
+            q[b, torch.arange(len(t)), t] = 1.0
+    return dataclasses.replace(prop, drafts=drafts, num_draft=nd, q=q, logits=logits, free=free)

@@ -27,13 +27,16 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..request import Request
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
-from .grammar import RoundGrammar
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .grammar import RoundGrammar
 
 
 @dataclass

@@ -29,8 +29,8 @@ import torch
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from .acceptance import AcceptancePolicy, ExactAcceptance
-from .grammar import RoundGrammar
-from .proposer import DraftBatch, Proposer
+from .grammar import RoundGrammar, forced_drafts, with_forced
+from .proposer import DraftBatch, Proposal, Proposer
 from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
 from .verify import greedy_verify, verify
@@ -124,9 +124,12 @@ class SpeculativeDecoder:
         t_in = time.perf_counter()  # the step's wall time, less its timed forwards, is its overhead
         caps = self.caps(reqs)
         ks = self.spec_length.choose(reqs, caps) if any(caps) else caps
-        if max(ks) == 0:
+        # structured output: where the grammar forces the next tokens, they are the row's drafts (free, exact)
+        forced = forced_drafts(reqs, caps) if any(caps) and any(r.grammar is not None for r in reqs) else {}
+        ks = [0 if b in forced else k for b, k in enumerate(ks)]
+        if max(ks) == 0 and not forced:
             return self._plain(reqs, t_in)
-        shape = self.tree_shape(reqs, max(ks)) if self.tree is not None else None
+        shape = self.tree_shape(reqs, max(ks)) if self.tree is not None and not forced else None
         if shape is not None:  # the round's K is each tree's depth, at most the shape's
             return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
@@ -136,9 +139,13 @@ class SpeculativeDecoder:
         seen = seen_mask([r.all_ids() for r in reqs], V, dev) if sampling is not None and sampling.use_penalty else None
         gens = [r.generator for r in reqs]
         keep_logits = self.spec_length.needs_logits  # EGAG reads the drafter's raw logits
-        grammar = RoundGrammar.of(reqs, max(ks), V)  # structured output: masks for every judged position
+        K = max(max(ks), max(map(len, forced.values()), default=0))
+        grammar = RoundGrammar.of(reqs, K, V)  # structured output: masks for every judged position
         t0 = time.perf_counter()
-        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar))
+        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar)) \
+            if max(ks) else Proposal(torch.zeros(B, 0, dtype=torch.long), [0] * B)
+        if forced:
+            prop = with_forced(prop, forced, K, V)
         t1 = time.perf_counter()
         nd = prop.num_draft
         host = prop.drafts.tolist()
@@ -193,7 +200,7 @@ class SpeculativeDecoder:
             # keep g and the n accepted drafts; token j was judged by the target's p_j
             emitted = self.settle(r, lens[b], k, n, out_tokens[b], hidden[b, :n + 1], logits[b], range(n + 1),
                                   res.is_bonus[b], outputs)
-            h = self.spec_length.observe(r, k, n, None if prop.logits is None else prop.logits[b, :k],
+            h = self.spec_length.observe(r, k, n, None if prop.logits is None or b in forced else prop.logits[b, :k],
                                          free=bool(prop.free and prop.free[b]))
             if k and self.on_round is not None:
                 rec = RoundRecord(k, host[b][:k], n, emitted, bool(res.is_bonus[b]),

@@ -26,7 +26,7 @@ import torch
 
 from ..cache.base import TreeAttn
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
-from ..structured import allowed
+from ..structured import mask_bias
 from .grammar import prune_tree
 from .proposer import DraftBatch
 from .tree import TreeShape, to_batch
@@ -71,7 +71,7 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
     logits = runner.model.compute_logits(hidden)  # [B, N, V]
     for b, m in masks.items():  # p' at every node: the target restricted to what the grammar allows after its path
-        logits[b, :len(m)].masked_fill_(~allowed(m, V).to(dev), float("-inf"))
+        logits[b, :len(m)] += mask_bias(m, V).to(dev)
     if fast_greedy:
         res = greedy_tree_verify(tokens, parents, num_nodes, argmax(logits))
     else:
