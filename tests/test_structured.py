@@ -92,6 +92,8 @@ def compiler(tok):
     (StructuredOutput(json_schema={"type": "foo"}), "foo"),
     (StructuredOutput(json_schema={"type": "string", "format": "nonsense-format"}), "nonsense-format"),
     (StructuredOutput(grammar="start: foo"), "foo"),
+    (StructuredOutput(json_schema={"type": "array", "uniqueItems": True}), "Unimplemented keys: [\"uniqueItems\"]"),
+    (StructuredOutput(json_schema={"$ref": "http://example.com/s.json"}), "does not fetch"),  # nothing downloads
 ])
 def test_bad_constraints_name_the_problem(compiler, spec, words):
     with pytest.raises(ValueError, match=f"invalid {spec.kind}") as e:
@@ -172,6 +174,25 @@ def test_greedy_speculative_equals_plain(ckpt_dirs, kind, spec_cfg):
         assert spec.stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_greedy_parity_with_heads(ckpt_dirs, tmp_path, kind):
+    """The heads that draft from the target's hidden states draw under the same masks (a draft vocabulary for
+    EAGLE-3: the mask read at its ids)."""
+    from infer.model.draft_heads import save_heads
+    from infer.model.loader import load_model
+    from infer.testing import random_heads
+
+    save_heads(random_heads(load_model(ckpt_dirs["gqa"]), kind, seed=3), tmp_path / kind, dtype=torch.float32)
+    plain, spec = _engine(ckpt_dirs), _engine(ckpt_dirs, draft_model=str(tmp_path / kind), spec_length=3)
+    for k in ("json_schema", "regex", "grammar"):
+        params = SamplingParams(temperature=0.0, max_tokens=40, structured=SPECS[k])
+        ids = plain.tokenizer.encode("(1,2) Give me JSON:")
+        (a,) = plain.run([plain.add_request(ids, params)])
+        (b,) = spec.run([spec.add_request(ids, params)])
+        assert a.output_ids == b.output_ids, (kind, k)
+    assert spec.stats.num_draft_tokens > 0
+
+
 def test_structured_rows_beside_free_ones(ckpt_dirs):
     """A batch mixing constrained and unconstrained requests: each row gets its own law (greedy parity)."""
     prompt = [1, 5, 9]
@@ -186,6 +207,34 @@ def test_structured_rows_beside_free_ones(ckpt_dirs):
         for k, r in zip(kinds, reqs):
             assert k is None or valid(k, r.text) or r.finish_reason == "length"
     assert outs["plain"] == outs["draft"]
+
+
+def _steps(eng, ids, params):
+    req = eng.add_request(ids, params)
+    outs = []
+    while not req.finished:
+        outs += [o for o in eng.step() if o.request_id == req.request_id]
+    return req, outs
+
+
+def test_penalty_stop_strings_and_logprobs_under_a_constraint(ckpt_dirs):
+    """Speculating or not: the same tokens, the same stop, and the same logprobs (of the masked law), which never
+    list an impossible alternative."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, repetition_penalty=1.3, logprobs=3, stop=['"ok"'],
+                            structured=SPECS["json_schema"])
+    runs = {}
+    for name in ("plain", "draft", "ngram"):
+        eng = _engine(ckpt_dirs, **_cfg(ckpt_dirs, name))
+        runs[name] = _steps(eng, eng.tokenizer.encode("Give me JSON:"), params)
+    (req, outs) = runs["plain"]
+    assert req.finish_reason == "stop" and req.stop_reason == '"ok"' and '"ok"' not in req.text
+    for name in ("draft", "ngram"):
+        r, o = runs[name]
+        assert r.output_ids == req.output_ids and r.text == req.text
+        assert [x.logprob for x in o] == pytest.approx([x.logprob for x in outs], abs=1e-4)
+        assert [[t for t, _ in x.top_logprobs] for x in o] == [[t for t, _ in x.top_logprobs] for x in outs]
+    assert all(x.logprob > float("-inf") and all(v > float("-inf") for _, v in x.top_logprobs) for x in outs)
+    assert any(len(x.top_logprobs) < 3 for x in outs)  # forced positions: one possible token, one listed
 
 
 def test_bad_constraint_is_refused_before_queueing(ckpt_dirs):
