@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("contiguous", "paged")
-PROPOSERS = ("draft", "ngram", "hybrid")
+PROPOSERS = ("draft", "ngram", "hybrid", "suffix")
 SPEC_LENGTHS = ("auto", "egag")
 COMPILE_AUTO_MIN_PARAMS = 50_000_000
 
@@ -19,7 +19,8 @@ class EngineConfig:
     # without a draft_model speculates with prompt lookup (proposer "ngram").
     use_speculative_decoding: bool | None = None
     # Who drafts: "draft" (the draft model), "ngram" (prompt lookup over the request's own tokens), "hybrid" (n-gram
-    # where the context matches, else the draft model). None: "draft" with a draft_model, else "ngram".
+    # where the context matches, else the draft model), "suffix" (a suffix tree over this engine's earlier and running
+    # requests: proposers/suffix.py). None: "draft" with a draft_model, else "ngram".
     proposer: str | None = None
     # K, drafts per round: "auto" picks per request per round the K in 0..spec_length_max that maximises expected
     # tokens per second from measured costs (spec_decode.spec_length); "egag" follows the drafter's entropy within
@@ -99,8 +100,8 @@ class EngineConfig:
                 bad(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
             if self.proposer in ("draft", "hybrid") and self.draft_model is None:
                 bad(f"proposer={self.proposer!r} needs a draft_model")
-            if self.proposer == "ngram" and self.draft_model is not None:
-                bad("proposer='ngram' drafts without a model: drop draft_model (or use proposer='hybrid')")
+            if self.proposer in ("ngram", "suffix") and self.draft_model is not None:
+                bad(f"proposer={self.proposer!r} drafts without a model: drop draft_model (or use proposer='hybrid')")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "spec_length_min", "spec_length_max",
                      "prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)

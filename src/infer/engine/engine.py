@@ -281,6 +281,8 @@ class Engine:
             return None
         self.scheduler.abort(req)
         self._count_finished(req)
+        if self.decoder is not None:
+            self.decoder.proposer.finished(req)
         return StepOutput(req.request_id, None, req.stream_text(), True, "abort")
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -304,6 +306,8 @@ class Engine:
         for req in self.scheduler.retire():
             self.requests.pop(req.request_id, None)
             self._count_finished(req)
+            if self.decoder is not None:
+                self.decoder.proposer.finished(req)
         self.stats.num_steps += 1
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return [o for _, o in outputs]

@@ -75,16 +75,21 @@ def build_name() -> str:
     return f"infer_kernels_{key.hexdigest()[:12]}"
 
 
-def _build() -> None:
-    from torch.utils.cpp_extension import load
-
-    try:  # the `ninja` wheel (a dependency) puts its binary beside the interpreter, which may not be on PATH
+def _ensure_ninja_on_path() -> None:
+    """The `ninja` wheel (a dependency) puts its binary beside the interpreter, which may not be on PATH."""
+    try:
         import ninja
 
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass  # a system ninja, if any, is found on PATH
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    _ensure_ninja_on_path()
     flags = _flags()
     name = build_name()
     build_dir = CACHE_DIR / name

@@ -104,6 +104,10 @@ class Proposer(ABC):
         cost of drafting for the row, which the goodput K policy weighs. 0 for proposers without a model."""
         return 0
 
+    def finished(self, req: Request) -> None:
+        """``req`` has finished (or was aborted): it will not be drafted for again (a proposer that learns across
+        requests keeps its text; the others have nothing to do)."""
+
     def observe(self, req: Request, start: int, hidden: torch.Tensor) -> None:
         """The target's final-norm hidden states [n, H] at positions start .. start+n-1 of ``req`` (only with
         ``uses_features``; positions of rejected drafts are never handed over)."""

@@ -76,6 +76,10 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
     draft until ``decoder.profile_now()`` has run."""
     if cfg.proposer == "ngram":
         proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    elif cfg.proposer == "suffix":
+        from ..proposers.suffix import SuffixProposer
+
+        proposer = SuffixProposer()
     else:
         proposer = model_proposer(drafter, kv, runner, draft_vocab)
         if cfg.proposer == "hybrid":

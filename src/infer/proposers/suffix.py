@@ -1,0 +1,129 @@
+"""Suffix decoding (Oliaro et al., "SuffixDecoding", 2024-25; vLLM's ``suffix`` method, Snowflake's arctic-inference
+are the peers): drafts from a suffix tree over the prompts and outputs of this engine's earlier requests and of the
+running ones, the request's own context included. No model: a lookup costs microseconds.
+
+    SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.1)
+
+The tree (suffix_tree.cpp, built on first use like infer's kernels) holds every substring of up to ``max_depth``
+tokens of every sequence, with counts. A round matches the longest suffix of a request's context (up to
+``max_depth - 1`` tokens) and follows the most frequent continuation while its estimated probability (the product of
+the children's shares of their parents' counts) stays >= ``min_prob``: a long, frequent match drafts many tokens, a
+rare one few or none (the draft length is the match's frequency). Up to K, and no more than ``length_factor`` x the
+match's length (a one-token match says little).
+
+A request's tokens enter the tree as it grows (prompt first, then each round's accepted tokens) and stay after it
+finishes; finished requests are evicted oldest first once the tree holds more than ``max_tokens`` tokens. Drafts are
+deterministic (q = one-hot) and verified exactly like prompt lookup's, so what the tree holds, another user's text
+included, can change only how fast a request runs, never what it outputs (tests/test_suffix.py shows a request's
+output equal with the tree empty and full). Requests of one engine share its proposer; the engine steps from one
+thread, so the tree needs no lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+
+from ..request import Request
+from ..spec_decode.ngram import _proposal
+from ..spec_decode.proposer import DraftBatch, Proposal, Proposer
+
+_module = None
+
+
+def suffix_tree_module():
+    """The compiled SuffixTree (a small pybind11 module, cached on disk like infer's kernels)."""
+    global _module
+    if _module is None:
+        import hashlib
+
+        from torch.utils.cpp_extension import load
+
+        from ..cachedir import cache_dir
+        from ..kernels import _ensure_ninja_on_path
+
+        src = Path(__file__).with_name("suffix_tree.cpp")
+        name = "infer_suffix_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12]
+        build = cache_dir("kernels") / name
+        build.mkdir(parents=True, exist_ok=True)
+        _ensure_ninja_on_path()
+        try:
+            _module = load(name=name, sources=[str(src)], extra_cflags=["-O2"], build_directory=str(build),
+                           verbose=False)
+        except Exception as e:  # noqa: BLE001  (no compiler: the proposer cannot run; say so in one line)
+            lines = str(e).strip().splitlines()
+            raise RuntimeError("proposer='suffix' needs its C++ suffix tree, which could not be built "
+                               f"({type(e).__name__}: {lines[-1] if lines else ''})") from None
+    return _module
+
+
+class SuffixProposer(Proposer):
+    name = "suffix"
+
+    def __init__(self, max_depth: int = 24, max_tokens: int = 1_000_000, min_prob: float = 0.1,
+                 length_factor: float = 2.0):
+        if max_depth < 2:
+            raise ValueError(f"suffix max_depth must be >= 2, got {max_depth}")
+        if max_tokens < 1:
+            raise ValueError(f"suffix max_tokens must be >= 1, got {max_tokens}")
+        if not 0.0 < min_prob <= 1.0:
+            raise ValueError(f"suffix min_prob must be in (0, 1], got {min_prob}")
+        self.max_depth, self.max_tokens, self.min_prob, self.length_factor = max_depth, max_tokens, min_prob, \
+            length_factor
+        self.tree = suffix_tree_module().SuffixTree(max_depth)
+        self._seq: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> sequence id in the tree
+        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its tokens in the tree
+        self._done: OrderedDict[int, None] = OrderedDict()  # finished sequences, oldest first: what eviction takes
+        self._ids = itertools.count()
+
+    # -- the tree ---------------------------------------------------------------------------------------------
+    def _sync(self, req: Request) -> None:
+        """Add the tokens ``req`` gained since its last round (its prompt, the first time)."""
+        if req not in self._seq:
+            seq = next(self._ids)
+            self._seq[req] = seq
+            weakref.finalize(req, self._retire, seq)  # a request dropped unfinished still counts as text seen
+        fed = self._fed.get(req, 0)
+        if fed < req.num_tokens:
+            self.tree.extend(self._seq[req], req.token_slice(fed))
+            self._fed[req] = req.num_tokens
+
+    def finished(self, req: Request) -> None:
+        """``req`` will not grow again: its text stays in the tree, evictable oldest first."""
+        seq = self._seq.get(req)
+        if seq is not None:
+            self._sync(req)
+            self._retire(seq)
+
+    def _retire(self, seq: int) -> None:
+        if seq in self._done or not self.tree.has(seq):
+            return
+        self._done[seq] = None
+        while self.tree.num_tokens() > self.max_tokens and self._done:
+            self.tree.remove(self._done.popitem(last=False)[0])
+
+    def clear(self) -> None:
+        """Forget every request's text (a fresh tree); running requests re-enter it at their next round."""
+        self.tree = suffix_tree_module().SuffixTree(self.max_depth)
+        self._fed = weakref.WeakKeyDictionary()
+        self._seq = weakref.WeakKeyDictionary()
+        self._done.clear()
+
+    def lookup(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` drafts continuing ``req``'s context, [] where the tree has no confident continuation."""
+        if k <= 0:
+            return []
+        self._sync(req)
+        ctx = req.token_slice(max(0, req.num_tokens - self.max_depth + 1))
+        drafts, match, _ = self.tree.speculate(ctx, k, self.min_prob, stored=True)  # its own text is in the tree
+        return list(drafts[:max(0, min(k, math.floor(self.length_factor * match)))])
+
+    # -- the proposer seam ------------------------------------------------------------------------------------
+    def free_drafts(self, req: Request, k: int) -> int:
+        return len(self.lookup(req, k))  # every draft is a copy from the tree; none: the row decodes plainly
+
+    def propose(self, batch: DraftBatch) -> Proposal:
+        return _proposal([self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)], batch)

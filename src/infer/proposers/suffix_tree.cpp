@@ -1,0 +1,216 @@
+// A suffix tree of bounded depth over many token sequences (SuffixDecoding, Oliaro et al. 2024-25): every substring
+// of up to `max_depth` tokens of every sequence is a path from the root, each node counting the suffixes that pass
+// through or end at it. Sequences grow token by token (a request's prompt, then its output) and are removed whole
+// (eviction). `speculate` finds the longest suffix of a context that is a path, then follows the most frequent
+// child while its share of its parent's count stays high: the drafts and the match's length and probability.
+//
+// Nodes live in one vector (a free list reuses removed ones); edges in one hash map keyed by (parent, token); a
+// node's children are also linked (first_child / next_sibling) to pick the most frequent one. Appending token t to a
+// sequence extends each of its open suffixes (the nodes of its last max_depth - 1 suffixes) by t: max_depth hash
+// operations a token, no path walked twice.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+struct Node {
+    int32_t token = -1, parent = -1, depth = 0, first_child = -1, next_sibling = -1;
+    int64_t count = 0;
+};
+
+struct Sequence {
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> open;  // nodes of the suffixes ending at the last token, shallower than max_depth
+};
+
+class SuffixTree {
+  public:
+    explicit SuffixTree(int max_depth) : max_depth_(max_depth) {
+        if (max_depth < 2) throw std::invalid_argument("max_depth must be >= 2");
+        nodes_.push_back(Node{});  // the root
+        nodes_[0].depth = 0;
+    }
+
+    void extend(int64_t seq, const std::vector<int32_t>& tokens) {
+        Sequence& s = seqs_[seq];
+        std::vector<int32_t> next;
+        next.reserve(max_depth_);
+        for (int32_t t : tokens) {
+            next.clear();
+            nodes_[0].count += 1;  // every suffix passes through the root
+            int32_t c = child_or_new(0, t);
+            nodes_[c].count += 1;
+            if (nodes_[c].depth < max_depth_) next.push_back(c);
+            for (int32_t u : s.open) {
+                int32_t v = child_or_new(u, t);
+                nodes_[v].count += 1;
+                if (nodes_[v].depth < max_depth_) next.push_back(v);
+            }
+            s.open.swap(next);
+            s.tokens.push_back(t);
+            num_tokens_ += 1;
+        }
+    }
+
+    void remove(int64_t seq) {
+        auto it = seqs_.find(seq);
+        if (it == seqs_.end()) return;
+        const std::vector<int32_t>& toks = it->second.tokens;
+        const int64_t n = static_cast<int64_t>(toks.size());
+        std::vector<int32_t> path;
+        for (int64_t start = 0; start < n; ++start) {  // the path of every suffix start, deepest node first
+            path.clear();
+            int32_t u = 0;
+            for (int64_t i = start; i < std::min<int64_t>(n, start + max_depth_); ++i) {
+                u = edge(u, toks[i]);
+                if (u < 0) break;  // cannot happen while counts are consistent
+                path.push_back(u);
+            }
+            nodes_[0].count -= 1;
+            for (auto p = path.rbegin(); p != path.rend(); ++p) {
+                if (--nodes_[*p].count == 0) unlink(*p);
+            }
+        }
+        num_tokens_ -= n;
+        seqs_.erase(it);
+    }
+
+    // (drafts, match length, probability of the drafts under the counts): from the longest suffix of the context
+    // that is a path and drafts at least one token (the most specific match). A context's own latest suffix, when
+    // the context is a stored sequence, is a path with no continuation: it drafts nothing, and a shorter match, an
+    // earlier occurrence, takes over.
+    // With `stored`, the context is itself a stored sequence's end: its own suffix ends at the matched node, and is
+    // left out of that node's count (the share of a continuation is among the other occurrences).
+    std::tuple<std::vector<int32_t>, int, double> speculate(const std::vector<int32_t>& context, int max_spec,
+                                                           double min_prob, int min_match, bool stored) const {
+        const int L = static_cast<int>(context.size());
+        std::vector<int32_t> best_drafts;
+        int best_m = 0;
+        double best_prob = 0.0;
+        for (int m = std::min(L, max_depth_ - 1); m >= std::max(1, min_match); --m) {
+            int32_t u = 0;
+            for (int i = L - m; i < L && u >= 0; ++i) u = edge(u, context[i]);
+            if (u < 0) continue;  // this suffix never occurred: try a shorter one
+            std::vector<int32_t> drafts;
+            double prob = 1.0;
+            int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
+            while (static_cast<int>(drafts.size()) < max_spec && nodes_[u].depth < max_depth_) {
+                int32_t best = -1;
+                for (int32_t c = nodes_[u].first_child; c >= 0; c = nodes_[c].next_sibling)
+                    if (best < 0 || nodes_[c].count > nodes_[best].count) best = c;
+                if (best < 0) break;
+                double p = prob * static_cast<double>(nodes_[best].count) /
+                           static_cast<double>(nodes_[u].count - own);
+                own = 0;
+                if (p < min_prob) break;
+                prob = p;
+                drafts.push_back(nodes_[best].token);
+                u = best;
+            }
+            if (!drafts.empty()) {
+                best_drafts.swap(drafts);
+                best_m = m;
+                best_prob = prob;
+                break;
+            }
+        }
+        return {best_drafts, best_m, best_prob};
+    }
+
+    int64_t num_tokens() const { return num_tokens_; }
+    int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size() - free_.size()) - 1; }
+    int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
+    bool has(int64_t seq) const { return seqs_.count(seq) > 0; }
+
+    // every count equals the number of stored suffixes through the node (tests)
+    bool check() const {
+        std::unordered_map<int32_t, int64_t> want;
+        int64_t root = 0;
+        for (const auto& kv : seqs_) {
+            const auto& toks = kv.second.tokens;
+            const int64_t n = static_cast<int64_t>(toks.size());
+            for (int64_t start = 0; start < n; ++start) {
+                root += 1;
+                int32_t u = 0;
+                for (int64_t i = start; i < std::min<int64_t>(n, start + max_depth_); ++i) {
+                    u = edge(u, toks[i]);
+                    if (u < 0) return false;
+                    want[u] += 1;
+                }
+            }
+        }
+        if (root != nodes_[0].count || static_cast<int64_t>(want.size()) != num_nodes()) return false;
+        for (const auto& kv : want)
+            if (nodes_[kv.first].count != kv.second) return false;
+        return true;
+    }
+
+  private:
+    static uint64_t key(int32_t parent, int32_t token) {
+        return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+    }
+
+    int32_t edge(int32_t parent, int32_t token) const {
+        auto it = edges_.find(key(parent, token));
+        return it == edges_.end() ? -1 : it->second;
+    }
+
+    int32_t child_or_new(int32_t parent, int32_t token) {
+        auto it = edges_.find(key(parent, token));
+        if (it != edges_.end()) return it->second;
+        int32_t id;
+        if (!free_.empty()) {
+            id = free_.back();
+            free_.pop_back();
+        } else {
+            id = static_cast<int32_t>(nodes_.size());
+            nodes_.emplace_back();
+        }
+        Node& n = nodes_[id];
+        n = Node{};
+        n.token = token;
+        n.parent = parent;
+        n.depth = nodes_[parent].depth + 1;
+        n.next_sibling = nodes_[parent].first_child;
+        nodes_[parent].first_child = id;
+        edges_.emplace(key(parent, token), id);
+        return id;
+    }
+
+    void unlink(int32_t id) {  // a node whose count reached 0 (its children's did first)
+        Node& n = nodes_[id];
+        int32_t* link = &nodes_[n.parent].first_child;
+        while (*link != id) link = &nodes_[*link].next_sibling;
+        *link = n.next_sibling;
+        edges_.erase(key(n.parent, n.token));
+        free_.push_back(id);
+    }
+
+    int max_depth_;
+    int64_t num_tokens_ = 0;
+    std::vector<Node> nodes_;
+    std::vector<int32_t> free_;
+    std::unordered_map<uint64_t, int32_t> edges_;
+    std::unordered_map<int64_t, Sequence> seqs_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    py::class_<SuffixTree>(m, "SuffixTree")
+        .def(py::init<int>(), py::arg("max_depth"))
+        .def("extend", &SuffixTree::extend, py::arg("seq"), py::arg("tokens"))
+        .def("remove", &SuffixTree::remove, py::arg("seq"))
+        .def("speculate", &SuffixTree::speculate, py::arg("context"), py::arg("max_spec"), py::arg("min_prob"),
+             py::arg("min_match") = 1, py::arg("stored") = false)
+        .def("num_tokens", &SuffixTree::num_tokens)
+        .def("num_nodes", &SuffixTree::num_nodes)
+        .def("num_sequences", &SuffixTree::num_sequences)
+        .def("has", &SuffixTree::has)
+        .def("check", &SuffixTree::check);
+}

@@ -1,0 +1,141 @@
+"""Suffix decoding (proposers/suffix.py, suffix_tree.cpp): the tree's counts and eviction, drafts from earlier
+requests, and losslessness: greedy parity (both KV backends, batched, with preemption), the exact joint law under
+sampling (chi-square, both backends) with a lossy rule caught, and a request's output independent of what other
+requests put in the tree."""
+
+import random
+
+import pytest
+import torch
+
+from infer.engine import Engine, EngineConfig
+from infer.generate import autoregressive_generate
+from infer.proposers.suffix import SuffixProposer, suffix_tree_module
+from infer.request import Request
+from infer.sampling import SamplingParams
+from infer.testing import random_llama
+
+from test_spec_distribution import N, V, chi2_pvalue, exact_joint
+
+
+def test_tree_counts_match_and_evict():
+    t = suffix_tree_module().SuffixTree(4)
+    t.extend(1, [1, 2, 3, 1, 2, 3])
+    t.extend(2, [1, 2, 4])
+    assert t.check() and t.num_tokens() == 9 and t.num_sequences() == 2
+    drafts, match, prob = t.speculate([9, 1, 2], 3, 0.0)
+    # "1 2" is continued by 3 twice and by 4 once; "1 2 3" by 1 once and ends once; "1 2 3 1" is at the depth bound
+    assert (drafts, match) == ([3, 1], 2) and prob == pytest.approx(2 / 3 * 1 / 2)
+    assert t.speculate([7, 7], 3, 0.0) == ([], 0, 0.0)  # nothing matches
+    t.extend(1, [1, 2, 4, 4])  # sequences grow in pieces
+    assert t.check()
+    t.remove(1)
+    assert t.check() and t.num_tokens() == 3 and t.num_sequences() == 1
+    assert t.speculate([1, 2], 3, 0.0)[0] == [4]
+    t.remove(2)
+    assert t.check() and t.num_nodes() == 0
+
+
+def test_min_prob_sets_the_draft_length():
+    t = suffix_tree_module().SuffixTree(8)
+    for s, tail in enumerate([[5, 6, 7], [5, 6, 8], [5, 9, 9]]):
+        t.extend(s, [1, 2, 3] + tail)
+    assert t.speculate([1, 2, 3], 3, 0.9)[0] == [5]  # 3 of 3 continue with 5, then 2 of 3 with 6
+    assert t.speculate([1, 2, 3], 3, 0.5)[0] == [5, 6]
+    drafts = t.speculate([1, 2, 3], 3, 0.1)[0]  # then 7 and 8 tie (1 of 2 each): one of them
+    assert drafts[:2] == [5, 6] and drafts[2] in (7, 8)
+
+
+def _req(ids, n=0):
+    r = Request(ids, SamplingParams(max_tokens=50))
+    for t in range(n):
+        r.append(100 + t)
+    return r
+
+
+def test_proposer_drafts_from_earlier_requests_and_evicts_oldest():
+    p = SuffixProposer(max_depth=8, max_tokens=40, min_prob=0.5)
+    first = _req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert p.lookup(first, 4) == []  # a request's own text: nothing repeats yet
+    p.finished(first)
+    second = _req([20, 21, 1, 2, 3])
+    assert p.lookup(second, 4) == [4, 5, 6, 7]  # the earlier request's continuation
+    assert p.lookup(_req([30, 3]), 4) == [4, 5]  # a one-token match drafts at most length_factor x 1
+    for i in range(5):  # 50 more tokens of finished requests: the oldest are evicted down to max_tokens
+        r = _req([50 + 10 * i + j for j in range(10)])
+        p.lookup(r, 1)
+        p.finished(r)
+    assert p.tree.num_tokens() <= 40 and p.tree.check()
+    assert p.lookup(_req([40, 1, 2, 3]), 4) == []  # the first request is gone
+    with pytest.raises(ValueError, match="min_prob"):
+        SuffixProposer(min_prob=0)
+
+
+# -- losslessness through the engine ------------------------------------------------------------------------------
+def _engine(target, **cfg):
+    return Engine(EngineConfig(model="target", proposer="suffix", spec_length=3, block_size=4, **cfg), model=target)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_batched_greedy_parity_with_preemption(backend):
+    """Requests that repeat each other's text (a shared prefix, loops): the tree drafts a lot, the output is plain
+    decoding's, preempted or not."""
+    target = random_llama(64, seed=0)
+    kw = dict(num_kv_blocks=14) if backend == "paged" else dict(max_seq_len=60)
+    eng = _engine(target, max_batch_size=6, kv_cache_backend=backend, **kw)
+    rnd = random.Random(1)
+    shared = [rnd.randrange(0, 64) for _ in range(6)]
+    prompts = [shared + [rnd.randrange(0, 64) for _ in range(rnd.randrange(1, 8))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for _ in range(2):  # the second pass finds the first pass's outputs in the tree
+        reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
+        assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
+                                                for p in prompts]
+    assert eng.stats.num_accepted_tokens > 50
+    if backend == "paged":
+        assert eng.stats.num_preemptions > 0
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+
+
+def test_output_does_not_depend_on_the_tree():
+    """A request's greedy output is the same token for token with the tree empty and full of other requests' text
+    (drafts are proposals only). Sampled, the law is the same (the chi-square tests below); the tokens of one seed
+    may differ, since drafts change which uniform judges which token."""
+    target = random_llama(64, seed=0)
+    probe = [3, 9, 27, 17, 51, 25]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    empty = _engine(target, max_batch_size=4)
+    (alone,) = empty.run([empty.add_request(probe, params, eos_token_ids=[])])
+    full = _engine(target, max_batch_size=4)
+    others = [probe[:3] + [rnd] * 5 + probe[3:] for rnd in range(10)]  # other users' text around the same tokens
+    full.run([full.add_request(o, params, eos_token_ids=[]) for o in others])
+    assert full.decoder.proposer.tree.num_tokens() > 300
+    (crowded,) = full.run([full.add_request(probe, params, eos_token_ids=[])])
+    assert crowded.output_ids == alone.output_ids
+    assert crowded.num_draft_tokens > 0  # the tree did propose
+
+
+LATER = SamplingParams(temperature=1.0, max_tokens=4)
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def _pvalue(backend, **cfg):
+    target = random_llama(V, seed=0)
+    eng = Engine(EngineConfig(model="target", proposer="suffix", spec_length=2, max_batch_size=32, block_size=4,
+                              seed=1234, kv_cache_backend=backend, **cfg), model=target)
+    reqs = [eng.add_request(PROMPT, LATER) for _ in range(N)]
+    eng.run(reqs)
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert eng.stats.num_draft_tokens > N // 2  # the tree drafted (the prompt, then earlier requests' outputs)
+    return chi2_pvalue(counts, exact_joint(target, LATER, first=2, prompt=PROMPT))
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_joint_law_is_exact(backend):
+    assert _pvalue(backend) > 0.001
+
+
+def test_lossy_rule_is_caught():
+    assert _pvalue("paged", acceptance="skip_adjustment") < 1e-4
