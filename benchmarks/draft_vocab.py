@@ -1,6 +1,6 @@
 """How many tokens should the drafter score? Speedup and acceptance against the draft-vocabulary size N.
 
-A draft vocabulary (spec_decode.draft_vocab, FR-Spec) makes each draft step cheaper (a smaller lm-head GEMV that stays in
+A draft vocabulary (proposers.draft_vocab, FR-Spec) makes each draft step cheaper (a smaller lm-head GEMV that stays in
 cache) but can cost acceptance: a position whose target token lies outside the subset always rejects. This
 sweeps N on every held-out prompt of the shipped pair, greedy, one K, interleaved with our autoregressive run:
 
@@ -26,8 +26,8 @@ from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
 from infer.generate import autoregressive_generate  # noqa: E402
 from infer.model import load_model  # noqa: E402
 from infer.sampling import SamplingParams  # noqa: E402
-from infer.spec_decode import speculative_generate  # noqa: E402
-from infer.spec_decode.draft_vocab import DraftVocab, load_ranking  # noqa: E402
+from infer.speculative import speculative_generate  # noqa: E402
+from infer.proposers.draft_vocab import DraftVocab, load_ranking  # noqa: E402
 from infer.tokenizer import Tokenizer  # noqa: E402
 
 

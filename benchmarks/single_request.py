@@ -3,7 +3,7 @@
 Variants (interleaved within each repeat, medians over repeats):
   ours AR                     autoregressive_generate on the target
   ours spec K=1..8, EGAG      speculative_generate with the distilled drafter scoring its draft vocabulary (the
-                              --draft-vocab most frequent tokens plus the prompt's; lossless, see spec_decode.draft_vocab)
+                              --draft-vocab most frequent tokens plus the prompt's; lossless, see proposers.draft_vocab)
   ours spec K=k, full vocab   the same drafter scoring all 8,192 tokens (--full-vocab-ks), for the A/B in one run
   HF generate                 transformers LlamaForCausalLM.generate on the same target weights
   HF assisted (default)       generate(assistant_model=drafter) as transformers ships it (5.x: up to 20 drafts,
@@ -43,8 +43,8 @@ from infer.demo import demo_model_paths, demo_prompts  # noqa: E402
 from infer.generate import autoregressive_generate  # noqa: E402
 from infer.model import load_model  # noqa: E402
 from infer.sampling import SamplingParams, argmax  # noqa: E402
-from infer.spec_decode import speculative_generate  # noqa: E402
-from infer.spec_decode.draft_vocab import DraftVocab, load_ranking  # noqa: E402
+from infer.speculative import speculative_generate  # noqa: E402
+from infer.proposers.draft_vocab import DraftVocab, load_ranking  # noqa: E402
 from infer.cache import SlottedKVCache  # noqa: E402
 from infer.spec_decode.theory import walltime_improvement  # noqa: E402
 from infer.tokenizer import Tokenizer  # noqa: E402

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from infer.config import ModelConfig, RopeConfig
 from infer.model.llama import LlamaForCausalLM
 from infer.model.loader import save_model
-from infer.spec_decode.draft_vocab import write_ranking
+from infer.proposers.draft_vocab import write_ranking
 
 VOCAB = 8192
 SEQ = 512

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from infer.model.llama import LlamaForCausalLM
 from infer.model.loader import load_model, save_model
-from infer.spec_decode.draft_vocab import write_ranking
+from infer.proposers.draft_vocab import write_ranking
 
 DRAFTERS = Path(__file__).resolve().parents[1] / "src" / "infer" / "drafters"
 MAXLEN = 512

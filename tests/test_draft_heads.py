@@ -15,8 +15,8 @@ from infer.model.draft_heads import load_heads, save_heads
 from infer.model.loader import load_model
 from infer.request import Request
 from infer.sampling import SamplingParams
-from infer.spec_decode import speculative_generate
-from infer.spec_decode.features import FeatureStore
+from infer.speculative import speculative_generate
+from infer.proposers.features import FeatureStore
 from infer.testing import random_heads, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint

@@ -10,8 +10,8 @@ import torch
 from infer import LLM, SamplingParams
 from infer.engine import EngineConfig
 from infer.model import load_model
-from infer.spec_decode import speculative_generate
-from infer.spec_decode.draft_vocab import RANKING_FILE, DraftVocab, load_ranking, write_ranking
+from infer.speculative import speculative_generate
+from infer.proposers.draft_vocab import RANKING_FILE, DraftVocab, load_ranking, write_ranking
 from infer.testing import make_tiny_llama
 
 from test_speculative import PROMPTS, assert_greedy_parity

@@ -12,7 +12,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig
 from infer.sampling import SamplingParams
-from infer.spec_decode.draft_vocab import DraftVocab
+from infer.proposers.draft_vocab import DraftVocab
 from infer.spec_decode.cost_model import CostModel
 from infer.spec_decode.spec_length import GoodputSpecLength
 from infer.testing import random_llama

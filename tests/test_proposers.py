@@ -7,8 +7,8 @@ from infer import LLM, SamplingParams
 from infer.engine import Engine, EngineConfig
 from infer.model import load_model
 from infer.request import Request
-from infer.spec_decode import speculative_generate
-from infer.spec_decode.ngram import NgramProposer
+from infer.speculative import speculative_generate
+from infer.proposers.ngram import NgramProposer
 from infer.spec_decode.cost_model import CostModel
 from infer.spec_decode.spec_length import GoodputSpecLength, expected_tokens
 from infer.testing import make_tiny_llama
@@ -162,7 +162,7 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
 def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair, gqa_dir):
     """A request that joins a drafting batch brings its whole prompt to the drafter: fed alone, not padded into the
     batched draft step (which would cost B prompts). Speculation does not shrink the prefill budget."""
-    from infer.spec_decode.draft_model import CATCH_UP_BATCHED
+    from infer.proposers.draft_model import CATCH_UP_BATCHED
 
     _, _, d = pair
     eng = Engine(EngineConfig(model=gqa_dir, draft_model=d, spec_length=2, max_batch_size=2))

@@ -121,7 +121,7 @@ def test_48_greedy_tokens_identical_to_transformers(tokenizers, greedy, ref, pro
 
 def test_speculative_self_drafting_equals_greedy(tokenizers, greedy, ours):
     """SmolLM2 drafting for itself (one model object as both, each with its own KV cache) emits plain greedy."""
-    from infer.spec_decode import speculative_generate
+    from infer.speculative import speculative_generate
 
     ids, want = greedy(CHATS[0])
     params = SamplingParams(max_tokens=16, temperature=0.0)

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, seen_mask
-from infer.spec_decode import speculative_generate
+from infer.speculative import speculative_generate
 from infer.testing import random_llama
 
 V = 8

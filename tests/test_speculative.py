@@ -6,7 +6,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.generate import autoregressive_generate
 from infer.model import load_model
-from infer.spec_decode import speculative_generate
+from infer.speculative import speculative_generate
 from infer.spec_decode.adaptive import EntropyAdaptiveGamma
 from infer.spec_decode.theory import expected_tokens_per_round, optimal_k, walltime_improvement
 from infer.testing import make_tiny_llama, random_llama

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from infer.generate import autoregressive_generate
 from infer.model.loader import load_model
 from infer.sampling import SamplingParams
-from infer.spec_decode import speculative_generate
+from infer.speculative import speculative_generate
 from infer.testing import make_tiny_llama, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint

@@ -235,7 +235,7 @@ def test_auto_follows_the_cost_model():
 
 
 def test_library_call_and_debug_view_show_tree_rounds():
-    from infer.spec_decode import speculative_generate
+    from infer.speculative import speculative_generate
     from infer.spec_decode.debug import format_round
 
     target = random_llama(64, seed=0)

@@ -3,6 +3,7 @@
 from .llm import LLM
 from .request import RequestOutput
 from .sampling import SamplingParams
+from .speculative import SpecStats, speculative_generate
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecStats", "speculative_generate"]
 __version__ = "0.1.0"

@@ -47,7 +47,7 @@ class EngineConfig:
     typical_delta: float = 0.3
     # The drafter scores only this many of the most frequent tokens (ranking: draft_model/draft_vocab.json).
     # "auto": the ranking's recommended size when a ranking ships beside the drafter, else the whole vocabulary;
-    # None: the whole vocabulary. Lossless either way (spec_decode.draft_vocab).
+    # None: the whole vocabulary. Lossless either way (proposers.draft_vocab).
     draft_vocab_size: int | str | None = "auto"
     tokenizer: str | os.PathLike | None = None
     kv_cache_backend: str = "paged"  # "contiguous" | "paged"

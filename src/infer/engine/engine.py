@@ -24,7 +24,7 @@ from ..model.quant import quantize_linears, quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
 from ..drafters import drafter_kind
-from ..spec_decode.draft_vocab import DraftVocab
+from ..proposers.draft_vocab import DraftVocab
 from ..structured import GrammarCompiler
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer

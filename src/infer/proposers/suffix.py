@@ -28,8 +28,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from ..request import Request
-from ..spec_decode.ngram import _proposal
-from ..spec_decode.proposer import DraftBatch, Proposal, Proposer
+from .base import DraftBatch, Proposal, Proposer
+from .ngram import _proposal
 
 _module = None
 

@@ -21,9 +21,9 @@ import dataclasses
 
 import torch
 
+from ..proposers.base import Proposal
 from ..request import Request
 from ..structured import bit, mask_bias
-from .proposer import Proposal
 from .tree import DraftTree
 
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..proposers.base import DraftBatch, Proposal, Proposer
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
-from .proposer import DraftBatch, Proposal, Proposer
 from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
 from .verify import greedy_verify, verify

@@ -18,18 +18,18 @@ import torch
 from .. import progress
 from ..model.draft_heads import Eagle3Head, EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
+from ..proposers.base import Proposer
+from ..proposers.draft_model import DraftModelProposer
+from ..proposers.draft_vocab import DraftVocab, load_ranking, recommended_size
+from ..proposers.eagle import EagleProposer
+from ..proposers.medusa import MedusaProposer
+from ..proposers.ngram import HybridProposer, NgramProposer
 from .acceptance import make_policy
-from .draft_model import DraftModelProposer
-from .eagle import EagleProposer
-from .medusa import MedusaProposer
-from .proposer import Proposer
-from .draft_vocab import DraftVocab, load_ranking, recommended_size
-from .ngram import HybridProposer, NgramProposer
-from .round import SpeculativeDecoder
-from .tree import MAX_NODES, TreeShape
 from .cost_model import CostModel, profile_costs
 from .profile_store import ProfileStore, file_identity, profile_key
+from .round import SpeculativeDecoder
 from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
+from .tree import MAX_NODES, TreeShape
 
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: CostModel}
 PROFILE_CONTEXT = 32  # tokens of context in the profiling slots (a short prompt: weights dominate a step)

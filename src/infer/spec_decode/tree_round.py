@@ -25,10 +25,10 @@ import time
 import torch
 
 from ..cache.base import TreeAttn
+from ..proposers.base import DraftBatch
 from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
 from ..structured import mask_bias
 from .grammar import prune_tree
-from .proposer import DraftBatch
 from .tree import TreeShape, to_batch
 from .tree_verify import ancestor_mask, greedy_tree_verify, tree_depths, tree_verify
 

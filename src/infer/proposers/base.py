@@ -33,10 +33,10 @@ import torch
 
 from ..request import Request
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
-from .tree import DraftTree
+from ..spec_decode.tree import DraftTree
 
 if TYPE_CHECKING:
-    from .grammar import RoundGrammar
+    from ..spec_decode.grammar import RoundGrammar
 
 
 @dataclass

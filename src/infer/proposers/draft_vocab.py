@@ -73,7 +73,7 @@ def load_ranking(drafter_dir: str | os.PathLike) -> list[int]:
     path = _ranking_file(drafter_dir)
     if not path.is_file():
         raise ValueError(f"draft_vocab_size needs a token ranking {path}: none found (write one with "
-                         "infer.spec_decode.draft_vocab.write_ranking from token counts of a corpus)")
+                         "infer.proposers.draft_vocab.write_ranking from token counts of a corpus)")
     try:
         ranked = json.loads(path.read_text())["ranked_token_ids"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:

@@ -23,8 +23,8 @@ import weakref
 import torch
 
 from ..sampling import SamplingBatch
-from .proposer import DraftBatch, Proposal, Proposer, one_hot_q
-from .tree import DraftTree
+from ..spec_decode.tree import DraftTree
+from .base import DraftBatch, Proposal, Proposer, one_hot_q
 
 
 MATCHES = 4  # earlier occurrences an n-gram remembers (the latest ones), for trees

@@ -9,7 +9,7 @@ Trees (``propose_tree``): the same first step, then one step a depth over the fr
 (spec_decode.tree.FrontierFeed); the tree's entries are dropped afterwards (a length), so the drafter's cache holds
 the sequence only, and the next round's first step feeds the accepted path.
 
-With a draft vocabulary (spec_decode.draft_vocab) the drafter scores only a subset S of tokens, united with the
+With a draft vocabulary (proposers.draft_vocab) the drafter scores only a subset S of tokens, united with the
 prompts' own tokens (code copies identifiers from its context): q(x) = 0 outside S, which stays lossless.
 """
 
@@ -20,9 +20,9 @@ import time
 import torch
 
 from ..model.llama import LlamaForCausalLM
+from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 from .draft_vocab import DraftVocab, PromptVocabs
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
-from .tree import DraftTree, FrontierFeed, grow, top_children
 
 # Most tokens a row brings to the batched first draft step: usually 1 or 2 (after a bonus the drafter never saw the
 # last draft), a few after rounds at K = 0. A longer catch-up (a prompt) is fed alone first: padding every row of the

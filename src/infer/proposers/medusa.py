@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..model.draft_heads import MedusaHeads
+from ..spec_decode.tree import DraftTree, grow, top_children
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 from .draft_vocab import DraftVocab, PromptVocabs
 from .features import FeatureStore
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
-from .tree import DraftTree, grow, top_children
 
 
 class MedusaProposer(Proposer):

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.llama import LlamaForCausalLM
-from ..request import Request
-from ..sampling import SamplingParams
-from ..tokenizer import Tokenizer
-from .draft_vocab import DraftVocab
-from .round import RoundRecord
+from .model.llama import LlamaForCausalLM
+from .proposers.draft_vocab import DraftVocab
+from .request import Request
+from .sampling import SamplingParams
+from .spec_decode.round import RoundRecord
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -82,7 +82,7 @@ def speculative_generate(
     ``spec_options``: any speculative field of EngineConfig (spec_tree, spec_length_min / _max, egag_ema_beta,
     prompt_lookup_min / _max, acceptance, lenience, typical_epsilon, typical_delta).
     """
-    from ..engine import Engine, EngineConfig
+    from .engine import Engine, EngineConfig
 
     params = params or SamplingParams()
     if max_new_tokens is not None:
@@ -122,6 +122,6 @@ def _make_printer(debug, tokenizer):
         return None
     if callable(debug):
         return debug
-    from .debug import RoundPrinter
+    from .spec_decode.debug import RoundPrinter
 
     return RoundPrinter(tokenizer)

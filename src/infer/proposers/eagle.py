@@ -33,11 +33,11 @@ import torch
 
 from ..cache.base import TreeAttn
 from ..model.draft_heads import Eagle3Head, EagleHead
+from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
-from .proposer import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
-from .tree import DraftTree, FrontierFeed, grow, top_children
 
 class EagleProposer(Proposer):
     name = "eagle"
