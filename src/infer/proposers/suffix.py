@@ -2,14 +2,15 @@
 are the peers): drafts from a suffix tree over the prompts and outputs of this engine's earlier requests and of the
 running ones, the request's own context included. No model: a lookup costs microseconds.
 
-    SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.1)
+    SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.1, length_factor=2.0, min_match=2)
 
 The tree (suffix_tree.cpp, built on first use like infer's kernels) holds every substring of up to ``max_depth``
 tokens of every sequence, with counts. A round matches the longest suffix of a request's context (up to
 ``max_depth - 1`` tokens) and follows the most frequent continuation while its estimated probability (the product of
 the children's shares of their parents' counts) stays >= ``min_prob``: a long, frequent match drafts many tokens, a
 rare one few or none (the draft length is the match's frequency). Up to K, and no more than ``length_factor`` x the
-match's length (a one-token match says little).
+match's length; a match shorter than ``min_match`` (2) tokens drafts nothing (one shared token says little: on chat
+prompts such drafts were mostly rejected, and a rejected draft costs a verify row).
 
 A request's tokens enter the tree as it grows (prompt first, then each round's accepted tokens) and stay after it
 finishes; finished requests are evicted oldest first once the tree holds more than ``max_tokens`` tokens. Drafts are
@@ -64,7 +65,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_depth: int = 24, max_tokens: int = 1_000_000, min_prob: float = 0.1,
-                 length_factor: float = 2.0):
+                 length_factor: float = 2.0, min_match: int = 2):
         if max_depth < 2:
             raise ValueError(f"suffix max_depth must be >= 2, got {max_depth}")
         if max_tokens < 1:
@@ -73,6 +74,7 @@ class SuffixProposer(Proposer):
             raise ValueError(f"suffix min_prob must be in (0, 1], got {min_prob}")
         self.max_depth, self.max_tokens, self.min_prob, self.length_factor = max_depth, max_tokens, min_prob, \
             length_factor
+        self.min_match = min_match
         self.tree = suffix_tree_module().SuffixTree(max_depth)
         self._seq: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> sequence id in the tree
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its tokens in the tree
@@ -118,7 +120,7 @@ class SuffixProposer(Proposer):
             return []
         self._sync(req)
         ctx = req.token_slice(max(0, req.num_tokens - self.max_depth + 1))
-        drafts, match, _ = self.tree.speculate(ctx, k, self.min_prob, stored=True)  # its own text is in the tree
+        drafts, match, _ = self.tree.speculate(ctx, k, self.min_prob, self.min_match, stored=True)  # its own text is in the tree
         return list(drafts[:max(0, min(k, math.floor(self.length_factor * match)))])
 
     # -- the proposer seam ------------------------------------------------------------------------------------
