@@ -29,6 +29,7 @@ def models():
 def _next(target, seqs, params) -> torch.Tensor:
     """p(. | seq) for each sequence, through the sampling pipeline (a repetition penalty sees the sequence).
     [len(seqs), V]"""
+    V = target.config.vocab_size
     batch = SamplingBatch.from_params([params], V, "cpu").expand(len(seqs))
     seen = seen_mask(seqs, V, "cpu") if batch.use_penalty else None
     with torch.no_grad():
@@ -39,6 +40,7 @@ def exact_joint(target, params, first: int = 2, prompt=None) -> torch.Tensor:
     """P(x_first, x_first+1 | prompt) [V, V]: first=1 the first two generated tokens, first=2 the second and third
     (the first summed out)."""
     prompt = PROMPT if prompt is None else prompt
+    V = target.config.vocab_size
     if first == 1:
         return _next(target, [prompt], params)[0][:, None] * _next(target, [prompt + [x] for x in range(V)], params)
     p1 = _next(target, [prompt], params)[0]  # [V]

@@ -36,6 +36,7 @@ from infer.testing import make_tiny_llama, random_llama
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
 PROMPTS = [[3, 17, 42, 99, 5], [250, 8, 8, 31]]
+ODD_V, ODD_I = 9, 45  # a vocabulary and an MLP width no rank count divides
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 DIST = SamplingParams(temperature=1.0, max_tokens=4)
 
@@ -79,8 +80,10 @@ def _worker(rank, world, rdzv, target_dir, drafter_dir, real, out):
         plain = [autoregressive_generate(target, p, GREEDY, eos_token_ids=[]).output_ids for p in PROMPTS]
         spec = [speculative_generate(target, drafter, p, GREEDY, spec_length=3, eos_token_ids=[])[0].output_ids
                 for p in PROMPTS]
-        # the distribution test: the same seeded requests on both ranks (the engine seeds each from cfg.seed)
-        t, d = shard_model(random_llama(V, seed=0)), random_llama(V, seed=1, noise_from=0, noise=0.3)
+        # the distribution test: the same seeded requests on both ranks (the engine seeds each from cfg.seed), on a
+        # model whose vocabulary and MLP width are odd (a padded vocabulary shard, uneven MLP shards)
+        t = shard_model(random_llama(ODD_V, seed=0, intermediate_size=ODD_I))
+        d = random_llama(ODD_V, seed=1, noise_from=0, noise=0.3, intermediate_size=ODD_I)
         eng = Engine(EngineConfig(model="t", draft_model="d", spec_length=2, max_batch_size=64, seed=1234),
                      model=t, draft_model=d)
         reqs = eng.run([eng.add_request([1, 2, 3], DIST) for _ in range(N)])
@@ -130,19 +133,27 @@ def test_tp2_speculative_joint_law_is_the_targets(tp2):
     (_, _, joint0, acc, _), (_, _, joint1, _, _) = tp2[0], tp2[1]
     assert joint0 == joint1  # the ranks stayed in step: same scheduling, same draws
     assert 0.1 < acc < 0.95
-    counts = torch.zeros(V, V)
+    counts = torch.zeros(ODD_V, ODD_V)
     for a, b in joint0:
         counts[a, b] += 1
-    assert chi2_pvalue(counts, exact_joint(random_llama(V, seed=0), DIST, first=2, prompt=[1, 2, 3])) > 0.001
+    target = random_llama(ODD_V, seed=0, intermediate_size=ODD_I)
+    assert chi2_pvalue(counts, exact_joint(target, DIST, first=2, prompt=[1, 2, 3])) > 0.001
 
 
 def test_what_tp_cannot_divide_is_named():
     from infer.model.tp import check_shardable
 
-    with pytest.raises(ValueError, match="num_key_value_heads"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\).*tensor_parallel_size <= 2 works"):
         check_shardable(random_llama(8).config, 4)  # 2 KV heads for 4 ranks
-    with pytest.raises(ValueError, match="vocab_size"):
-        check_shardable(random_llama(9).config, 2)
+    check_shardable(random_llama(9, intermediate_size=45).config, 2)  # odd vocabularies and MLP widths split
+
+
+def test_odd_shards_are_padded_or_uneven():
+    from infer.model.tp import _padded_rows, even_bounds
+
+    assert even_bounds(131, 2) == [0, 65, 131] and even_bounds(45, 3) == [0, 15, 30, 45]
+    w = torch.arange(10.0).view(5, 2)  # a 5-token vocabulary over 2 ranks: 3 rows each, the last one padding
+    assert _padded_rows(w, 3, 3).tolist() == [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]
 
 
 def test_kv_groups_split_as_evenly_as_they_can():
@@ -224,6 +235,26 @@ def test_executor_tp2_equals_tp1(ckpt_dirs):
             assert stats.tree_rounds > 0 and tp.sent["copy"] > 0, name
         if case.get("enable_prefix_caching"):
             assert pool.prefix_hits > 0
+
+
+def test_executor_odd_vocabulary_and_mlp_width_equal_tp1(tmp_path):
+    """A 327-token vocabulary and a 131-wide MLP (4 KV heads): TP = 2 and TP = 3 give TP = 1's greedy tokens, plain
+    and speculative, and never a padded token id."""
+    from infer import LLM
+
+    target = make_tiny_llama(tmp_path / "odd", "mha", vocab_size=327, intermediate_size=131)
+    drafter = make_tiny_llama(tmp_path / "odd_drafter", "tied", seed=1, vocab_size=327, intermediate_size=67)
+    prompts = PROMPTS + [[321, 326, 5]]  # ids of the padded embedding rows beyond the tokenizer's 320 tokens too
+    want = [o.token_ids for o in LLM(target).generate(prompts, GREEDY)]
+    for world in (2, 3):
+        for case in ({}, {"draft_model": drafter, "spec_length": 3}):
+            with LLM(target, tensor_parallel_size=world, **case) as llm:
+                got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+                sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True))
+                drafted = llm.engine.stats.num_draft_tokens
+            assert got == want, (world, case)
+            assert all(0 <= t < 327 for o in sampled for t in o.token_ids)
+            assert drafted > 0 or not case
 
 
 def test_executor_smollm2_tp2_equals_tp1_with_and_without_speculation():

@@ -7,10 +7,14 @@ Sharding (Shoeybi et al. 2019):
 - attention: the fused q/k/v projection column-parallel by KV-head groups (rank r keeps a contiguous run of KV heads
   and their query heads, as even as the count allows: SmolLM2's 3 KV heads over 2 ranks are 1 + 2), ``o_proj``
   row-parallel, then one all-reduce;
-- MLP: gate and up column-parallel (each rank's slice of the intermediate), ``down_proj`` row-parallel, one
+- MLP: gate and up column-parallel (each rank's slice of the intermediate, as even as the width allows: 131 over 2
+  ranks is 65 + 66; the row-parallel ``down_proj`` sums partial products, which needs no equal slices), one
   all-reduce;
 - embedding vocabulary-parallel (each rank embeds the ids in its slice, zeros elsewhere; all-reduce) and the LM head
-  likewise (each rank's slice of the logits, all-gathered into the whole vocabulary before sampling).
+  likewise (each rank's slice of the logits, all-gathered into the whole vocabulary before sampling). The gather
+  needs equal slices, so the vocabulary is padded up to a multiple of the rank count (vLLM's vocabulary-parallel
+  layers do the same): rank r holds rows [r * ceil(V / n), ...), zero rows past V, and the gathered logits are cut
+  back to V columns at once, so no padded id reaches sampling, logprobs or verification.
 Row-parallel biases are kept on rank 0 only (the all-reduce sums them once). ``model.config`` becomes the rank's
 local shape (its heads, KV heads and intermediate size) so a KV pool built for the model holds the rank's KV heads;
 the vocabulary size stays global (logits are gathered).
@@ -85,41 +89,54 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The LM head's rows for the rank's vocabulary slice; the logits are all-gathered: [..., V]."""
+    """The LM head's rows for the rank's vocabulary slice (padded to ceil(V / n) rows); the logits are all-gathered
+    and cut to the vocabulary: [..., V]."""
 
-    def __init__(self, weight: torch.Tensor, group=None):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, group=None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.group = group
+        self.vocab_size, self.group = vocab_size, group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from .layers import linear
 
-        part = linear(hidden, self.weight).contiguous()  # [..., V/n]
+        part = linear(hidden, self.weight).contiguous()  # [..., ceil(V/n)]
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
         _collective(dist.all_gather, parts, part, group=self.group)
-        return torch.cat(parts, -1)
+        return torch.cat(parts, -1)[..., :self.vocab_size]  # the padding's columns never leave this layer
 
 
 def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return w[start:start + n].clone()
 
 
+def _padded_rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of ``w``, zero rows where they run past its end."""
+    out = w.new_zeros(n, *w.shape[1:])
+    part = w[start:start + n]
+    out[:len(part)] = part
+    return out
+
+
+def even_bounds(total: int, world: int) -> list[int]:
+    """Bounds of each rank's share of ``total`` as even as possible, e.g. 131 over 2 -> [0, 65, 131]."""
+    return [total * r // world for r in range(world + 1)]
+
+
 def kv_groups(num_kv_heads: int, world: int) -> list[int]:
     """Bounds of each rank's run of KV heads (with their query heads): as even as possible, e.g. 3 heads over 2 ranks
     -> [0, 1, 3]. Uneven runs are fine: each rank keeps whole query groups, so grouped-query attention stays a uniform
     H/Hkv per rank, and the all-reduces are over the hidden size, the same on every rank."""
-    return [num_kv_heads * r // world for r in range(world + 1)]
+    return even_bounds(num_kv_heads, world)
 
 
 def check_shardable(cfg, world: int) -> None:
-    """Raise ValueError naming what ``world`` cannot split."""
+    """Raise ValueError naming what ``world`` cannot split (any vocabulary and MLP width split; KV heads cannot be
+    shared between ranks)."""
     if cfg.num_key_value_heads < world:
         raise ValueError(f"tensor_parallel_size={world} exceeds num_key_value_heads ({cfg.num_key_value_heads}): "
-                         "every rank needs a KV head of its own")
-    for name in ("intermediate_size", "vocab_size"):
-        if getattr(cfg, name) % world:
-            raise ValueError(f"tensor_parallel_size={world} must divide {name} ({getattr(cfg, name)})")
+                         f"every rank needs a KV head of its own; tensor_parallel_size <= "
+                         f"{cfg.num_key_value_heads} works for this model")
 
 
 @torch.no_grad()
@@ -133,7 +150,8 @@ def shard_model(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
     G, D = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
     g0, g1 = kv_groups(cfg.num_key_value_heads, world)[rank:rank + 2]
     Hkv, H = g1 - g0, (g1 - g0) * G  # this rank's KV heads and their query heads
-    I, V = cfg.intermediate_size // world, cfg.vocab_size // world
+    i0, i1 = even_bounds(cfg.intermediate_size, world)[rank:rank + 2]
+    I, V = i1 - i0, -(-cfg.vocab_size // world)  # this rank's MLP width; each rank's vocabulary rows, padded
     for layer in model.layers:
         attn = layer.self_attn
         w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
@@ -153,21 +171,21 @@ def shard_model(model: LlamaForCausalLM, group=None) -> LlamaForCausalLM:
 
         mlp = layer.mlp
         w, b, full = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.intermediate
-        mlp.gate_up_proj.weight = nn.Parameter(torch.cat([_rows(w, rank * I, I), _rows(w, full + rank * I, I)]),
+        mlp.gate_up_proj.weight = nn.Parameter(torch.cat([_rows(w, i0, I), _rows(w, full + i0, I)]),
                                                requires_grad=False)
         if b is not None:
-            mlp.gate_up_proj.bias = nn.Parameter(torch.cat([_rows(b, rank * I, I), _rows(b, full + rank * I, I)]),
+            mlp.gate_up_proj.bias = nn.Parameter(torch.cat([_rows(b, i0, I), _rows(b, full + i0, I)]),
                                                  requires_grad=False)
         d = mlp.down_proj
-        d.weight = nn.Parameter(d.weight[:, rank * I:(rank + 1) * I].clone(), requires_grad=False)
+        d.weight = nn.Parameter(d.weight[:, i0:i1].clone(), requires_grad=False)
         if d.bias is not None and rank:
             d.bias.zero_()
         mlp.intermediate = I
         mlp.down_proj = AllReduce(d, group)
 
     head = model.lm_head_weight  # the embedding itself when tied
-    model.lm_head = VocabParallelHead(_rows(head, rank * V, V), group)
-    model.embed_tokens = VocabParallelEmbedding(_rows(model.embed_tokens.weight, rank * V, V), rank * V, group)
+    model.lm_head = VocabParallelHead(_padded_rows(head, rank * V, V), cfg.vocab_size, group)
+    model.embed_tokens = VocabParallelEmbedding(_padded_rows(model.embed_tokens.weight, rank * V, V), rank * V, group)
     model.config = replace(cfg, num_attention_heads=H, num_key_value_heads=Hkv, intermediate_size=I)
     model.tensor_parallel = (rank, world)
     return model
