@@ -207,10 +207,13 @@ def test_bad_input(gqa_dir, pair, tmp_path):
         speculative_generate(target, load_model(other), [1, 2])
 
 
-def test_different_tokenizer_is_refused(gqa_dir, tmp_path):
-    """Same vocabulary size, different token -> id map: refused, naming both checkpoints."""
+def test_drafter_with_another_tokenizer_drafts_across(gqa_dir, tmp_path):
+    """Same vocabulary size, a different token -> id map: the drafter drafts through the text (proposers.
+    cross_tokenizer), the command line says so in one line, and greedy output is the target's."""
     import json
     import shutil
+
+    from test_cli import run
 
     d = shutil.copytree(gqa_dir, tmp_path / "other_tok")
     tj = json.loads((d / "tokenizer.json").read_text())
@@ -218,9 +221,15 @@ def test_different_tokenizer_is_refused(gqa_dir, tmp_path):
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (d / "tokenizer.json").write_text(json.dumps(tj))
-    with pytest.raises(ValueError, match="different tokenizers") as e:
-        LLM(gqa_dir, draft_model=d)
-    assert str(d) in str(e.value) and str(gqa_dir) in str(e.value)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM(gqa_dir, draft_model=d, spec_length=3)
+    assert llm.engine.bridge is not None and llm.engine.bridge.num_shared > 300
+    out = llm.generate(["def fib"], params)[0]
+    assert out.token_ids == LLM(gqa_dir).generate(["def fib"], params)[0].token_ids and out.num_draft_tokens > 0
+    r = run("generate", "--model", str(gqa_dir), "--draft-model", str(d), "--prompt", "def fib", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "its own vocabulary" in line]
+    assert len(notes) == 1 and "320 tokens" in notes[0] and "re-tokenised" in notes[0], r.stderr
 
 
 def test_debug_view_plain_text(pair, capsys):

@@ -22,7 +22,10 @@ from .structured import StructuredOutput
 HELP = {
     "model": "checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id already in the "
              "local HF cache",
-    "draft_model": "drafter checkpoint: turns speculative decoding on",
+    "draft_model": "drafter checkpoint: turns speculative decoding on (a drafter with a tokenizer of its own "
+                   "drafts too: its text is re-tokenised, see --cross-tokenizer)",
+    "cross_tokenizer": "a drafter with its own tokenizer: string (its text re-tokenised, any target token) | "
+                       "intersection (the tokens both vocabularies share, sampled with q)",
     "use_speculative_decoding": "speculate; alone (no --draft-model) it drafts by prompt lookup (n-gram)",
     "proposer": "who drafts: draft (the draft model) | ngram (prompt lookup) | hybrid (n-gram where it matches, "
                 "else the draft model) | suffix (a suffix tree over this engine's earlier and running requests)",
@@ -69,7 +72,7 @@ MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_
                 "tensor_parallel_size")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
-               "draft_vocab_size", "draft_quantization")
+               "draft_vocab_size", "draft_quantization", "cross_tokenizer")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")
 

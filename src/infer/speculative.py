@@ -72,12 +72,15 @@ def speculative_generate(
     draft_vocab: DraftVocab | None = None,
     proposer: str | None = None,
     kv_cache_backend: str = "contiguous",
+    draft_tokenizer: Tokenizer | None = None,
     **spec_options,
 ) -> tuple[Request, SpecStats]:
     """Decode one sequence speculatively; returns the finished Request (tokens, text, counters) and SpecStats.
 
     ``drafter`` None drafts by prompt lookup (``proposer="ngram"``); with a drafter, ``proposer`` may be "draft"
     (default) or "hybrid". ``draft_vocab``: the drafter scores only those tokens plus the prompt's (lossless).
+    ``draft_tokenizer``: the drafter's tokenizer where it is not the target's (``tokenizer`` needed too): drafts
+    cross between the vocabularies (proposers.cross_tokenizer; ``cross_tokenizer="string"`` or "intersection").
     ``debug``: True prints each round (colours on a TTY); a callable receives (RoundRecord, Request).
     ``spec_options``: any speculative field of EngineConfig (spec_tree, spec_length_min / _max, egag_ema_beta,
     prompt_lookup_min / _max, acceptance, lenience, typical_epsilon, typical_delta).
@@ -90,7 +93,7 @@ def speculative_generate(
     if not prompt_ids:
         raise ValueError("prompt is empty: at least one token is needed")
     limit = target.config.max_position_embeddings
-    if drafter is not None:
+    if drafter is not None and draft_tokenizer is None:  # a drafter of another vocabulary counts its own positions
         limit = min(limit, drafter.config.max_position_embeddings)
     if len(prompt_ids) + params.max_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
@@ -101,7 +104,8 @@ def speculative_generate(
                        max_num_batched_tokens=max(512, len(prompt_ids)), compile=False, **spec_options)
     # room for the whole request and one round's lookahead (K_max drafts, or a tree's drafter entries)
     cfg.max_seq_len = min(limit, len(prompt_ids) + params.max_tokens + cfg.max_spec_length)
-    engine = Engine(cfg, model=target, draft_model=drafter, tokenizer=tokenizer, draft_vocab=draft_vocab)
+    engine = Engine(cfg, model=target, draft_model=drafter, tokenizer=tokenizer, draft_vocab=draft_vocab,
+                    draft_tokenizer=draft_tokenizer)
     stats = SpecStats()
     printer = _make_printer(debug, tokenizer)
 

@@ -50,15 +50,17 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def build_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE PreTrainedTokenizerFast with Llama-3 special tokens and chat template (deterministic)."""
+def build_tokenizer(vocab_size: int = 320, extra_specials: tuple[str, ...] = ()):
+    """A byte-level BPE PreTrainedTokenizerFast with Llama-3 special tokens and chat template (deterministic).
+    ``extra_specials``: special tokens placed first, which shifts every other id (a vocabulary of another model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*extra_specials, *SPECIALS],
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     bos = tok.token_to_id("<|begin_of_text|>")
@@ -126,7 +128,8 @@ def param_count(path: str | Path) -> int:
 
 
 def random_llama(vocab_size: int = 8, seed: int = 0, noise_from: int | None = None, noise: float = 0.0,
-                 hidden_size: int = 32, num_layers: int = 2, logit_scale: float = 2.0):
+                 hidden_size: int = 32, num_layers: int = 2, logit_scale: float = 2.0,
+                 intermediate_size: int | None = None):
     """An in-memory random Llama of our own class (no files, any vocabulary size), for distribution tests.
 
     With ``noise_from=s``, start from the weights of seed ``s`` and add Gaussian noise of relative size ``noise``:
@@ -135,7 +138,8 @@ def random_llama(vocab_size: int = 8, seed: int = 0, noise_from: int | None = No
     from .config import ModelConfig, RopeConfig
     from .model.llama import LlamaForCausalLM
 
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                      intermediate_size=intermediate_size or 2 * hidden_size,
                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=hidden_size // 4, max_position_embeddings=128, rms_norm_eps=1e-5, rope=RopeConfig(),
                       tie_word_embeddings=False, eos_token_ids=[])

@@ -49,6 +49,9 @@ class EngineConfig:
     # "auto": the ranking's recommended size when a ranking ships beside the drafter, else the whole vocabulary;
     # None: the whole vocabulary. Lossless either way (proposers.draft_vocab).
     draft_vocab_size: int | str | None = "auto"
+    # A drafter whose tokenizer is not the target's (proposers.cross_tokenizer): "string" re-tokenises its text
+    # (any target token can be drafted), "intersection" drafts the tokens both vocabularies share with q. Lossless.
+    cross_tokenizer: str = "string"
     tokenizer: str | os.PathLike | None = None
     kv_cache_backend: str = "paged"  # "contiguous" | "paged"
     block_size: int = 16
@@ -147,6 +150,8 @@ class EngineConfig:
             if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
                     or self.draft_vocab_size < 1:
                 bad(f"draft_vocab_size must be an integer >= 1, 'auto' or None, got {self.draft_vocab_size!r}")
+        if self.cross_tokenizer not in ("string", "intersection"):
+            bad(f"cross_tokenizer must be 'string' or 'intersection', got {self.cross_tokenizer!r}")
         if self.kv_cache_backend not in BACKENDS:
             bad(f"kv_cache_backend must be one of {BACKENDS}, got {self.kv_cache_backend!r}")
         if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:

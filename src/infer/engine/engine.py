@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import kernels
+from .. import kernels, progress
 from ..config import parse_dtype
 from ..model.compile import compile_model
 from ..model.draft_heads import DraftHead, load_heads
@@ -29,7 +29,7 @@ from ..structured import GrammarCompiler
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
 from .config import COMPILE_AUTO_MIN_PARAMS, EngineConfig
-from .kv_manager import KVManager
+from .kv_manager import KVManager, make_pool
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .stats import EngineStats
@@ -43,10 +43,12 @@ class QueueFullError(RuntimeError):
 class Engine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None,
                  draft_model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None,
-                 draft_vocab: DraftVocab | None = None):
+                 draft_vocab: DraftVocab | None = None, draft_tokenizer: Tokenizer | None = None):
         """Models load from ``config.model`` / ``config.draft_model``; tests may pass loaded ones instead (then
         ``tokenizer`` may be None: no stop strings or text, EOS from the model's config), and a ready
-        ``draft_vocab`` instead of ``config.draft_vocab_size`` (whose ranking is read beside the drafter)."""
+        ``draft_vocab`` instead of ``config.draft_vocab_size`` (whose ranking is read beside the drafter).
+        ``draft_tokenizer``: a passed-in drafter's tokenizer, when it is not the target's (drafting across
+        vocabularies, proposers.cross_tokenizer)."""
         self.config = cfg = config
         self.device = torch.device(cfg.device)
         self.tp = None  # the tensor-parallel executor when tensor_parallel_size > 1
@@ -77,20 +79,29 @@ class Engine:
         self.max_seq_len = min(cfg.max_seq_len or 10**9, self.model.config.max_position_embeddings)
         self.stats = EngineStats()
         self.draft_model = draft_model
+        self.bridge = None  # a drafter with a vocabulary of its own: the text between the tokenizers
         if cfg.proposer in ("draft", "hybrid"):
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
                 # a kind this version cannot run is named before anything loads
                 if drafter_kind(self.draft_path) == "draft_model":
                     self.draft_model = load_model(self.draft_path, self.dtype, self.device)  # the target's dtype
-                    self._check_draft_tokenizer()
+                    draft_tokenizer = self._check_draft_tokenizer()
                 else:  # heads that draft from the target's hidden states, borrowing its embedding and LM head
                     self.draft_model = load_heads(self.draft_path, self.model)
             elif isinstance(draft_model, DraftHead):
                 draft_model.attach(self.model)
-            check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
-            self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
-            if draft_vocab is None:  # "auto" looks beside a drafter loaded here; a passed-in one brings its own
+            elif draft_tokenizer is not None and (tokenizer is None or
+                                                  draft_tokenizer.hf.get_vocab() == tokenizer.hf.get_vocab()):
+                draft_tokenizer = None  # the same vocabulary (or no target tokenizer: then the error below)
+            if draft_tokenizer is not None:  # its own KV pool and positions: the target's length is not bound
+                self._bridge_vocabularies(draft_tokenizer, draft_vocab)
+            else:
+                check_compatible(self.model, self.draft_model, str(self.model_path), str(cfg.draft_model))
+                self.max_seq_len = min(self.max_seq_len, self.draft_model.config.max_position_embeddings)
+            if self.bridge is not None:
+                draft_vocab = None
+            elif draft_vocab is None:  # "auto" looks beside a drafter loaded here; a passed-in one brings its own
                 size = None if draft_model is not None and cfg.draft_vocab_size == "auto" else cfg.draft_vocab_size
                 draft_vocab = draft_vocab_for(self.draft_model, cfg.draft_model, size)
             elif draft_vocab.vocab_size != self.draft_model.config.vocab_size:
@@ -99,17 +110,19 @@ class Engine:
             if cfg.draft_quantization is not None:  # draft steps on infer's integer kernels (EngineConfig says when)
                 self._quantize_drafter(cfg.draft_quantization)
                 draft_vocab = draft_vocab.quantized(cfg.draft_quantization) if draft_vocab is not None else None
-            if self.compiled and hasattr(self.draft_model, "_forward"):  # a draft model, an EAGLE head: not Medusa
+            if self.compiled and hasattr(self.draft_model, "_forward") and self.bridge is None:  # not Medusa
                 compile_model(self.draft_model)  # its graphs are built by the warm-up, before rounds draft
         self.draft_vocab = draft_vocab
         if self.compiled:  # whole rotary tables now: a table that grows mid-request would recompile the step
             self.model.rotary.reserve(self.max_seq_len, self.device, self.model.dtype)
         # the story of a step: the scheduler asks the KV manager what fits, the runner executes the models, and the
         # speculative decoder (when on) replaces the runner's decode step with a propose/verify round
-        pooled = self.draft_model if getattr(self.draft_model, "has_kv", True) else None  # Medusa keeps no cache
+        # Medusa keeps no cache; a drafter of another vocabulary keeps its own (positions of its own tokens)
+        pooled = self.draft_model if getattr(self.draft_model, "has_kv", True) and self.bridge is None else None
         self.kv = KVManager(self.model, cfg, self.max_seq_len, self.stats, pooled, cfg.max_spec_length)
         self.runner = ModelRunner(self.model, self.kv, self.stats)
-        self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab,
+        cross = None if self.bridge is None else (self.bridge, self._own_draft_pool())
+        self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab, cross=cross,
                                      defer_profile=self.compiled) if cfg.use_speculative_decoding else None
         self.warmup = self._start_warmup() if self.compiled else None
         self.scheduler = Scheduler(cfg, self.kv)
@@ -207,14 +220,41 @@ class Engine:
         elif drafter.quantization is None:
             quantize_model(drafter, quantization)
 
-    def _check_draft_tokenizer(self) -> None:
+    def _check_draft_tokenizer(self) -> Tokenizer | None:
+        """The drafter's tokenizer when its vocabulary is not the target's (then drafts cross between them), else
+        None; a shared vocabulary with other EOS ids is an error."""
         draft_tok = Tokenizer(self.draft_path)
         if self.tokenizer is not None and draft_tok.hf.get_vocab() != self.tokenizer.hf.get_vocab():
-            raise ValueError(f"drafter {self.draft_path} and target {self.model_path} have different tokenizers "
-                             "(token -> id maps differ): speculative decoding needs the same vocabulary")
+            return draft_tok
         if self.tokenizer is not None and set(draft_tok.eos_token_ids) - set(self.eos_token_ids):
             raise ValueError(f"drafter {self.draft_path} has EOS ids {draft_tok.eos_token_ids} but target "
                              f"{self.model_path} has {self.eos_token_ids}")
+        return None
+
+    def _bridge_vocabularies(self, draft_tok: Tokenizer, draft_vocab) -> None:
+        """Draft across vocabularies (proposers.cross_tokenizer): text between the tokenizers, said in one line."""
+        from ..proposers.vocab_bridge import VocabBridge
+
+        cfg, name = self.config, getattr(self, "draft_path", None) or self.config.draft_model
+        if self.tokenizer is None:
+            raise ValueError("a drafter with a vocabulary of its own needs the target's tokenizer too")
+        if draft_vocab is not None or isinstance(cfg.draft_vocab_size, int):
+            raise ValueError(f"draft_vocab_size restricts a drafter of the target's vocabulary; drafter {name} has "
+                             "its own (drop draft_vocab_size)")
+        self.bridge = VocabBridge(self.tokenizer, draft_tok, self.model.config.vocab_size,
+                                  self.draft_model.config.vocab_size, self.eos_token_ids, draft_tok.eos_token_ids)
+        progress.note(f"drafter {name} has its own vocabulary ({draft_tok.vocab_size} tokens, the target "
+                      f"{self.tokenizer.vocab_size}, {self.bridge.num_shared} shared): drafts are re-tokenised "
+                      f"({cfg.cross_tokenizer}-level)")
+
+    def _own_draft_pool(self):
+        """The KV pool of a drafter with its own vocabulary: room for twice the target's tokens (a smaller
+        vocabulary spells a text in more tokens), within the drafter's positions."""
+        cfg, c = self.config, self.draft_model.config
+        length = min(c.max_position_embeddings, 2 * self.max_seq_len + 2 * cfg.max_spec_length + 2)
+        blocks = getattr(self.kv.pool, "num_blocks", None)
+        return make_pool(self.draft_model, cfg, length, prefix_caching=False,
+                         num_blocks=None if blocks is None else 2 * blocks)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

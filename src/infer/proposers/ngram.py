@@ -180,6 +180,8 @@ class HybridProposer(Proposer):
         if mp.q is not None:
             out.q[rows] = 0.0
             out.q[rows, :mp.q.shape[1]] = mp.q
+        elif out.q is not None:  # the model's drafts are deterministic too (a drafter of another vocabulary)
+            out.q[rows] = one_hot_q(out.drafts[rows], batch.vocab_size)
         if batch.keep_logits and mp.logits is not None:
             out.logits = torch.zeros_like(out.q)
             out.logits[rows, :mp.logits.shape[1]] = mp.logits

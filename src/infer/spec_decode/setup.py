@@ -19,6 +19,7 @@ from .. import progress
 from ..model.draft_heads import Eagle3Head, EagleHead, MedusaHeads
 from ..model.llama import LlamaForCausalLM
 from ..proposers.base import Proposer
+from ..proposers.cross_tokenizer import CrossTokenizerProposer
 from ..proposers.draft_model import DraftModelProposer
 from ..proposers.draft_vocab import DraftVocab, load_ranking, recommended_size
 from ..proposers.eagle import EagleProposer
@@ -59,8 +60,12 @@ def draft_vocab_for(drafter: LlamaForCausalLM, drafter_path, size) -> DraftVocab
     return DraftVocab.from_ranking(drafter, load_ranking(path), size)
 
 
-def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None) -> Proposer:
-    """The proposer for a drafter of each kind (model.draft_heads: heads that draft from the target's states)."""
+def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None, cross=None, method="string") -> Proposer:
+    """The proposer for a drafter of each kind (model.draft_heads: heads that draft from the target's states;
+    ``cross``: (VocabBridge, its own KV pool) for a drafter with a vocabulary of its own)."""
+    if cross is not None:
+        bridge, pool = cross
+        return CrossTokenizerProposer(drafter, bridge, pool, runner.forward, runner.vocab_size, method)
     if isinstance(drafter, (EagleHead, Eagle3Head)):  # EAGLE-3 brings its own draft vocabulary
         return EagleProposer(drafter, kv, draft_vocab)
     if isinstance(drafter, MedusaHeads):
@@ -69,7 +74,7 @@ def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None) -> Propo
 
 
 def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab: DraftVocab | None,
-                  costs: CostModel | None = None, defer_profile: bool = False) -> SpeculativeDecoder:
+                  costs: CostModel | None = None, defer_profile: bool = False, cross=None) -> SpeculativeDecoder:
     """The decoder for ``cfg``. Auto K's cost model comes from, in order: ``costs``; this process (another engine
     over the same models and settings); the profile store on disk (profile_store); a measurement now, unless
     ``defer_profile`` (the compiled steps are still being built: engine.warmup), in which case the decoder does not
@@ -81,7 +86,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
 
         proposer = SuffixProposer()
     else:
-        proposer = model_proposer(drafter, kv, runner, draft_vocab)
+        proposer = model_proposer(drafter, kv, runner, draft_vocab, cross, cfg.cross_tokenizer)
         if cfg.proposer == "hybrid":
             proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
     if proposer.uses_features:
@@ -100,9 +105,10 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         max_batch = min(cfg.max_batch_size, cfg.spec_max_batch_size or cfg.max_batch_size)
         # with trees, verify widths up to a tree's nodes are priced too ("auto" compares a tree's verify with a chain's)
         widest = cfg.spec_length_max if tree is None else max(cfg.spec_length_max, MAX_NODES - 1)
-        key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, widest)
+        key = (id(drafter), cfg.proposer, type(kv.pool).__name__, max_batch, widest,
+               cfg.cross_tokenizer if cross else None)
         cache = _COSTS.setdefault(runner.model, {})
-        store = CostStore(cfg, runner.model, kv, max_batch, widest)
+        store = CostStore(cfg, runner.model, kv, max_batch, widest, cross is not None)
         costs = costs or cache.get(key) or store.load()
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
         decoder.spec_length.pending, decoder.spec_length.free = proposer.pending, proposer.free_drafts
@@ -128,7 +134,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
 class CostStore:
     """The profile store (profile_store) bound to one engine's setting: ``load()``, ``save(costs)``."""
 
-    def __init__(self, cfg, model: LlamaForCausalLM, kv, max_batch: int, widest: int):
+    def __init__(self, cfg, model: LlamaForCausalLM, kv, max_batch: int, widest: int, cross: bool = False):
         from ..model.loader import resolve_model_path
 
         def identity(path):  # a checkpoint given by path; a model passed in loaded (tests: a label) has none
@@ -142,7 +148,8 @@ class CostStore:
                                compiled=model.compiled is not None, device=str(model.device),
                                drafter=identity(cfg.draft_model), proposer=cfg.proposer, spec_tree=cfg.spec_tree,
                                draft_vocab_size=cfg.draft_vocab_size, pool=type(kv.pool).__name__,
-                               block_size=cfg.block_size, max_batch=max_batch, widest=widest)
+                               block_size=cfg.block_size, max_batch=max_batch, widest=widest,
+                               **({"cross_tokenizer": cfg.cross_tokenizer} if cross else {}))
         # a target passed in loaded (no checkpoint path) has no identity to key a file by: kept in memory only
         self.enabled = self.key["model"] is not None
         self.loaded = False  # whether the cost model in use came from the file
@@ -184,7 +191,8 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
     """Time target forwards of B rows x T tokens and draft steps of B rows on scratch slots of the real pools."""
     runner, kv = decoder.runner, decoder.kv
     drafter = getattr(decoder.proposer, "model", decoder.proposer)  # a hybrid's drafter is its model proposer
-    dpool = kv.draft_pool if drafter.uses_draft_model else None
+    # a drafter's pool: the KV manager's lockstep one, or one of its own (a drafter with another vocabulary)
+    dpool = kv.draft_pool if drafter.uses_draft_model else getattr(drafter, "own_pool", None)
     # as many rows and as much context as the pools hold now (a small pool profiles small batches; the cost model
     # extrapolates beyond them, and rounds at those sizes refresh it)
     n_ctx = max(1, min(PROFILE_CONTEXT, kv.max_seq_len - k_max - 1))
@@ -221,7 +229,7 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
                 if new:
                     drafter.scratch_fill(new, n_ctx)
                 dslots = new + (dslots or [])
-            if isinstance(drafter, DraftModelProposer):
+            if isinstance(drafter, (DraftModelProposer, CrossTokenizerProposer)):
                 catch_up = time_catch_up(runner, drafter.drafter, dpool, kv.max_seq_len)
 
         def run_verify(b: int, t: int) -> float:
