@@ -224,7 +224,7 @@ def test_structured_output_and_hybrid(pair, tokenizers, method):
 
 
 # -- the joint law of a round's two tokens at temperature 1 -----------------------------------------------------
-N = 2500
+N = 1500
 LATER = SamplingParams(temperature=1.0, max_tokens=4)
 
 

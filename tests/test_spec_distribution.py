@@ -18,7 +18,7 @@ from infer.testing import random_llama
 
 V = 8
 PROMPT = [1, 2, 3]
-N = 2500
+N = 1000
 
 
 @pytest.fixture(scope="module")
