@@ -1,11 +1,35 @@
-"""The `infer` command line: a real subprocess, output and one-line errors."""
+"""The `infer` command line: a real subprocess, output and one-line errors.
+
+Bad input is refused before a model is loaded, so those cases call ``cli.main`` in this process (``run_here``): the
+same code a subprocess would run after ~5 s of imports, its exit status and stderr checked the same way."""
 
 import subprocess
 import sys
+from types import SimpleNamespace
+
+import pytest
+
+from infer import cli, progress
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "infer", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def run_here(capsys, monkeypatch):
+    """``run`` for bad input, in this process: (returncode, stdout, stderr) as a CompletedProcess names them."""
+    def call(*args, input=""):
+        monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(input))
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        finally:
+            progress.disable()  # main enables the start-up lines for the process; the library stays silent
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return call
 
 
 def test_generate_greedy(gqa_dir):
@@ -18,24 +42,24 @@ def test_generate_greedy(gqa_dir):
     assert "tok/s" in r.stderr
 
 
-def test_errors_are_one_clear_line(gqa_dir):
-    r = run("generate", "--model", "/no/such/dir", "--prompt", "x")
+def test_errors_are_one_clear_line(gqa_dir, run_here):
+    r = run("generate", "--model", "/no/such/dir", "--prompt", "x")  # one real process: nothing but the line
     assert r.returncode == 2 and r.stderr.strip() == "infer: error: model directory '/no/such/dir' does not exist"
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--top-p", "0")
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_speculative_generate_with_debug_view(gqa_dir):
+def test_speculative_generate_with_debug_view(gqa_dir, run_here):
     r = run("generate", "--model", str(gqa_dir), "--draft-model", str(gqa_dir), "--prompt", "def fib",
             "--max-tokens", "8", "--temperature", "0", "--spec-length", "3", "--debug")
     assert r.returncode == 0, r.stderr
     assert "round   1 K=3 accepted 3/3" in r.stdout and "-> bonus" in r.stdout  # self-drafting accepts all
     assert "acceptance 1.00" in r.stderr
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--debug")
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--debug")
     assert r.returncode == 2 and "needs --draft-model" in r.stderr
 
 
-def test_chat_streams_replies_and_resets(gqa_dir):
+def test_chat_streams_replies_and_resets(gqa_dir, run_here):
     """`infer chat` on piped input: two turns, /reset, an unknown command; each reply ends with its figures."""
     r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
                         "--max-tokens", "6", "--draft-model", str(gqa_dir), "--spec-length", "2"],
@@ -43,12 +67,11 @@ def test_chat_streams_replies_and_resets(gqa_dir):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tokens,") == 2 and r.stdout.count("drafts accepted") == 2
     assert "[conversation reset]" in r.stdout and "unknown command '/nope'" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--quantization", "int9"],
-                       input="", capture_output=True, text=True, timeout=60)
+    r = run_here("chat", "--model", str(gqa_dir), "--quantization", "int9")
     assert r.returncode == 2 and "int9" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path):
+def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path, run_here):
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], '
                       '"additionalProperties": false}')
@@ -59,9 +82,9 @@ def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path):
     r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "4", "--choice", "yes",
             "--choice", "no", "--temperature", "1")
     assert r.returncode == 0 and r.stdout.removeprefix("x").strip() in ("yes", "no"), (r.stdout, r.stderr)
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "(unclosed")
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "(unclosed")
     assert r.returncode == 2 and "invalid regex" in r.stderr and "Traceback" not in r.stderr
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "a", "--choice", "b")
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "a", "--choice", "b")
     assert r.returncode == 2 and "exactly one" in r.stderr
     r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
                         "--max-tokens", "12", "--regex", "[0-9]{3}"], input="a number\n", capture_output=True,
