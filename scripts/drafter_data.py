@@ -229,8 +229,9 @@ def stage_answers(work: Path, train: list[dict], num: int, max_tokens: int, batc
     todo = jobs[done:]
     if not todo:
         return
-    # Eager: 32 rows a step are past infer's few-row kernels and compute-bound here (~145 tokens/s on 2 AVX2 cores,
-    # compiled or not), and eager starts at once (no batched graphs to build)
+    # Eager: 32 rows a step are past infer's few-row product kernels (compiling gains little) and eager starts at once
+    # (no batched graphs to build). Attention takes infer's kernel at any batch (few tokens a row): a 32-row decode
+    # step went from ~400 to ~190 ms when it stopped falling back to ATen's SDPA
     # Prefix caching: a prompt's later answers (other temperatures) are admitted once its first answer's prefill has
     # registered the prompt's blocks, and prefill only the last block (prefill is ~40% of the work here)
     llm = load_target(max_batch_size=batch, compile=False, enable_prefix_caching=True)

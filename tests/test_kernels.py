@@ -167,6 +167,51 @@ def test_attention_query_that_sees_nothing_is_zero_not_nan():
     assert torch.isfinite(o).all()
 
 
+def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch):
+    """A decode step's attention takes infer's kernel whatever the batch (its bound is the tokens a row brings, not the
+    rows): 20 rows (more than kernels.MAX_ROWS) decode with ATen's SDPA made to fail after their prefill, and each
+    row's attention output is the one it gets decoding alone (to rounding: 20 rows' q, k and v come from ATen's GEMM,
+    one row's from infer::linear; the kernel itself is batch-invariant, test_attention_decode_equals_verify)."""
+    from infer.cache.slotted import SlottedKVCache
+    from infer.model import llama
+    from infer.model.loader import load_model
+
+    model = load_model(gqa_dir)
+    cfg, n = model.config, kernels.MAX_ROWS + 4
+    pool = SlottedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, n, model.dtype)
+    prompts = [[3 + i, 5 + i, 7 + 2 * i][: 1 + i % 3] for i in range(n)]  # unequal lengths: padding masks
+    slots = [pool.allocate(32) for _ in range(n)]
+    calls: dict[int, list] = {}  # rows -> the kernel's outputs, layer by layer
+    kernel = torch.ops.infer.attention
+
+    def recorded(q, k, v, mask=None):
+        o = kernel(q, k, v, mask)
+        calls.setdefault(q.shape[0], []).append(o)
+        return o
+
+    def plan(slots, num_new):
+        meta = pool.prepare(slots, num_new, torch.device("cpu"))
+        return meta.positions, pool, meta
+
+    with torch.inference_mode():
+        for s, p in zip(slots, prompts):
+            model(torch.tensor([p]), *plan([s], [len(p)]))
+        monkeypatch.setattr(llama.F, "scaled_dot_product_attention", _no_sdpa)
+        monkeypatch.setattr(torch.ops.infer, "attention", recorded)
+        x = torch.tensor([[1 + i] for i in range(n)])
+        model(x, *plan(slots, [1] * n))
+        wide = calls.pop(n)[0]  # layer 0, [n, H, 1, D]
+        assert len(calls) == 0
+        for i, s in enumerate(slots):  # each row alone, at the same position over the same cache
+            pool.truncate_to(s, len(prompts[i]))
+            model(x[i:i + 1], *plan([s], [1]))
+            torch.testing.assert_close(calls.pop(1)[0][0], wide[i], rtol=1e-5, atol=1e-5)
+
+
+def _no_sdpa(*a, **k):
+    raise AssertionError("a decode step fell back to ATen's scaled_dot_product_attention")
+
+
 def test_attention_rejects_bad_shapes():
     q, k, v = _qkv(torch.float32, H=5, Hkv=2)  # 5 query heads cannot share 2 KV heads
     with pytest.raises(RuntimeError):

@@ -130,6 +130,13 @@ def few_rows_on_cpu(x: torch.Tensor) -> bool:
             and kernels.available())
 
 
+def few_tokens_on_cpu(x: torch.Tensor) -> bool:
+    """Whether ``infer::attention`` takes this step's queries: x [B, T, H] on the CPU with at most kernels.MAX_ROWS
+    tokens a row (decode, verify, a tree), whatever the batch: the kernel's work is per row and per KV head."""
+    return (x.device.type == "cpu" and x.shape[-2] <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES
+            and kernels.available())
+
+
 class Linear(nn.Linear):
     """nn.Linear whose one-row products take the matrix-vector form under torch.compile (see ``linear``)."""
 
