@@ -126,6 +126,31 @@ def test_attention_decode_equals_verify():
             assert torch.equal(alone[0, :, 0], verify[b, :, t])
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_attention_reads_paged_rows_in_place_with_the_same_bits(dt):
+    """With ``rows`` the kernel reads each key from a paged pool's storage [R, Hkv, D] at its row: the output equals
+    attending to the rows gathered into [B, Hkv, L, D] first, bit for bit, masks and holes included."""
+    q, k, v = _qkv(dt)
+    B, Hkv, L, D = k.shape
+    g = torch.Generator().manual_seed(3)
+    R = B * L + 7
+    rows = torch.randperm(R, generator=g)[: B * L].view(B, L)  # scattered, as a paged pool's blocks are
+    ks = torch.randn(R, Hkv, D, generator=g).to(dt)
+    vs = torch.randn(R, Hkv, D, generator=g).to(dt)
+    pos = torch.tensor([[20, 21, 22, 23], [5, 6, 7, 7]])
+    mask = torch.arange(L)[None, None, None, :] <= pos[:, None, :, None]
+    mask[1, 0, 2, 3] = False
+    for m in (mask, None):
+        gathered = torch.ops.infer.attention(q, ks[rows].transpose(1, 2), vs[rows].transpose(1, 2), m)
+        assert torch.equal(torch.ops.infer.attention(q, ks, vs, m, rows), gathered)
+    with pytest.raises(RuntimeError, match="rows must index"):
+        torch.ops.infer.attention(q, ks, vs, None, rows + R)
+    with pytest.raises(RuntimeError, match="rows must be int64"):
+        torch.ops.infer.attention(q, ks, vs, None, rows.int())
+    with pytest.raises(RuntimeError, match="3-d k, v storage"):
+        torch.ops.infer.attention(q, k, v, None, rows)
+
+
 @pytest.mark.parametrize("D", [24, 19])  # 24: a 16-lane block then an 8-lane one; 19: a scalar tail
 def test_attention_query_is_the_same_in_any_group(D):
     """The kernel runs a KV head's queries in groups sharing each key load; a query's output must not depend on its
@@ -167,26 +192,34 @@ def test_attention_query_that_sees_nothing_is_zero_not_nan():
     assert torch.isfinite(o).all()
 
 
-def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch):
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch, backend):
     """A decode step's attention takes infer's kernel whatever the batch (its bound is the tokens a row brings, not the
     rows): 20 rows (more than kernels.MAX_ROWS) decode with ATen's SDPA made to fail after their prefill, and each
     row's attention output is the one it gets decoding alone (to rounding: 20 rows' q, k and v come from ATen's GEMM,
-    one row's from infer::linear; the kernel itself is batch-invariant, test_attention_decode_equals_verify)."""
+    one row's from infer::linear; the kernel itself is batch-invariant, test_attention_decode_equals_verify). The paged
+    pool's rows are fed a token at a time in turn, so their blocks interleave: the kernel reads them in place."""
+    from infer.cache.paged import PagedKVCachePool
     from infer.cache.slotted import SlottedKVCache
     from infer.model import llama
     from infer.model.loader import load_model
 
     model = load_model(gqa_dir)
     cfg, n = model.config, kernels.MAX_ROWS + 4
-    pool = SlottedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, n, model.dtype)
+    pool = SlottedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, n, model.dtype) \
+        if backend == "slotted" else PagedKVCachePool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                                      4 * n, block_size=2, max_seq_len=32, max_slots=n,
+                                                      dtype=model.dtype)
     prompts = [[3 + i, 5 + i, 7 + 2 * i][: 1 + i % 3] for i in range(n)]  # unequal lengths: padding masks
     slots = [pool.allocate(32) for _ in range(n)]
     calls: dict[int, list] = {}  # rows -> the kernel's outputs, layer by layer
+    in_place: list[bool] = []  # whether each call read a paged pool's storage in place
     kernel = torch.ops.infer.attention
 
-    def recorded(q, k, v, mask=None):
-        o = kernel(q, k, v, mask)
+    def recorded(q, k, v, mask=None, rows=None):
+        o = kernel(q, k, v, mask, rows)
         calls.setdefault(q.shape[0], []).append(o)
+        in_place.append(rows is not None)
         return o
 
     def plan(slots, num_new):
@@ -194,14 +227,16 @@ def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch):
         return meta.positions, pool, meta
 
     with torch.inference_mode():
-        for s, p in zip(slots, prompts):
-            model(torch.tensor([p]), *plan([s], [len(p)]))
+        for t in range(3):  # a token at a time, row after row
+            for s, p in zip(slots, prompts):
+                if t < len(p):
+                    model(torch.tensor([p[t:t + 1]]), *plan([s], [1]))
         monkeypatch.setattr(llama.F, "scaled_dot_product_attention", _no_sdpa)
         monkeypatch.setattr(torch.ops.infer, "attention", recorded)
         x = torch.tensor([[1 + i] for i in range(n)])
         model(x, *plan(slots, [1] * n))
         wide = calls.pop(n)[0]  # layer 0, [n, H, 1, D]
-        assert len(calls) == 0
+        assert len(calls) == 0 and all(in_place) == (backend == "paged") and in_place
         for i, s in enumerate(slots):  # each row alone, at the same position over the same cache
             pool.truncate_to(s, len(prompts[i]))
             model(x[i:i + 1], *plan([s], [1]))

@@ -174,6 +174,13 @@ class KVCachePool(ABC):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new K/V (``[B, Hkv, T, D]``) and return the K/V to attend to (``[B, Hkv, kv_len, D]``)."""
 
+    def update_in_place(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                        meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``update`` for ``infer::attention``, which can read keys where they lie: (k, v, None) as ``update`` returns
+        them, or a paged pool's storage (``[R, Hkv, D]``) with each attended key's storage row (``[B, kv_len]``), so
+        that no gathered copy of the rows' keys and values is made. The same values either way."""
+        return (*self.update(layer, k, v, meta), None)
+
 
 def tree_plan(tree: TreeAttn, num_new: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotary positions [B, T], mask [B, 1, T, kv_len]) of a tree forward (TreeAttn). Pad queries keep the context

@@ -118,7 +118,7 @@ def _build() -> None:
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("infer::attention")
-    def _(q, k, v, mask=None):  # [B, H, T, D], stored as [B, T, H, D]
+    def _(q, k, v, mask=None, rows=None):  # [B, H, T, D], stored as [B, T, H, D]
         B, H, T, D = q.shape
         return q.new_empty(B, T, H, D).transpose(1, 2)
 

@@ -3,6 +3,9 @@
 //   q [B, H, T, D], k and v [B, Hkv, L, D] (any strides, unit stride along D; H a multiple of Hkv: grouped-query
 //   heads, query head h reads KV head h / (H / Hkv)), mask [B, 1, T, L] bool (True = attend) or None
 //   -> o [B, H, T, D], stored as [B, T, H, D] so that the caller's transpose + reshape to [B, T, H * D] is free.
+//   With rows [B, L] (int64): k and v are a paged pool's storage [R, Hkv, D] and row b's key j is storage row
+//   rows[b, j] (infer.cache.paged): the blocks are read where they lie instead of gathered into [B, Hkv, L, D] first,
+//   with the same arithmetic in the same order (the same bits).
 //
 // ATen's flash-attention kernel costs ~70 us a call on a decode step's few thousand scores (blocking and thread
 // set-up sized for long prefills); this one splits the step's queries over the threads in groups of one KV head's
@@ -45,6 +48,16 @@ inline void prefetch_row(const T* p, int64_t D) {
   for (int64_t off = 0; off < D * int64_t(sizeof(T)); off += 64) prefetch(c + off);
 }
 
+// Where key (or value) j of one (batch row, KV head) lies: base + j * stride, or base + idx[j] * stride when the rows
+// are a paged pool's (idx: that batch row's storage rows).
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t stride;
+  const int64_t* idx;
+  inline const T* operator()(int64_t j) const { return base + (idx ? idx[j] : j) * stride; }
+};
+
 struct Query {
   const float* q;    // [D] scaled
   float* sc;         // [len] scores, then probabilities
@@ -54,14 +67,14 @@ struct Query {
 };
 
 template <typename T>
-inline void scores(Query* qs, int nq, const T* kp, int64_t kstride, int64_t maxlen, int64_t D, int64_t D8) {
+inline void scores(Query* qs, int nq, const Rows<T>& K, int64_t maxlen, int64_t D, int64_t D8) {
   int64_t j = 0;
   for (; j + 2 <= maxlen; j += 2) {  // two keys x nq queries: independent fma chains hide the latency
-    const T* k0 = kp + j * kstride;
-    const T* k1 = k0 + kstride;
+    const T* k0 = K(j);
+    const T* k1 = K(j + 1);
     if (j + PF + 1 < maxlen) {
-      prefetch_row(k0 + PF * kstride, D);
-      prefetch_row(k1 + PF * kstride, D);
+      prefetch_row(K(j + PF), D);
+      prefetch_row(K(j + PF + 1), D);
     }
     V8 a0[QB], a1[QB];
     for (int i = 0; i < QB; ++i) a0[i] = a1[i] = zero8();
@@ -84,7 +97,7 @@ inline void scores(Query* qs, int nq, const T* kp, int64_t kstride, int64_t maxl
     }
   }
   for (; j < maxlen; ++j) {
-    const T* k0 = kp + j * kstride;
+    const T* k0 = K(j);
     V8 a0[QB];
     for (int i = 0; i < QB; ++i) a0[i] = zero8();
     for (int64_t d = 0; d < D8; d += 8) {
@@ -158,8 +171,8 @@ inline void softmax(Query& qy, int64_t mstride, float* scratch) {
 
 // o_i = sum_j p_ij v_j for the group, 16 output lanes at a time (2 x nq accumulators in registers)
 template <typename T>
-inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstride, int64_t mstride, int64_t D,
-                            int64_t D8, T* const* o) {
+inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t D, int64_t D8,
+                            T* const* o) {
   int64_t common = qs[0].len, maxlen = 0;  // keys every query of the group sees (all dense) / any query may see
   bool dense = true;
   for (int i = 0; i < nq; ++i) {
@@ -174,8 +187,8 @@ inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstrid
     for (int i = 0; i < QB; ++i) a0[i] = a1[i] = zero8();
     int64_t j = 0;
     for (; j < common; ++j) {
-      const T* vr = vp + j * vstride + d0;
-      if (d0 == 0 && j + PF < maxlen) prefetch_row(vp + (j + PF) * vstride, D);
+      const T* vr = V(j) + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
       const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
       for (int i = 0; i < nq; ++i) {
         const V8 p = set8(qs[i].sc[j]);
@@ -184,8 +197,8 @@ inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstrid
       }
     }
     for (; j < maxlen; ++j) {
-      const T* vr = vp + j * vstride + d0;
-      if (d0 == 0 && j + PF < maxlen) prefetch_row(vp + (j + PF) * vstride, D);
+      const T* vr = V(j) + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
       const V8 x0 = load8(vr), x1 = two ? load8(vr + 8) : zero8();
       for (int i = 0; i < nq; ++i) {
         if (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride])) continue;
@@ -205,16 +218,17 @@ inline void weighted_values(const Query* qs, int nq, const T* vp, int64_t vstrid
     for (int64_t d = D8; d < D; ++d) {
       float acc = 0.0f;
       for (int64_t j = 0; j < qs[i].len; ++j)
-        if (!qs[i].mrow || qs[i].mrow[j * mstride]) acc += qs[i].sc[j] * to_float(vp[j * vstride + d]);
+        if (!qs[i].mrow || qs[i].mrow[j * mstride]) acc += qs[i].sc[j] * to_float(V(j)[d]);
       o[i][d] = static_cast<T>(acc);
     }
 }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-            std::array<int64_t, 3> mstride, at::Tensor& out) {
+            std::array<int64_t, 3> mstride, const int64_t* rows, int64_t L, at::Tensor& out) {
+  // k, v: [B, Hkv, L, D], or with rows [B, L] a paged pool's storage [R, Hkv, D]
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), D8 = D & ~int64_t(7);
-  const int64_t Hkv = k.size(1), L = k.size(2), G = H / Hkv;
+  const int64_t Hkv = k.size(1), G = H / Hkv;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -254,54 +268,73 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         maxlen = std::max(maxlen, len);
       }
       if (nq == 0) continue;
+      const Rows<T> K = rows ? Rows<T>{kp + hk * ks[1], ks[0], rows + b * L} : Rows<T>{kp + b * ks[0] + hk * ks[1], ks[2], nullptr};
+      const Rows<T> V = rows ? Rows<T>{vp + hk * vs[1], vs[0], rows + b * L} : Rows<T>{vp + b * vs[0] + hk * vs[1], vs[2], nullptr};
       for (int64_t j = 0; j < std::min(PF, maxlen); ++j) {  // the loops fetch from key PF on
-        prefetch_row(kp + b * ks[0] + hk * ks[1] + j * ks[2], D);
-        prefetch_row(vp + b * vs[0] + hk * vs[1] + j * vs[2], D);
+        prefetch_row(K(j), D);
+        prefetch_row(V(j), D);
       }
-      scores<T>(qs, nq, kp + b * ks[0] + hk * ks[1], ks[2], maxlen, D, D8);
+      scores<T>(qs, nq, K, maxlen, D, D8);
       for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
-      weighted_values<T>(qs, nq, vp + b * vs[0] + hk * vs[1], vs[2], mstride[2], D, D8, outs);
+      weighted_values<T>(qs, nq, V, mstride[2], D, D8, outs);
     }
   });
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
-                     const c10::optional<at::Tensor>& mask_in) {
-  TORCH_CHECK(q.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "infer::attention: 4-d q, k, v expected");
+                     const c10::optional<at::Tensor>& mask_in, const c10::optional<at::Tensor>& rows_in) {
+  const bool paged = rows_in.has_value();
+  TORCH_CHECK(q.dim() == 4 && k_in.dim() == (paged ? 3 : 4) && v_in.dim() == k_in.dim(),
+              paged ? "infer::attention: 4-d q and 3-d k, v storage [R, Hkv, D] expected with rows"
+                    : "infer::attention: 4-d q, k, v expected");
   TORCH_CHECK(q.device().is_cpu(), "infer::attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == k_in.scalar_type() && q.scalar_type() == v_in.scalar_type(),
               "infer::attention: q, k and v must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "infer::attention: float32 or bfloat16 expected, got ", q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
-  TORCH_CHECK(k_in.size(0) == B && v_in.size(0) == B && k_in.size(3) == D && v_in.size(3) == D &&
-              k_in.size(2) == v_in.size(2) && k_in.size(1) == v_in.size(1) && k_in.size(1) > 0 &&
-              H % k_in.size(1) == 0, "infer::attention: shapes do not match: q ", q.sizes(), ", k ", k_in.sizes(),
-              ", v ", v_in.sizes());
+  const int64_t hd = 1, dd = paged ? 2 : 3;  // the KV-head and head-dim dimensions of k and v
+  TORCH_CHECK((paged || (k_in.size(0) == B && v_in.size(0) == B && k_in.size(2) == v_in.size(2))) &&
+              k_in.size(dd) == D && v_in.size(dd) == D && k_in.size(hd) == v_in.size(hd) && k_in.size(hd) > 0 &&
+              H % k_in.size(hd) == 0 && (!paged || k_in.size(0) == v_in.size(0)),
+              "infer::attention: shapes do not match: q ", q.sizes(), ", k ", k_in.sizes(), ", v ", v_in.sizes());
   // the kernel reads rows of D along the last dimension
-  auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  auto unit = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   auto qq = unit(q), k = unit(k_in), v = unit(v_in);
+  at::Tensor rows;
+  int64_t L = paged ? 0 : k.size(2);
+  if (paged) {
+    rows = rows_in->contiguous();
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == B,
+                "infer::attention: rows must be int64 [B, L], got ", rows.sizes(), " ", rows.scalar_type());
+    L = rows.size(1);
+    const int64_t* r = rows.data_ptr<int64_t>();
+    bool inside = true;
+    for (int64_t i = 0; i < rows.numel(); ++i) inside &= r[i] >= 0 && r[i] < k.size(0);
+    TORCH_CHECK(inside, "infer::attention: rows must index the storage's ", k.size(0), " rows");
+  }
   const bool* mask = nullptr;
   std::array<int64_t, 3> ms{0, 0, 0};
   at::Tensor m;
   if (mask_in.has_value()) {
     m = *mask_in;
     TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 &&
-                (m.size(0) == B || m.size(0) == 1) && m.size(2) == Tq && m.size(3) == k.size(2),
+                (m.size(0) == B || m.size(0) == 1) && m.size(2) == Tq && m.size(3) == L,
                 "infer::attention: mask must be bool [B, 1, T, L], got ", m.sizes(), " ", m.scalar_type());
     mask = m.data_ptr<bool>();
     ms = {m.size(0) == 1 ? 0 : m.stride(0), m.stride(2), m.stride(3)};
   }
+  const int64_t* rp = paged ? rows.data_ptr<int64_t>() : nullptr;
   auto out = at::empty({B, Tq, H, D}, q.options());
-  if (q.scalar_type() == at::kFloat) attend<float>(qq, k, v, mask, ms, out);
-  else attend<c10::BFloat16>(qq, k, v, mask, ms, out);
+  if (q.scalar_type() == at::kFloat) attend<float>(qq, k, v, mask, ms, rp, L, out);
+  else attend<c10::BFloat16>(qq, k, v, mask, ms, rp, L, out);
   return out.transpose(1, 2);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

@@ -44,16 +44,21 @@ class Attention(nn.Module):
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if kv is None:
-            mask, causal = None, T > 1
-        else:
-            k, v = kv.update(self.layer_idx, k, v, meta)  # [B, Hkv, kv_len, D]
-            mask, causal = meta.mask, meta.is_causal
         # decode / verify over the cache: infer's kernel, batch-invariant. What bounds it is the tokens a row brings
         # (T), not the batch: a decode step of 32 rows is 32 independent few-token queries, which ATen's SDPA with a
-        # padding mask ran at ~7 ms a layer (its general path) and the kernel at a fraction of that
-        if not causal and few_tokens_on_cpu(x):
-            o = torch.ops.infer.attention(q, k, v, mask)
+        # padding mask ran at ~7 ms a layer (its general path) and the kernel at a fraction of that. It reads a
+        # paged pool's blocks where they lie (``rows``: each key's storage row) rather than a gathered copy.
+        kernel = few_tokens_on_cpu(x)
+        if kv is None:
+            mask, causal, rows = None, T > 1, None
+        elif kernel and not meta.is_causal:
+            k, v, rows = kv.update_in_place(self.layer_idx, k, v, meta)
+            mask, causal = meta.mask, False
+        else:
+            k, v = kv.update(self.layer_idx, k, v, meta)  # [B, Hkv, kv_len, D]
+            mask, causal, rows = meta.mask, meta.is_causal, None
+        if kernel and not causal:
+            o = torch.ops.infer.attention(q, k, v, mask, rows)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                enable_gqa=self.n_kv != self.n_heads)
