@@ -101,3 +101,22 @@ def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up built the drafter's graphs too
         assert _ids(llm.generate(PROMPTS, GREEDY)) == want
     assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):
+    """Compiled graphs call infer's ops by their schemas, which inductor's cache keys do not cover: the default cache
+    directory is named by the kernels' build, so a graph cached for older kernels is never loaded for newer ones (a
+    graph cached for the four-argument infer::attention aborted calling the five-argument one)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from infer import kernels
+    from infer.model import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "DEFAULT_CACHE_DIR", tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # inductor's own default: not a user's choice
+    assert compile_mod.configure_cache() == tmp_path / "inductor" / kernels.build_name()
+    monkeypatch.setattr(kernels, "build_name", lambda: "infer_kernels_other")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compile_mod.configure_cache() == tmp_path / "inductor" / "infer_kernels_other"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a user's choice stands
+    assert compile_mod.configure_cache() == tmp_path / "mine"

@@ -136,8 +136,18 @@ class CompiledSteps:
         return self.run_forward, self.run_logits  # None until the warm-up thread has made them
 
 
+def kernels_build() -> str:
+    """The CPU kernels' build (its sources, flags and torch), which names the default cache's subdirectory: a compiled
+    graph calls infer's ops through their schemas, and inductor's cache keys do not cover a custom op's schema, so a
+    graph cached for an older ``infer::attention`` would call the new one with the old arguments (a crash)."""
+    from .. import kernels
+
+    return kernels.build_name()
+
+
 def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Point inductor's on-disk caches at ``cache_dir`` (default ``~/.cache/infer/inductor``), unless the user chose
+    """Point inductor's on-disk caches at ``cache_dir`` (default ``~/.cache/infer/inductor/<kernels' build>``,
+    ``kernels_build``), unless the user chose
     a directory with TORCHINDUCTOR_CACHE_DIR. Inductor's own default lives in the temp directory, which a reboot
     may empty; it also writes that default into the environment when torch._inductor is imported, so a value equal
     to the default counts as not chosen."""
@@ -146,7 +156,7 @@ def configure_cache(cache_dir: str | os.PathLike | None = None) -> Path:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
         return Path(current)
-    path = Path(cache_dir or DEFAULT_CACHE_DIR)
+    path = Path(cache_dir or DEFAULT_CACHE_DIR / kernels_build())
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:  # read-only home: keep inductor's default
