@@ -101,3 +101,15 @@ def test_reduced_precision_runs_close_to_float32(ckpt_dirs, dtype):
     assert b.dtype == torch.float32  # logits are always float32 for sampling
     # reduced precision: close in relative terms, not bit-equal
     assert ((a - b).norm() / a.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_without_a_cache_equals_its_rows(ckpt_dirs, dtype):
+    """The default positions (0..T-1, shared by the batch's rows) through every rope path: bfloat16's few-token CPU
+    kernel once failed on them for more than one row."""
+    m = load_model(ckpt_dirs["gqa"], dtype=dtype)
+    ids = torch.randint(0, m.config.vocab_size, (3, 2), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        batch = m.compute_logits(m(ids))
+        rows = torch.cat([m.compute_logits(m(ids[i:i + 1])) for i in range(3)])
+    assert torch.equal(batch, rows)

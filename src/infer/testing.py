@@ -178,4 +178,4 @@ def random_heads(target, kind: str, seed: int = 0, **kw):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return head.to(target.dtype).eval().requires_grad_(False).attach(target)
+    return head.to(target.device, target.dtype).eval().requires_grad_(False).attach(target)

@@ -13,12 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, few_tokens_on_cpu, linear, rope_heads
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, few_tokens_on_cpu, linear, rope_heads, sdpa
 
 if TYPE_CHECKING:
     from .compile import CompiledSteps
@@ -60,8 +59,7 @@ class Attention(nn.Module):
         if kernel and not causal:
             o = torch.ops.infer.attention(q, k, v, mask, rows)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               enable_gqa=self.n_kv != self.n_heads)
+            o = sdpa(q, k, v, mask, causal, self.n_kv != self.n_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
 
 
