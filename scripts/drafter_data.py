@@ -313,7 +313,9 @@ def stage_pack(work: Path) -> None:
 def restore_packed(work: Path, jobs: list[dict], batch: int = 8) -> int:
     """Rows of PACKED beyond WORK/answers.jsonl appended to it, with their prompts (jobs: build_prompts' order) and
     the teacher's top-20 at every answer position from one teacher-forced pass of the served target (bfloat16, its
-    Q4_1 blocks: the engine's prefill numerics rather than its decode's). Returns the rows restored."""
+    Q4_1 blocks: the engine's prefill numerics rather than its decode's). The same pass captures the layers EAGLE-3
+    reads (AUX_LAYERS), FEATURE_SHARD rows a file in WORK/layers/rs-NNN.pt, so stage `layers` has nothing left to
+    teacher-force for them (it did, at ~1 s a conversation). Returns the rows restored."""
     from infer.demo import real_model_path, REAL_MODEL_SETTINGS
     from infer.model.loader import load_model
     from infer.model.quant import quantize_model
@@ -330,7 +332,19 @@ def restore_packed(work: Path, jobs: list[dict], batch: int = 8) -> int:
         return 0
     model = load_model(real_model_path(), torch.bfloat16, torch.device("cpu"))
     quantize_model(model, REAL_MODEL_SETTINGS["quantization"])
+    model.capture_layers(AUX_LAYERS)  # forward -> [final state; the captured layers], compute_logits reads the first
+    H = model.config.hidden_size
     tok = Tokenizer(real_model_path())
+    (work / "layers").mkdir(exist_ok=True)
+    layers: dict[int, torch.Tensor] = {}
+
+    def save_layers():  # after the rows' answers: rows whose layers a killed run lost are left to stage `layers`
+        if layers:
+            path = work / "layers" / f"rs-{min(layers):06d}.pt"
+            torch.save(dict(layers), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+            layers.clear()
+
     with out.open("a") as f, tqdm(total=len(todo), desc="restoring packed answers", unit="answer") as bar:
         for start in range(0, len(todo), batch):
             part = todo[start:start + batch]
@@ -349,6 +363,7 @@ def restore_packed(work: Path, jobs: list[dict], batch: int = 8) -> int:
                 hidden = model(x)
                 for j, (p, r) in enumerate(zip(prompts, part)):
                     n = len(r["answer_ids"])
+                    layers[r["job"]] = hidden[j, :len(seqs[j]), H:].clone()  # [prompt + answer - 1, 3 H]
                     logp = model.compute_logits(hidden[j, len(p) - 1: len(p) - 1 + n]).log_softmax(-1)
                     vals, ids = logp.topk(TOPK)
                     f.write(json.dumps({**jobs[r["job"]], "temperature": r["temperature"], "prompt_ids": p,
@@ -357,6 +372,9 @@ def restore_packed(work: Path, jobs: list[dict], batch: int = 8) -> int:
                                         "finish_reason": r["finish_reason"], "restored": True}) + "\n")
             f.flush()
             bar.update(len(part))
+            if len(layers) >= FEATURE_SHARD:
+                save_layers()
+    save_layers()
     return len(todo)
 
 

@@ -41,6 +41,18 @@ def test_compiled_speculation_equals_eager_and_does_not_recompile(gqa_dir, eager
     assert all(o.token_ids for o in out)
 
 
+def test_a_batched_engine_builds_every_graph_at_start_up(gqa_dir, eager):
+    """Served batches are ragged (rows of several lengths: every step masked, a decode too) and leave a lone request
+    on blocks interleaved with the others' (gathers, not slices): the warm-up builds those graphs as well, so once it
+    is done neither a batch nor the request after it stops to compile (each such graph cost seconds mid-request)."""
+    llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=2, block_size=4)
+    assert llm.engine.wait_until_ready(timeout=600)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == eager  # two at a time, of different lengths
+        assert _ids(llm.generate(PROMPTS[:1], GREEDY)) == eager[:1]  # alone, on the blocks the batch left
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
 def test_compiled_bf16_speculation_equals_eager_and_builds_every_graph_at_start_up(gqa_dir):
     """bfloat16, one numerics (model.compile): a speculating engine's compiled decode and verify graphs and a plain
     engine's eager steps give the same tokens, with inductor's defaults (no emulated casts); and the warm-up builds

@@ -199,6 +199,10 @@ def test_the_warmup_stages_follow_need():
     assert stages[0] == "the decode step" and stages[1].startswith("verify") and stages[2].startswith("batched")
     stages = [what for what, _ in warmup.warmup_stages(k_max=4, tree=False, max_batch=8, draft=True)]
     assert stages[1].startswith("verify") and stages[2] == "the drafter's steps" and stages[3].startswith("batched")
+    assert stages[4] == "the drafter's batched steps"
+    # batched steps up to a compiled step's widest (short prefill chunks of several rows run compiled too)
+    kw = dict(warmup.warmup_stages(k_max=4, tree=False, max_batch=8, chunk=16))["batched steps (up to 8 rows)"]
+    assert kw["widths"][-1] == 16 and kw["batches"] == [2, 4, 8]
     assert [what for what, _ in warmup.warmup_stages(k_max=0, tree=False, max_batch=1)] == ["the decode step"]
 
 
@@ -313,3 +317,19 @@ def test_a_step_waiting_on_a_lock_the_parked_warmup_holds_still_ends():
     assert stepped.wait(20), "the engine's step waited forever on the parked warm-up"
     t.join(10)
     w.done.set()
+
+
+def test_the_gate_never_stops_the_thread_inside_an_import(tmp_path, monkeypatch):
+    """A warm-up stopped inside an import would leave a half-made module in sys.modules for the whole process (a
+    later test's compile then failed importing networkx): the gate lets the import finish and stops at the next
+    call after it."""
+    (tmp_path / "infer_gate_probe.py").write_text("import sys\nFRAME = sys._getframe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import infer_gate_probe
+
+    gate = warmup.Warmup.__new__(warmup.Warmup)
+    gate._stop = True
+    assert warmup._importing(infer_gate_probe.FRAME) and not warmup._importing(sys._getframe())
+    assert gate._gate(infer_gate_probe.FRAME, "call", None) is None  # inside the import: not stopped
+    with pytest.raises(warmup._Stopped):
+        gate._gate(sys._getframe(), "call", None)  # after it: stopped

@@ -74,7 +74,11 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
     model, widest, held = runner.model, max(widths), []
     try:
         for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + widest + 1):
-            size = ctx + widest
+            # a batch's rows at contexts of different lengths, as a served batch's are: their steps then carry a
+            # mask, a decode step's too (rows of one length need none, and would build the maskless graph only:
+            # served batches then compiled theirs mid-request, ~1 s each, a 4x slower first pass at 8 requests)
+            lens = [ctx + i for i in range(rows)]
+            size = max(lens) + widest
             if held and not pool.can_fit([(None, size)] * rows):  # a pool for one sequence: the second context
                 for s in held:  # where the first was (its length still differs, which is what makes it dynamic)
                     pool.free(s)
@@ -83,12 +87,16 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
                 return
             slots = [pool.allocate(size) for _ in range(rows)]
             held += slots
-            runner.forward(model, pool, slots, [[1] * ctx] * rows)  # the prompt: eager
+            runner.forward(model, pool, slots, [[1] * n for n in lens])  # the prompts: eager
             for t in widths:
                 hidden = runner.forward(model, pool, slots, [[1] * t] * rows)
                 model.compute_logits(hidden), model.compute_logits(hidden[:, -1])  # verify, decode
-                for s in slots:
-                    pool.truncate_to(s, ctx)
+                for s, n in zip(slots, lens):
+                    pool.truncate_to(s, n)
+            if rows > 1:  # one row alone on blocks interleaved with the others' (a request after a batch: gathers)
+                for t in widths:
+                    runner.forward(model, pool, slots[:1], [[1] * t])
+                    pool.truncate_to(slots[0], lens[0])
                 if tree and rows == 1 and t > 1:  # a star: every node a child of the root
                     parents = torch.tensor([[-1] + [0] * (t - 1)], device=runner.device)
                     attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
@@ -101,19 +109,23 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
 
 
 @torch.inference_mode()
-def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int]) -> None:
-    """A lone row's draft steps (Proposer.warm_steps) at two contexts on ``pool``, a twin of the draft pool: every
-    graph of a compiled drafter those need exists afterwards, with its sizes dynamic (as run_steps for the target)."""
+def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int], rows: int = 1) -> None:
+    """The draft steps of ``rows`` rows (Proposer.warm_steps) at two contexts on ``pool``, a twin of the draft pool:
+    every graph of a compiled drafter those need exists afterwards, with its sizes dynamic (as run_steps for the
+    target)."""
     for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + max(widths) + 1):
-        if ctx + max(widths) + 1 > min(max_seq_len, pool.max_seq_len):
+        size = ctx + rows + max(widths)
+        if size > min(max_seq_len, pool.max_seq_len) or not pool.can_fit([(None, size)] * rows):
             return
-        proposer.warm_steps(pool, ctx, widths)
+        proposer.warm_steps(pool, ctx, widths, rows)
 
 
-def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False) -> list[tuple[str, dict]]:
+def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False,
+                  chunk: int | None = None) -> list[tuple[str, dict]]:
     """(what, run_steps keywords) in order of need: a lone request's decode step, its verify widths (a round's
     K + 1 tokens; tree verifies up to a tree's nodes), a compiled drafter's steps (``draft``), then the batch sizes
-    the cost model profiles (rows of B > 1)."""
+    the cost model profiles (rows of B > 1), their widths up to ``chunk`` tokens (the most a compiled step takes:
+    prefill chunks that short, batched, run compiled too)."""
     widths = profile_widths(k_max)
     stages = [("the decode step", {"widths": [1]})]
     if k_max:
@@ -123,8 +135,24 @@ def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False) -
         stages.append(("the drafter's steps", {"widths": widths, "draft": True}))
     batches = [b for b in (2, 4, 8, 16, 32, 64) if b <= max_batch]
     if batches:
-        stages.append((f"batched steps (up to {batches[-1]} rows)", {"widths": widths, "batches": batches}))
+        wide = sorted(set(widths) | ({chunk} if chunk else set()))
+        stages.append((f"batched steps (up to {batches[-1]} rows)", {"widths": wide, "batches": batches}))
+        if k_max and draft:
+            stages.append(("the drafter's batched steps", {"widths": wide, "draft": True, "batches": batches}))
     return stages
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's frames below it). A warm-up thread stopped there leaves a
+    half-initialised module in sys.modules, and every later import of it in the process fails: the first compile
+    imports much of torch (networkx among it), and a test's warm-up stopped at its end broke the next test's
+    compiles ("module 'networkx.utils' has no attribute 'configs'"). Parked there, it would hold the module's import
+    lock against the engine thread."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Warmup:
@@ -146,7 +174,7 @@ class Warmup:
         # (the target's in model.compiled.warmed, the drafter's in its own)
         self.key = (type(self.kv.pool).__name__, repr(sorted(self.kv.pool.layout().items())), k_max, tree, max_batch)
         self.draft_key = (repr(sorted(self.kv.draft_pool.layout().items())), k_max) if draft else None
-        stages = warmup_stages(k_max, tree, max_batch, draft)
+        stages = warmup_stages(k_max, tree, max_batch, draft, self.model.compiled.max_tokens)
         target_built = self.key in self.model.compiled.warmed
         drafter_built = not draft or self.draft_key in self.drafter.compiled.warmed
         self.stages = [(w, kw) for w, kw in stages if (drafter_built if kw.get("draft") else target_built) is False]
@@ -175,12 +203,12 @@ class Warmup:
         if self.draft_key is not None:
             self.drafter.compiled.warmed.discard(self.draft_key)
 
-    def _draft_steps(self, widths: list[int]) -> None:
-        """The drafter's steps, on a twin of the draft pool; rounds draft only once this has run
+    def _draft_steps(self, widths: list[int], rows: int = 1) -> None:
+        """The drafter's steps (``rows`` at once), on a twin of the draft pool; rounds draft only once this has run
         (Engine._finish_warmup). The twin is made outside inference mode, as the engine's pools are: the graphs are
         guarded on the cache tensors' kind."""
         self.drafter.compiled.ensure_built()
-        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter), self.max_seq_len, widths)
+        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter), self.max_seq_len, widths, rows)
 
     @property
     def ready(self) -> bool:
@@ -228,10 +256,13 @@ class Warmup:
 
     def _gate(self, frame, event, arg):
         """sys.settrace hook of the warm-up thread, called at each Python call: parks while the engine works; stops
-        the thread once ``stop()`` was called. Returns None: no per-line tracing."""
+        the thread once ``stop()`` was called. Never inside an import (``_importing``). Returns None: no per-line
+        tracing."""
         if self._stop:
+            if _importing(frame):
+                return  # stopped at its first call after the import
             raise _Stopped
-        if self._open.is_set() or self._let_run == self._steps:
+        if self._open.is_set() or self._let_run == self._steps or _importing(frame):
             return
         parked = time.perf_counter()
         while not self._open.wait(IDLE_S):
@@ -283,7 +314,8 @@ class Warmup:
                 t0 = time.perf_counter()
                 with progress.stage(f"compiling {what}"):
                     if kw.get("draft"):
-                        self._draft_steps(kw["widths"])
+                        for rows in kw.get("batches", [1]):
+                            self._draft_steps(kw["widths"], rows)
                         self.seconds[what] = time.perf_counter() - t0
                         continue
                     for rows in kw.get("batches", [1]):

@@ -93,10 +93,10 @@ def step_guards(entries) -> list[bool]:
 
 
 # One build at a time, across models: the first imports Dynamo, and two threads importing it at once (a target's
-# warm-up thread, a drafter built in the engine thread) could see a half-initialised module. Not the whole cure:
-# tests/test_compile.py's bf16 test still fails now and then (~1 run of the file in 4) on such an import (networkx's
-# `utils.configs`, prims registered twice) while an earlier engine's warm-up thread compiles; the importing thread
-# is not found yet. A second such race, seen once with a cold cache (2026-11-26): torch.fx's Tracer patches
+# warm-up thread, a drafter built in the engine thread) could see a half-initialised module. (The failures once
+# blamed on such a race, networkx's `utils.configs` missing in a later test, came from a warm-up thread stopped in
+# the middle of an import: engine.warmup's gate no longer stops or parks a thread there.)
+# A race that remains, seen once with a cold cache (2026-11-26): torch.fx's Tracer patches
 # torch.nn.Module.__call__ for the whole process while it traces, and an eager forward of another model in another
 # thread at that moment failed in FX's module_call_wrapper ("module is not installed as a submodule"). Not fixed:
 # the engine's own eager steps during its warm-up have not shown it (tests/test_warmup.py), but two engines in one

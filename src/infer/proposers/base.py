@@ -121,9 +121,9 @@ class Proposer(ABC):
         host; False when a draft step costs nothing worth timing."""
         return False
 
-    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
-        """Run a lone row's draft steps (after ``ctx`` tokens of context; first steps of each of ``widths``) on
-        ``pool``, a twin of the draft pool, so a compiled drafter's graphs exist before rounds draft
+    def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
+        """Run the draft steps of ``rows`` rows (after about ``ctx`` tokens of context; first steps of each of
+        ``widths``) on ``pool``, a twin of the draft pool, so a compiled drafter's graphs exist before rounds draft
         (engine.warmup). Nothing for proposers without a model."""
 
 

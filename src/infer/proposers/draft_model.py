@@ -118,15 +118,22 @@ class DraftModelProposer(Proposer):
         score_synced(hidden, self.draft_vocab, self.drafter.compute_logits)
         return True
 
-    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+    def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run on ``pool`` (a twin of the draft pool) the steps rounds run: first steps of each width (the tokens the
-        drafter has not seen), then one more token (engine.warmup builds their compiled graphs)."""
-        slot = pool.allocate(ctx + max(widths) + 1)
+        drafter has not seen), then one more token (engine.warmup builds their compiled graphs), for ``rows`` rows
+        at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and then one of those rows alone
+        (its blocks interleaved with the others')."""
+        lens = [ctx + i for i in range(rows)]
+        slots = [pool.allocate(n + max(widths) + 1) for n in lens]
         try:
-            self.forward(self.drafter, pool, [slot], [[1] * ctx])
-            for t in widths:
-                self.forward(self.drafter, pool, [slot], [[1] * t])
-                self.forward(self.drafter, pool, [slot], [[1]])
-                pool.truncate_to(slot, ctx)
+            self.forward(self.drafter, pool, slots, [[1] * n for n in lens])
+            for sub in ([slots, slots[:1]] if rows > 1 else [slots]):
+                for t in widths:
+                    for step in ([[1] * t], [[1]]):  # a catch-up, then a draft step; each scored as rounds do
+                        hidden = self.forward(self.drafter, pool, sub, step * len(sub))[:, -1]
+                        score_synced(hidden, self.draft_vocab, self.drafter.compute_logits)
+                    for s, n in zip(sub, lens):
+                        pool.truncate_to(s, n)
         finally:
-            pool.free(slot)
+            for s in slots:
+                pool.free(s)

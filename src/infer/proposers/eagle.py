@@ -175,15 +175,21 @@ class EagleProposer(Proposer):
         score_synced(f_hat, self.draft_vocab, self.head.compute_logits)
         return True
 
-    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
+    def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run on ``pool`` (a twin of the draft pool) what rounds run: catch-ups of each width from true features,
-        each followed by a draft step from the head's own output (engine.warmup builds their compiled graphs)."""
-        slot = pool.allocate(ctx + max(widths) + 1)
+        each followed by a draft step from the head's own output (engine.warmup builds their compiled graphs), for
+        ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and then one of
+        those rows alone (its blocks interleaved with the others')."""
+        lens = [ctx + i for i in range(rows)]
+        slots = [pool.allocate(n + max(widths) + 1) for n in lens]
         try:
-            self._forward([slot], [[1] * ctx], [self._zeros(ctx, self._width)], pool=pool)
-            for t in widths:
-                out = self._forward([slot], [[1] * t], [self._zeros(t, self._width)], pool=pool)
-                self._forward([slot], [[1]], [out[0, -1:]], pool=pool)
-                pool.truncate_to(slot, ctx)
+            self._forward(slots, [[1] * n for n in lens], [self._zeros(n, self._width) for n in lens], pool=pool)
+            for sub in ([slots, slots[:1]] if rows > 1 else [slots]):
+                for t in widths:
+                    out = self._forward(sub, [[1] * t] * len(sub), [self._zeros(t, self._width)] * len(sub), pool=pool)
+                    self._forward(sub, [[1]] * len(sub), list(out[:, -1:]), pool=pool)
+                    for s, n in zip(sub, lens):
+                        pool.truncate_to(s, n)
         finally:
-            pool.free(slot)
+            for s in slots:
+                pool.free(s)

@@ -159,8 +159,8 @@ class HybridProposer(Proposer):
                 trees[b] = t
         return trees
 
-    def warm_steps(self, pool, ctx: int, widths: list[int]) -> None:
-        self.model.warm_steps(pool, ctx, widths)
+    def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
+        self.model.warm_steps(pool, ctx, widths, rows)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
