@@ -201,7 +201,7 @@ def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch, backend):
     pool's rows are fed a token at a time in turn, so their blocks interleave: the kernel reads them in place."""
     from infer.cache.paged import PagedKVCachePool
     from infer.cache.slotted import SlottedKVCache
-    from infer.model import llama
+    from infer.model import layers
     from infer.model.loader import load_model
 
     model = load_model(gqa_dir)
@@ -231,7 +231,7 @@ def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch, backend):
             for s, p in zip(slots, prompts):
                 if t < len(p):
                     model(torch.tensor([p[t:t + 1]]), *plan([s], [1]))
-        monkeypatch.setattr(llama.F, "scaled_dot_product_attention", _no_sdpa)
+        monkeypatch.setattr(layers.F, "scaled_dot_product_attention", _no_sdpa)
         monkeypatch.setattr(torch.ops.infer, "attention", recorded)
         x = torch.tensor([[1 + i] for i in range(n)])
         model(x, *plan(slots, [1] * n))
