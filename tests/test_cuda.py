@@ -1,8 +1,8 @@
 """The CUDA path: the engine's plain and speculative steps on a GPU, checked as the CPU suite checks them.
 
-Runs where torch sees a CUDA device and is skipped elsewhere (CI has none): ``python -m pytest tests/test_cuda.py``
-on a GPU machine. ``INFER_TEST_DEVICE=cpu`` runs the same checks on the CPU, which is how this file is itself kept
-working without a GPU. Covered, on the device:
+On a GPU machine ``python -m pytest tests/test_cuda.py`` runs them on CUDA; without one (CI) the same checks run on
+the CPU, which keeps this file itself working (``INFER_TEST_DEVICE`` names a device: "cuda" where none is present
+skips them). Covered, on the device:
 - plain greedy decoding equal to transformers' greedy (float32, on the CPU) on a tiny checkpoint;
 - greedy parity of every proposer with plain decoding (float32): a draft model, n-gram, suffix, the EAGLE / EAGLE-3
   / Medusa heads, a token tree, both KV backends, a batch that preempts;
@@ -25,9 +25,9 @@ from infer.testing import make_tiny_llama, random_heads, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
-DEVICE = os.environ.get("INFER_TEST_DEVICE", "cuda")
+DEVICE = os.environ.get("INFER_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-                                reason="no CUDA device (INFER_TEST_DEVICE=cpu runs these checks on the CPU)")
+                                reason="INFER_TEST_DEVICE names CUDA, and torch sees no CUDA device")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
