@@ -333,3 +333,25 @@ def test_the_gate_never_stops_the_thread_inside_an_import(tmp_path, monkeypatch)
     assert gate._gate(infer_gate_probe.FRAME, "call", None) is None  # inside the import: not stopped
     with pytest.raises(warmup._Stopped):
         gate._gate(sys._getframe(), "call", None)  # after it: stopped
+
+
+def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them(gqa_dir):
+    """What the warm-up runs decides which graphs exist before requests come: a lone row's tree verifies; a batch's
+    rows at contexts of different lengths (masked steps, as served); then one of its rows alone on the blocks the
+    batch interleaved."""
+    eng = LLM(gqa_dir, max_batch_size=2, block_size=4, compile=False).engine
+    calls, forward = [], eng.runner.forward
+
+    def recorded(model, pool, slots, rows, tree=None):
+        calls.append((len(slots), sorted({len(r) for r in rows}), tree is not None))
+        return forward(model, pool, slots, rows, tree)
+
+    eng.runner.forward = recorded
+    with torch.inference_mode():
+        warmup.run_steps(eng.runner, eng.kv.pool, eng.max_seq_len, [1, 4], rows=1, tree=True)
+        assert (1, [4], True) in calls  # a star of 4 nodes
+        calls.clear()
+        warmup.run_steps(eng.runner, eng.kv.pool, eng.max_seq_len, [1, 4], rows=2)
+    assert calls[0] == (2, [warmup.PROFILE_CONTEXT, warmup.PROFILE_CONTEXT + 1], False)  # two prompt lengths
+    assert (2, [4], False) in calls and (1, [4], False) in calls and (1, [1], False) in calls
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens  # the scratch slots are freed
