@@ -6,9 +6,10 @@ cost model are ready (``Engine.wait_until_ready`` where the revision has it; old
 constructor), runs one untimed generation, then times ``--rounds`` generations of each prompt. Processes alternate
 (base, head, base, head, ...) so a slower stretch of the machine hits both; per side, the median and quartiles of
 all timed generations. Settings: plain decoding (chat's dtype and quantization, no drafter) and chat's default
-speculation, greedy and at temperature 0.7.
+speculation, greedy and at temperature 0.7 (and, with --settings, a head drafter alone).
 
     python benchmarks/revisions.py --base cfe538a [--head HEAD] [--repeats 2] [--rounds 3] [--new-tokens 128]
+                                   [--settings plain,speculative,eagle]
 
 Writes benchmarks/results/revisions.json and the "revisions" section of docs/benchmarks.md.
 """
@@ -41,7 +42,13 @@ from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculat
 assert infer.__file__.startswith(sys.argv[1]), (infer.__file__, sys.argv[1])  # the revision under test
 setting, rounds, new_tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts = json.loads(sys.argv[5])
-spec = real_model_speculation() if setting == "speculative" else {}
+if setting == "speculative":
+    spec = real_model_speculation()
+elif setting in ("eagle", "eagle3"):  # a head drafter alone, K auto
+    from infer.drafters import drafter_paths
+    spec = {"draft_model": str(drafter_paths()[setting]), "proposer": "draft"}
+else:
+    spec = {}
 llm = LLM(real_model_path(), **REAL_MODEL_SETTINGS, **spec, max_batch_size=1)  # one request, as infer chat
 if hasattr(llm.engine, "wait_until_ready"):
     llm.engine.wait_until_ready()
@@ -93,6 +100,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="processes per (revision, setting)")
     ap.add_argument("--rounds", type=int, default=3, help="timed generations per prompt in each process")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--settings", default="plain,speculative",
+                    help="of plain, speculative (chat's default), eagle, eagle3 (that head alone, K auto)")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="infer-revisions-"))
     sides = {}
@@ -101,7 +110,7 @@ def main() -> None:
             sha, path = worktree(rev, root)
             sides[name] = {"rev": sha, "src": path / "src", "rates": {}}
         for i in range(a.repeats):
-            for setting in ("plain", "speculative"):
+            for setting in a.settings.split(","):
                 for name, side in sides.items():
                     got = run_worker(side["src"], setting, a)
                     for cell, rates in got.items():
@@ -122,10 +131,10 @@ def main() -> None:
     write_json("revisions", res)
     m = res["machine"]
     md = [f"Tokens/s after start-up, revision {res['base']} (base) against {res['head']} (head), SmolLM2-135M-Instruct "
-          f"with `infer chat`'s settings (bfloat16, int8 weights, compiled), one request, {a.new_tokens} new tokens, "
+          f"with `infer chat`'s settings (bfloat16, its GGUF's Q4_1 blocks, compiled), one request, {a.new_tokens} new tokens, "
           f"{len(PROMPTS)} chat prompts x {a.rounds} rounds x {a.repeats} processes per side, processes interleaved. "
           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Median (quartiles). "
-          f"`python benchmarks/revisions.py --base {res['base']}`.", "",
+          f"`python benchmarks/revisions.py --base {res['base']} --settings {a.settings}`.", "",
           "| setting | base tok/s | head tok/s | head / base |", "|---|---|---|---|"]
     for c in cells:
         b, h = res["cells"][c]["base"], res["cells"][c]["head"]

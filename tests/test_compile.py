@@ -93,28 +93,41 @@ def test_quantizing_a_compiled_model_is_refused(gqa_dir):
         quantize_model(llm.model, "int8")
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind):
     """Issue 33's cheap draft steps: beside a quantized target the drafter is quantized too (Q8_0: its projections and
     draft-vocabulary rows on infer::qlinear) and, the target being compiled, so is its step (built by the warm-up on a
-    twin of the draft pool). Drafts are proposals: the tokens are still the quantized target's own."""
+    twin of the draft pool), and a greedy round's later steps of an EAGLE head run as one chain (draft_chain; over a
+    draft vocabulary with the prompt's tokens added, for the EAGLE head). Drafts are proposals: the tokens are still
+    the quantized target's own."""
     from infer.model.draft_heads import save_heads
     from infer.model.loader import load_model
     from infer.model.quant import BlockLinear
+    from infer.proposers.draft_vocab import write_ranking
     from infer.testing import random_heads
 
-    drafter = gqa_dir
-    if kind == "eagle3":
-        save_heads(random_heads(load_model(gqa_dir), "eagle3", seed=3), tmp_path / "head", dtype=torch.float32)
+    drafter, extra = gqa_dir, {}
+    if kind.startswith("eagle"):
+        save_heads(random_heads(load_model(gqa_dir), kind, seed=3), tmp_path / "head", dtype=torch.float32)
         drafter = tmp_path / "head"
+    if kind == "eagle":  # half the vocabulary (odd ids first): the prompts bring tokens from outside it
+        V = load_model(gqa_dir).config.vocab_size
+        write_ranking(drafter, [1 + (i % 2) for i in range(V)], "test: odd ids rank first")
+        extra = {"draft_vocab_size": V // 2}
     want = _ids(LLM(gqa_dir, quantization="q8_0", compile=False, max_batch_size=1).generate(PROMPTS, GREEDY))
-    llm = LLM(gqa_dir, quantization="q8_0", draft_model=drafter, spec_length=3, compile=True, max_batch_size=1)
+    llm = LLM(gqa_dir, quantization="q8_0", draft_model=drafter, spec_length=3, compile=True, max_batch_size=1,
+              **extra)
     d = llm.engine.draft_model
     assert d.compiled is not None and any(isinstance(m, BlockLinear) for m in d.modules())
     assert llm.engine.wait_until_ready(timeout=600) and llm.engine.warmup.error is None
+    chains = []
+    if kind.startswith("eagle"):  # count the compiled chains run
+        compiled_chain, run_only = d.compiled.methods["_chain"]
+        d.compiled.methods["_chain"] = (lambda *a: chains.append(1) or compiled_chain(*a), run_only)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up built the drafter's graphs too
         assert _ids(llm.generate(PROMPTS, GREEDY)) == want
     assert llm.engine.stats.num_draft_tokens > 0
+    assert bool(chains) == kind.startswith("eagle")
 
 
 def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):

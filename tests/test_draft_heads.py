@@ -168,3 +168,54 @@ def test_eagle3_training_unroll_equals_cached_drafting(backend):
             meta = pool.prepare([slot], [1])
             prev = head(tokens[1:, L - 1 + s: L + s], prev, meta.positions, pool, meta)
             assert torch.allclose(prev[0, 0], outs[s - 1][0], atol=1e-5), s
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("vocab", ["eagle over a subset", "eagle over q8_0 rows and a prompt's", "eagle3's own"])
+def test_a_greedy_draft_chain_gives_the_single_steps_drafts(backend, vocab):
+    """EagleHead.draft_chain (issue 33: a round's later draft steps in one graph) computes what the single steps
+    and their greedy draws compute: each step's argmax over the draft vocabulary fed to the next, two rows at
+    once, the cache written where single steps write it."""
+    from infer.cache.paged import PagedKVCachePool
+    from infer.cache.slotted import SlottedKVCache
+    from infer.proposers.draft_vocab import DraftVocab, HeadVocab
+
+    target = random_llama(64, seed=0)
+    kind = "eagle3" if vocab == "eagle3's own" else "eagle"
+    head = random_heads(target, kind, seed=3)
+    if kind == "eagle3":
+        dv = HeadVocab(head)
+    else:
+        dv = DraftVocab(target.lm_head_weight, range(0, 64, 2))
+        if "q8_0" in vocab:
+            dv = dv.quantized("q8_0").including([5, 9, 11])
+            assert dv.extra_weight is not None
+    c, H = head.config, target.config.hidden_size
+    pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64, max_slots=2) if backend == "slotted" else \
+        PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4)
+    slots = [pool.allocate(24), pool.allocate(24)]
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        meta = pool.prepare(slots, [7, 7])
+        feats = torch.randn(2, 7, head.feature_width if kind == "eagle3" else H, generator=g)
+        head(torch.randint(0, 64, (2, 7), generator=g), feats, meta.positions, pool, meta)
+        tok, hidden = torch.tensor([3, 8]), torch.randn(2, H, generator=g)
+
+        def singles(m):
+            t, h, out = tok, hidden, []
+            for _ in range(m):
+                meta = pool.prepare(slots, [1, 1])
+                h = head(t[:, None], h[:, None], meta.positions, pool, meta)[:, 0]
+                t = dv.token(dv.logits(h).max(-1).indices)
+                out.append(t)
+            return torch.stack(out, 1), h
+
+        want, want_h = singles(3)
+        want_k = pool.k[0].clone() if backend == "slotted" else None
+        for s in slots:
+            pool.truncate_to(s, 7)
+        got, got_h = head.draft_chain(tok, hidden, pool, [pool.prepare(slots, [1, 1]) for _ in range(3)], dv)
+    assert torch.equal(got, want) and torch.equal(got_h, want_h)
+    assert len(set(got.flatten().tolist())) > 1 and all(pool.seq_len(s) == 10 for s in slots)
+    if want_k is not None:
+        assert torch.equal(pool.k[0], want_k)

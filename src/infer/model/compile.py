@@ -116,12 +116,13 @@ class CompiledSteps:
     compiling (torch._dynamo.run). Eager and compiled steps give the same bits (every reduction of a few-token step
     is an infer kernel: kernels/norm.cpp), so which one ran never shows in the tokens."""
 
-    build: Callable  # () -> (forward, logits, run_forward, run_logits)
+    build: Callable  # () -> {method name: (compiling, run-only)}: "_forward", and "_logits" / "_chain" where defined
     max_tokens: int  # steps with at most this many tokens per row use them
     forward: Callable | None = None  # (input_ids [B, T], positions [B, T], kv, attn_meta) -> hidden [B, T, H]
     logits: Callable | None = None  # hidden [..., H] -> float32 logits [..., V]
     run_forward: Callable | None = None  # run-only twins: never compile
     run_logits: Callable | None = None
+    methods: dict = field(default_factory=dict)  # every compiled method: name -> (compiling, run-only)
     compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
     warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
 
@@ -130,7 +131,10 @@ class CompiledSteps:
             return
         with _BUILD_LOCK:
             if self.run_forward is None:
-                self.forward, self.logits, self.run_forward, self.run_logits = self.build()
+                built = self.build()
+                self.logits, self.run_logits = built.get("_logits", (None, None))
+                self.methods = built
+                self.forward, self.run_forward = built["_forward"]  # last: the others are set when this is
 
     def steps(self) -> tuple[Callable | None, Callable | None]:
         """(forward, logits) for the calling thread; (None, None): run the model's own code eagerly."""
@@ -138,6 +142,14 @@ class CompiledSteps:
             self.ensure_built()
             return self.forward, self.logits
         return self.run_forward, self.run_logits  # None until the warm-up thread has made them
+
+    def method(self, name: str) -> Callable | None:
+        """The compiled method ``name`` for the calling thread (as ``steps``); None: run the model's own eagerly."""
+        if self.compiling is None or self.compiling == threading.get_ident():
+            self.ensure_built()
+            return self.methods[name][0]
+        pair = self.methods.get(name) if self.run_forward is not None else None
+        return None if pair is None else pair[1]
 
 
 def kernels_build() -> str:
@@ -201,7 +213,8 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
     """Attach compiled decode/verify steps to ``model`` (in place; returns it). Idempotent.
 
     ``model``: a LlamaForCausalLM (its ``_forward`` and ``_logits``), or a drafter head with a ``_forward`` of its own
-    (model.draft_heads: an EAGLE head's draft step over its cache), whose ``forward`` dispatches the same way."""
+    (model.draft_heads: an EAGLE head's draft step over its cache), whose ``forward`` dispatches the same way, and a
+    ``_chain`` (greedy draft steps run back to back, one graph per number of steps: ``draft_chain``)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:
@@ -213,10 +226,8 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
             configure_cache(cache_dir)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
-            fwd, run_fwd = _compile_method(model, "_forward", dict(options))
-            logits, run_logits = _compile_method(model, "_logits", dict(options)) if hasattr(model, "_logits") \
-                else (None, None)
-            return fwd, logits, run_fwd, run_logits
+            return {name: _compile_method(model, name, dict(options))
+                    for name in ("_forward", "_logits", "_chain") if hasattr(model, name)}
 
         model.compiled = CompiledSteps(build, max_tokens)
     model.compiled.max_tokens = max_tokens

@@ -95,6 +95,33 @@ class DraftHead(nn.Module):
         return self._forward(tokens, features, positions, kv, meta, embed)
 
 
+    def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, kv, metas: list, vocab) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        """``len(metas)`` greedy draft steps back to back (an EAGLE head's): tokens [n] (each row's last draft),
+        hidden [n, H] (the step before's output) -> (the drafts [n, m], the last step's output [n, H]).
+
+        Step i appends one entry a row where ``metas[i]`` plans it (``pool.prepare``, called m times beforehand: the
+        positions follow one another), scores its output over ``vocab`` (a DraftVocab) and feeds the argmax to step
+        i + 1: the ops of m single steps and their greedy draws, so the same drafts. Compiled, one graph per m: a
+        draft step then costs its kernels, not Dynamo's call and the host work between steps (issue 33's c)."""
+        self.rotary.reserve(metas[-1].kv_len - 1, hidden.device, hidden.dtype)
+        c = self.compiled
+        chain = c.method("_chain") if c is not None else None
+        if chain is not None and getattr(vocab, "extra_weight", None) is not None:
+            # a prompt's tokens added to the vocabulary: one graph for any number of them (DraftVocab.including)
+            torch._dynamo.maybe_mark_dynamic(vocab.extra_weight, 0)
+            torch._dynamo.maybe_mark_dynamic(vocab.ids, 0)
+        return (chain or self._chain)(tokens, hidden, kv, metas, vocab)
+
+    def _chain(self, tokens, hidden, kv, metas, vocab):
+        drafts = []
+        for meta in metas:
+            hidden = self._forward(tokens[:, None], hidden[:, None], meta.positions, kv, meta)[:, 0]
+            tokens = vocab.token(vocab.logits(hidden).max(-1).indices)  # sampling.argmax: the first maximum
+            drafts.append(tokens)
+        return torch.stack(drafts, 1), hidden
+
+
 class EagleHead(DraftHead):
     kind = "eagle"
     has_kv = True  # one layer's KV in the draft pool

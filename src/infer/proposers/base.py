@@ -158,6 +158,15 @@ class DraftDrawer:
             if j == 0:
                 self.t_first, self.rows = self.t_last, len(idx)
 
+    def put(self, j: int, idx: list[int], drafts: torch.Tensor) -> None:
+        """Greedy drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of
+        steps: EagleHead.draft_chain): what m calls of ``draw`` would have kept, timing included."""
+        m = drafts.shape[1]
+        self.drafts[torch.tensor(idx, device=self.batch.device) if len(idx) < len(self.batch.reqs) else
+                    slice(None), j:j + m] = drafts
+        self.t_last = time.perf_counter()
+        self.steps = max(self.steps, j + m)
+
     def _draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
         batch, dv, sampling = self.batch, self.dv, self.batch.sampling
         # the rows as an index tensor; not needed where every row draws and nothing else is kept (greedy)

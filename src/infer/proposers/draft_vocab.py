@@ -150,6 +150,9 @@ class DraftVocab:
         return self._extend(self.id_list, extra)
 
     def _extend(self, base: list[int], extra: list[int]) -> DraftVocab:
+        if len(extra) == 1:  # never one added row: a compiled draft chain would specialise a graph on it (size 1)
+            have = set(base) | set(extra)
+            extra = sorted(extra + [next(i for i in range(self.vocab_size) if i not in have)])
         out = copy.copy(self)
         out.id_list = base + extra
         out.ids = torch.tensor(out.id_list, dtype=torch.long, device=self._full_weight.device)

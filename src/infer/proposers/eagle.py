@@ -39,6 +39,11 @@ from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed
 from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
 
+# The most greedy draft steps one chain runs (EagleHead.draft_chain: one compiled graph per length 1 .. CHAIN_MAX, built
+# by engine.warmup); a longer run of steps goes in several chains.
+CHAIN_MAX = 4
+
+
 class EagleProposer(Proposer):
     name = "eagle"
     uses_draft_model = True
@@ -117,18 +122,34 @@ class EagleProposer(Proposer):
         catch_up_s = time.perf_counter() - t0 if alone else 0.0
         catch_up = max(len(t) for t in toks)
         pool, dev = self.kv.draft_pool, self.head.device
-        for j in range(max(ks)):
+        # greedy rows over a draft vocabulary: runs of later steps go as one chain (draft_chain), argmax fed back
+        chain = batch.sampling is None and batch.grammar is None and not batch.keep_logits and \
+            drawer.dv is not None
+        j, prev_idx = 0, None
+        while j < max(ks):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
             if j == 0:
                 out = self._forward([dslots[b] for b in idx], toks, feats)
                 f_hat = out[torch.arange(len(idx)), torch.tensor([len(t) - 1 for t in toks])]  # [n, H]
+                drawer.draw(0, idx, f_hat)
+                j += 1
+                prev_idx = idx
+                continue
+            keep = [i for i, b in enumerate(prev_idx) if ks[b] > j]
+            if len(keep) < len(prev_idx):
+                f_hat = f_hat[keep]
+            slots, last = [dslots[b] for b in idx], drawer.drafts[idx, j - 1]
+            if chain:  # the steps every row of idx takes, up to CHAIN_MAX at once (a graph each length)
+                m = min(min(ks[b] for b in idx) - j, CHAIN_MAX)
+                metas = [pool.prepare(slots, [1] * len(idx), dev) for _ in range(m)]
+                drafts, f_hat = self.head.draft_chain(last, f_hat, pool, metas, drawer.dv)
+                drawer.put(j, idx, drafts)
+                j += m
             else:  # one entry a row: the last draft and f^ of the step before, as tensors (no host sync)
-                keep = [i for i, b in enumerate(prev_idx) if ks[b] > j]
-                if len(keep) < len(prev_idx):
-                    f_hat = f_hat[keep]
-                meta = pool.prepare([dslots[b] for b in idx], [1] * len(idx), dev)
-                f_hat = self.head(drawer.drafts[idx, j - 1][:, None], f_hat[:, None], meta.positions, pool, meta)[:, 0]
-            drawer.draw(j, idx, f_hat)
+                meta = pool.prepare(slots, [1] * len(idx), dev)
+                f_hat = self.head(last[:, None], f_hat[:, None], meta.positions, pool, meta)[:, 0]
+                drawer.draw(j, idx, f_hat)
+                j += 1
             prev_idx = idx
         return drawer.proposal(ks, catch_up=catch_up, catch_up_tokens=alone, catch_up_s=catch_up_s)
 
@@ -177,10 +198,13 @@ class EagleProposer(Proposer):
 
     def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run on ``pool`` (a twin of the draft pool) what rounds run: catch-ups of each width from true features,
-        each followed by a draft step from the head's own output (engine.warmup builds their compiled graphs), for
-        ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and then one of
-        those rows alone (its blocks interleaved with the others')."""
+        each followed by a draft step from the head's own output, and greedy chains of the later steps' lengths
+        (over the draft vocabulary alone and with a prompt's tokens added) (engine.warmup builds their compiled
+        graphs), for ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and
+        then one of those rows alone (its blocks interleaved with the others')."""
         lens = [ctx + i for i in range(rows)]
+        chains = range(1, min(CHAIN_MAX, max(widths) - 2) + 1)  # a round's later steps: K - 1, K <= max(widths) - 1
+        vocabs = self._warm_vocabs() if chains else []
         slots = [pool.allocate(n + max(widths) + 1) for n in lens]
         try:
             self._forward(slots, [[1] * n for n in lens], [self._zeros(n, self._width) for n in lens], pool=pool)
@@ -190,6 +214,23 @@ class EagleProposer(Proposer):
                     self._forward(sub, [[1]] * len(sub), list(out[:, -1:]), pool=pool)
                     for s, n in zip(sub, lens):
                         pool.truncate_to(s, n)
+                tok = torch.ones(len(sub), dtype=torch.long, device=self.head.device)
+                for m, dv in ((m, dv) for m in chains for dv in vocabs):
+                    metas = [pool.prepare(sub, [1] * len(sub), self.head.device) for _ in range(m)]
+                    self.head.draft_chain(tok, self._zeros(len(sub)), pool, metas, dv)
+                    for s, n in zip(sub, lens):
+                        pool.truncate_to(s, n)
         finally:
             for s in slots:
                 pool.free(s)
+
+    def _warm_vocabs(self) -> list:
+        """The vocabularies a greedy chain scores over, one compiled graph each: the draft vocabulary, and (where a
+        prompt's tokens can join it: PromptVocabs) the same with tokens added."""
+        dv = self.draft_vocab
+        if dv is None:
+            return []
+        have = set(dv.id_list)
+        outside = [i for i in range(dv.vocab_size) if i not in have][:3]
+        wider = dv.including(outside)
+        return [dv] if wider is dv else [dv, wider]
