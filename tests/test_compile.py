@@ -97,9 +97,9 @@ def test_quantizing_a_compiled_model_is_refused(gqa_dir):
 def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind):
     """Issue 33's cheap draft steps: beside a quantized target the drafter is quantized too (Q8_0: its projections and
     draft-vocabulary rows on infer::qlinear) and, the target being compiled, so is its step (built by the warm-up on a
-    twin of the draft pool), and a greedy round's later steps of an EAGLE head run as one chain (draft_chain; over a
-    draft vocabulary with the prompt's tokens added, for the EAGLE head). Drafts are proposals: the tokens are still
-    the quantized target's own."""
+    twin of the draft pool), and a round's later steps of an EAGLE head run as one chain (draft_chain: greedy, or
+    drawn at a plain temperature; for the EAGLE head over a draft vocabulary with the prompt's tokens added).
+    Drafts are proposals: the tokens are still the quantized target's own."""
     from infer.model.draft_heads import save_heads
     from infer.model.loader import load_model
     from infer.model.quant import BlockLinear
@@ -126,8 +126,11 @@ def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind)
         d.compiled.methods["_chain"] = (lambda *a: chains.append(1) or compiled_chain(*a), run_only)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up built the drafter's graphs too
         assert _ids(llm.generate(PROMPTS, GREEDY)) == want
+        greedy_chains = len(chains)
+        # a plain temperature: the chains draw
+        assert all(_ids(llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=0))))
     assert llm.engine.stats.num_draft_tokens > 0
-    assert bool(chains) == kind.startswith("eagle")
+    assert (greedy_chains > 0 and len(chains) > greedy_chains) == kind.startswith("eagle")
 
 
 def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):

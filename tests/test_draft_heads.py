@@ -105,6 +105,13 @@ def test_joint_distribution_equals_target(kind, params):
     assert _pvalue(kind, params) > 0.001
 
 
+def test_joint_distribution_equals_target_when_a_chain_draws_at_a_temperature():
+    """Plain temperature sampling: the EAGLE-3 head's later draft steps draw inside its chain (draft_chain), q from
+    softmax(logits / T) (T = 1 above). The random head's flat logits leave this test little power against a q
+    that drops the temperature (p ~0.1-0.2 for it): test_a_draft_chain_gives_the_single_steps_drafts pins q exactly."""
+    assert _pvalue("eagle3", SamplingParams(temperature=0.6, max_tokens=4)) > 0.001
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_joint_distribution_equals_target_on_the_contiguous_backend(kind):
     assert _pvalue(kind, PARAMS[0], kv_cache_backend="contiguous") > 0.001
@@ -170,15 +177,18 @@ def test_eagle3_training_unroll_equals_cached_drafting(backend):
             assert torch.allclose(prev[0, 0], outs[s - 1][0], atol=1e-5), s
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("vocab", ["eagle over a subset", "eagle over q8_0 rows and a prompt's", "eagle3's own"])
-def test_a_greedy_draft_chain_gives_the_single_steps_drafts(backend, vocab):
+def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled):
     """EagleHead.draft_chain (issue 33: a round's later draft steps in one graph) computes what the single steps
-    and their greedy draws compute: each step's argmax over the draft vocabulary fed to the next, two rows at
-    once, the cache written where single steps write it."""
+    and their draws compute: each step's argmax over the draft vocabulary, or its draw from softmax(logits / T)
+    with the row's next uniform (q returned), fed to the next step, two rows at once, the cache written where single
+    steps write it."""
     from infer.cache.paged import PagedKVCachePool
     from infer.cache.slotted import SlottedKVCache
     from infer.proposers.draft_vocab import DraftVocab, HeadVocab
+    from infer.sampling import inverse_cdf
 
     target = random_llama(64, seed=0)
     kind = "eagle3" if vocab == "eagle3's own" else "eagle"
@@ -195,27 +205,36 @@ def test_a_greedy_draft_chain_gives_the_single_steps_drafts(backend, vocab):
         PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4)
     slots = [pool.allocate(24), pool.allocate(24)]
     g = torch.Generator().manual_seed(1)
+    temp = torch.tensor([0.7, 1.3]) if sampled else None
     with torch.inference_mode():
         meta = pool.prepare(slots, [7, 7])
         feats = torch.randn(2, 7, head.feature_width if kind == "eagle3" else H, generator=g)
         head(torch.randint(0, 64, (2, 7), generator=g), feats, meta.positions, pool, meta)
         tok, hidden = torch.tensor([3, 8]), torch.randn(2, H, generator=g)
+        u = torch.rand(2, 3, dtype=torch.float64, generator=g)
 
         def singles(m):
-            t, h, out = tok, hidden, []
-            for _ in range(m):
+            t, h, out, qs = tok, hidden, [], []
+            for i in range(m):
                 meta = pool.prepare(slots, [1, 1])
                 h = head(t[:, None], h[:, None], meta.positions, pool, meta)[:, 0]
-                t = dv.token(dv.logits(h).max(-1).indices)
+                logits = dv.logits(h)
+                if sampled:
+                    qs.append((logits / temp[:, None]).softmax(-1))
+                    t = dv.token(inverse_cdf(qs[-1], u[:, i]))
+                else:
+                    t = dv.token(logits.max(-1).indices)
                 out.append(t)
-            return torch.stack(out, 1), h
+            return torch.stack(out, 1), h, torch.stack(qs, 1) if sampled else None
 
-        want, want_h = singles(3)
+        want, want_h, want_q = singles(3)
         want_k = pool.k[0].clone() if backend == "slotted" else None
         for s in slots:
             pool.truncate_to(s, 7)
-        got, got_h = head.draft_chain(tok, hidden, pool, [pool.prepare(slots, [1, 1]) for _ in range(3)], dv)
+        got, got_h, got_q = head.draft_chain(tok, hidden, pool, [pool.prepare(slots, [1, 1]) for _ in range(3)], dv,
+                                             temp if sampled else torch.zeros(2), u)
     assert torch.equal(got, want) and torch.equal(got_h, want_h)
+    assert not sampled or torch.equal(got_q, want_q)
     assert len(set(got.flatten().tolist())) > 1 and all(pool.seq_len(s) == 10 for s in slots)
     if want_k is not None:
         assert torch.equal(pool.k[0], want_k)

@@ -76,6 +76,27 @@ def test_a_lone_sequence_gets_consecutive_blocks_after_interleaved_ones():
     assert meta.row0 == 0 and meta.kv_len == 31
 
 
+def test_a_run_of_steps_shares_one_layout_and_addresses_what_single_steps_address():
+    """prepare_run (a draft chain's plans): a lone row whose run crosses into a block that is not next to its last
+    reads every step through storage rows, the steps before the gap too (one layout: one compiled graph), and
+    writes and reads the same storage rows as single steps would; a run within consecutive blocks keeps slices."""
+    pool = PagedKVCachePool(1, 1, 4, num_blocks=16, block_size=4, max_seq_len=64, max_slots=3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.prepare([a], [6])  # blocks 0, 1
+    pool.prepare([b], [4])  # block 2: a's next block will be 3, not next to 1
+    single = [pool.prepare([a], [1]) for _ in range(3)]  # positions 6, 7 in block 1; 8 in block 3
+    assert [m.row0 is None for m in single] == [False, False, True]
+    pool.truncate_to(a, 6)
+    run = pool.prepare_run([a], 3)
+    assert all(m.row0 is None for m in run) and pool.seq_len(a) == 9
+    for one, m in zip(single, run):
+        rows = one.row0 + one.write_pos if one.row0 is not None else one.write_pos
+        assert torch.equal(m.write_pos, rows) and m.kv_len == one.kv_len
+        assert torch.equal(m.read_pos[0], torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12][:m.kv_len]))
+    pool.truncate_to(a, 2)
+    assert all(m.row0 == 0 for m in pool.prepare_run([a], 3))  # blocks 0 and 1, consecutive: slices throughout
+
+
 def test_can_fit_asks_before_prepare_does():
     pool = PagedKVCachePool(1, 1, 4, num_blocks=4, block_size=4, max_seq_len=32, max_slots=2)
     s = pool.allocate()

@@ -165,6 +165,11 @@ class KVCachePool(ABC):
         """Plan a forward that appends ``num_new[i]`` tokens to ``slots[i]``; advances the lengths. With ``tree`` the
         new tokens are tree nodes (TreeAttn): written where a chain would be, positioned and masked as a tree."""
 
+    def prepare_run(self, slots: list[int], steps: int, device: torch.device | None = None) -> list[AttnMeta]:
+        """Plan ``steps`` forwards of one token a row, one after another (``prepare`` ``steps`` times), all addressed
+        alike (the same kind of plan), so that a compiled run of steps (EagleHead.draft_chain) meets one layout."""
+        return [self.prepare(slots, [1] * len(slots), device) for _ in range(steps)]
+
     @abstractmethod
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the K/V at positions ``src`` of ``slot`` to positions ``dst`` (every layer; all reads before any

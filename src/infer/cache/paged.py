@@ -220,6 +220,11 @@ class PagedKVCachePool(KVCachePool):
                 return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
                                 num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
                                 mask=mask, is_causal=is_causal, row0=table[0] * bs)
+        return self._gathered(list(slots), start, list(num_new), positions, mask, kv_len, is_causal, device)
+
+    def _gathered(self, slots, start, num_new, positions, mask, kv_len, is_causal, device) -> AttnMeta:
+        """The plan of a forward whose blocks are already taken, every key read through its storage row."""
+        bs, T, width = self.block_size, positions.shape[1], _cdiv(kv_len, self.block_size)
         tables = torch.tensor([self._tables[s][:width] + [0] * (width - len(self._tables[s][:width]))
                                for s in slots], dtype=torch.long)  # [B, width], short rows padded (masked)
         pos = torch.arange(kv_len)
@@ -227,9 +232,19 @@ class PagedKVCachePool(KVCachePool):
         offs = torch.arange(T)[None, :]
         st_t, n_t = torch.tensor(start)[:, None], torch.tensor(num_new)[:, None]
         write_pos = torch.where(offs < n_t, read_pos.gather(1, (st_t + offs).clamp(max=kv_len - 1)), self.scratch)
-        return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
-                        num_new=list(num_new), positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
+        return AttnMeta(slots=slots, slot_index=torch.tensor(slots, device=device), start=start,
+                        num_new=num_new, positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
                         mask=mask, is_causal=is_causal, read_pos=read_pos.to(device))
+
+    def prepare_run(self, slots: list[int], steps: int, device=None) -> list[AttnMeta]:
+        """As the base class's; a lone row whose run crosses into a block not next to its last reads every step
+        through storage rows (gathers), not only the steps past the gap: the run's steps share one layout."""
+        metas = super().prepare_run(slots, steps, device)
+        if len({m.row0 is None for m in metas}) > 1:
+            metas = [m if m.row0 is None else self._gathered(m.slots, m.start, m.num_new, m.positions, m.mask,
+                                                             m.kv_len, m.is_causal, device or self.device)
+                     for m in metas]
+        return metas
 
     def update(self, layer, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [rows, Hkv, D]

@@ -112,12 +112,22 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
 def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int], rows: int = 1) -> None:
     """The draft steps of ``rows`` rows (Proposer.warm_steps) at two contexts on ``pool``, a twin of the draft pool:
     every graph of a compiled drafter those need exists afterwards, with its sizes dynamic (as run_steps for the
-    target)."""
-    for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + max(widths) + 1):
-        size = ctx + rows + max(widths)
-        if size > min(max_seq_len, pool.max_seq_len) or not pool.can_fit([(None, size)] * rows):
-            return
-        proposer.warm_steps(pool, ctx, widths, rows)
+    target). The second context's slots sit one block further into the pool (a spacer holds the first): a lone
+    row's storage row of position 0 (``AttnMeta.row0``) is 0 only for the pool's first slot, and a graph traced at 0
+    holds for 0 alone."""
+    spacer = None
+    try:
+        for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + max(widths) + 1):
+            size = ctx + rows + max(widths)
+            if size > min(max_seq_len, pool.max_seq_len) or not pool.can_fit([(None, size)] * rows):
+                return
+            proposer.warm_steps(pool, ctx, widths, rows)
+            if spacer is None and pool.can_fit([(None, 1), (None, size)] * rows):
+                spacer = pool.allocate(1)
+                pool.prepare([spacer], [1])
+    finally:
+        if spacer is not None:
+            pool.free(spacer)
 
 
 def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False,

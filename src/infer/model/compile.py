@@ -192,7 +192,7 @@ def drop_damaged_entries() -> int:
     return len(drop_damaged(Path(inductor_cache_dir())))
 
 
-def _compile_method(model, name: str, options: dict) -> tuple[Callable, Callable]:
+def _compile_method(model, name: str, options: dict, dynamic: bool | None = None) -> tuple[Callable, Callable]:
     """torch.compile ``model.<name>`` with graphs of its own -> (compiling, run-only) callables over one cache.
 
     Dynamo keeps its compiled graphs on the function's code object, shared by every instance of the class; with the
@@ -206,7 +206,7 @@ def _compile_method(model, name: str, options: dict) -> tuple[Callable, Callable
     # the limit goes with the function: Dynamo's config is per thread, and the warm-up compiles in a thread of its own
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in inspect.signature(torch.compile).parameters \
         else {}
-    return torch.compile(own, dynamic=None, options=options, **limit), torch._dynamo.run(own)
+    return torch.compile(own, dynamic=dynamic, options=options, **limit), torch._dynamo.run(own)
 
 
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
@@ -226,7 +226,9 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
             configure_cache(cache_dir)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
-            return {name: _compile_method(model, name, dict(options))
+            # a draft chain's graphs: every size dynamic from the first (its list of plans would otherwise compile
+            # each length twice, static then dynamic, and each vocabulary and row count apart)
+            return {name: _compile_method(model, name, dict(options), True if name == "_chain" else None)
                     for name in ("_forward", "_logits", "_chain") if hasattr(model, name)}
 
         model.compiled = CompiledSteps(build, max_tokens)

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ModelConfig
+from ..sampling import inverse_cdf
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
 from .llama import Attention, DecoderLayer, LlamaForCausalLM
 
@@ -95,31 +96,43 @@ class DraftHead(nn.Module):
         return self._forward(tokens, features, positions, kv, meta, embed)
 
 
-    def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, kv, metas: list, vocab) -> tuple[
-            torch.Tensor, torch.Tensor]:
-        """``len(metas)`` greedy draft steps back to back (an EAGLE head's): tokens [n] (each row's last draft),
-        hidden [n, H] (the step before's output) -> (the drafts [n, m], the last step's output [n, H]).
+    def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, kv, metas: list, vocab,
+                    temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``len(metas)`` draft steps back to back (an EAGLE head's): tokens [n] (each row's last draft), hidden [n, H]
+        (the step before's output), temperature [n] (0: greedy), u [n, m] float64 uniforms (each row's next m, from
+        its generator; ignored where greedy) -> (the drafts [n, m], the last step's output [n, H], q [n, m, N]).
 
         Step i appends one entry a row where ``metas[i]`` plans it (``pool.prepare``, called m times beforehand: the
-        positions follow one another), scores its output over ``vocab`` (a DraftVocab) and feeds the argmax to step
-        i + 1: the ops of m single steps and their greedy draws, so the same drafts. Compiled, one graph per m: a
-        draft step then costs its kernels, not Dynamo's call and the host work between steps (issue 33's c)."""
+        positions follow one another) and scores its output over ``vocab`` (a DraftVocab, N tokens). A greedy row's
+        draft is the argmax; another row draws from q = softmax(logits / T) (plain temperature sampling:
+        logits_to_probs without its other stages) with its uniform (sampling.inverse_cdf), and q is the law
+        verification judges the draft by (a greedy row's q is not used). The draft feeds step i + 1: the ops of m
+        single steps and their draws, so the same drafts. Compiled (one graph per m, every size dynamic: greedy and
+        sampled rows, any vocabulary, alike), a draft step then costs its kernels, not Dynamo's call and the host
+        work between steps (issue 33's c)."""
         self.rotary.reserve(metas[-1].kv_len - 1, hidden.device, hidden.dtype)
         c = self.compiled
         chain = c.method("_chain") if c is not None else None
-        if chain is not None and getattr(vocab, "extra_weight", None) is not None:
-            # a prompt's tokens added to the vocabulary: one graph for any number of them (DraftVocab.including)
-            torch._dynamo.maybe_mark_dynamic(vocab.extra_weight, 0)
-            torch._dynamo.maybe_mark_dynamic(vocab.ids, 0)
-        return (chain or self._chain)(tokens, hidden, kv, metas, vocab)
+        if chain is None:
+            return self._chain(tokens, hidden, kv, metas, vocab, temperature, u)
+        # a symbol of its own for every size: sizes that happen to be equal when a graph is traced (two added
+        # vocabulary rows, two KV heads) would otherwise be guarded equal, and a prompt adding three rows recompile
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return chain(tokens, hidden, kv, metas, vocab, temperature, u)
 
-    def _chain(self, tokens, hidden, kv, metas, vocab):
-        drafts = []
-        for meta in metas:
+    def _chain(self, tokens, hidden, kv, metas, vocab, temperature, u):
+        drafts, qs = [], []
+        sampled = temperature > 0
+        t = torch.where(sampled, temperature, 1.0)[:, None]
+        for i, meta in enumerate(metas):
             hidden = self._forward(tokens[:, None], hidden[:, None], meta.positions, kv, meta)[:, 0]
-            tokens = vocab.token(vocab.logits(hidden).max(-1).indices)  # sampling.argmax: the first maximum
+            logits = vocab.logits(hidden)  # float32 [n, N]
+            q = (logits / t).softmax(-1)
+            # sampling.argmax (the first maximum) where greedy
+            tokens = vocab.token(torch.where(sampled, inverse_cdf(q, u[:, i]), logits.max(-1).indices))
             drafts.append(tokens)
-        return torch.stack(drafts, 1), hidden
+            qs.append(q)
+        return torch.stack(drafts, 1), hidden, torch.stack(qs, 1)
 
 
 class EagleHead(DraftHead):

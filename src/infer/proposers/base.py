@@ -158,12 +158,16 @@ class DraftDrawer:
             if j == 0:
                 self.t_first, self.rows = self.t_last, len(idx)
 
-    def put(self, j: int, idx: list[int], drafts: torch.Tensor) -> None:
-        """Greedy drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of
-        steps: EagleHead.draft_chain): what m calls of ``draw`` would have kept, timing included."""
+    def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:
+        """Drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of steps:
+        EagleHead.draft_chain) over the draft vocabulary, with q [n, m, N] where sampled: what m calls of ``draw``
+        would have kept, timing included."""
         m = drafts.shape[1]
-        self.drafts[torch.tensor(idx, device=self.batch.device) if len(idx) < len(self.batch.reqs) else
-                    slice(None), j:j + m] = drafts
+        rows_t = torch.tensor(idx, device=self.batch.device)
+        self.drafts[rows_t if len(idx) < len(self.batch.reqs) else slice(None), j:j + m] = drafts
+        if self.q is not None:
+            for i in range(m):  # 0 outside S (a fresh tensor each proposal)
+                self.q[rows_t[:, None], j + i, self.dv.ids] = q[:, i]
         self.t_last = time.perf_counter()
         self.steps = max(self.steps, j + m)
 
@@ -216,6 +220,13 @@ class DraftDrawer:
             model_rows=self.rows, model_steps=self.steps, steps_s=self.t_last - self.t_first,
             first_s=max(0.0, self.t_first - self.t_start - kw.get("catch_up_s", 0.0)))
         return Proposal(self.drafts, num_draft, self.q, self.logits, **timing, **kw)
+
+
+def plain_temperature(sampling: SamplingBatch) -> bool:
+    """Every row samples at a temperature and nothing else (no top-k, top-p, min-p or penalty, no greedy row):
+    q = softmax(logits / T), which a drafter can draw inside its own compiled step (EagleHead.draft_chain)."""
+    return not (sampling.use_top_k or sampling.use_top_p or sampling.use_min_p or sampling.use_penalty
+                or any(p.greedy for p in sampling.rows))
 
 
 def score_synced(hidden: torch.Tensor, draft_vocab, compute_logits) -> None:

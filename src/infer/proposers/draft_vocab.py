@@ -150,9 +150,9 @@ class DraftVocab:
         return self._extend(self.id_list, extra)
 
     def _extend(self, base: list[int], extra: list[int]) -> DraftVocab:
-        if len(extra) == 1:  # never one added row: a compiled draft chain would specialise a graph on it (size 1)
+        if len(extra) < 2:  # never fewer than two added rows (PromptVocabs.widened says why): the lowest ids outside
             have = set(base) | set(extra)
-            extra = sorted(extra + [next(i for i in range(self.vocab_size) if i not in have)])
+            extra = sorted(extra + [i for i in range(self.vocab_size) if i not in have][:2 - len(extra)])
         out = copy.copy(self)
         out.id_list = base + extra
         out.ids = torch.tensor(out.id_list, dtype=torch.long, device=self._full_weight.device)
@@ -212,9 +212,20 @@ class PromptVocabs:
         if self._batch is None or self._batch[0] != key:
             for r in reqs:
                 if r not in self._of:
-                    self._of[r] = self.draft_vocab.including(r.prompt_ids)
+                    self._of[r] = self.widened(self.draft_vocab.including(r.prompt_ids))
             vocab = self._of[reqs[0]]
             for r in reqs[1:]:
                 vocab = vocab.including(self._of[r].id_list)
             self._batch = (key, vocab)
         return self._batch[1]
+
+    @staticmethod
+    def widened(vocab: DraftVocab | None) -> DraftVocab | None:
+        """``vocab`` with at least two added rows where its rows are quantized (``DraftVocab.quantized``): a compiled
+        draft chain (EagleHead.draft_chain) then meets one layout, quantized rows and added ones, whatever the prompt
+        (a vocabulary without added rows, or with one, would be a graph of its own). The tokens added beyond a
+        prompt's are the lowest ids outside S: S may be any subset (lossless), and two more tokens change nothing
+        else."""
+        if vocab is None or getattr(vocab, "head", None) is None or vocab.extra_weight is not None:
+            return vocab
+        return vocab._extend(vocab.id_list, [])

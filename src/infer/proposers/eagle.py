@@ -34,14 +34,14 @@ import torch
 from ..cache.base import TreeAttn
 from ..model.draft_heads import Eagle3Head, EagleHead
 from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
-from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, plain_temperature, score_synced
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
 
-# The most greedy draft steps one chain runs (EagleHead.draft_chain: one compiled graph per length 1 .. CHAIN_MAX, built
+# The most draft steps one chain runs (EagleHead.draft_chain: one compiled graph per length 1 .. CHAIN_MAX, built
 # by engine.warmup); a longer run of steps goes in several chains.
-CHAIN_MAX = 4
+CHAIN_MAX = 3
 
 
 class EagleProposer(Proposer):
@@ -122,9 +122,9 @@ class EagleProposer(Proposer):
         catch_up_s = time.perf_counter() - t0 if alone else 0.0
         catch_up = max(len(t) for t in toks)
         pool, dev = self.kv.draft_pool, self.head.device
-        # greedy rows over a draft vocabulary: runs of later steps go as one chain (draft_chain), argmax fed back
-        chain = batch.sampling is None and batch.grammar is None and not batch.keep_logits and \
-            drawer.dv is not None
+        # over a draft vocabulary, greedy or plain temperature sampling: runs of later steps go as one chain
+        chain = batch.grammar is None and not batch.keep_logits and drawer.dv is not None and \
+            (batch.sampling is None or plain_temperature(batch.sampling))
         j, prev_idx = 0, None
         while j < max(ks):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
@@ -141,9 +141,16 @@ class EagleProposer(Proposer):
             slots, last = [dslots[b] for b in idx], drawer.drafts[idx, j - 1]
             if chain:  # the steps every row of idx takes, up to CHAIN_MAX at once (a graph each length)
                 m = min(min(ks[b] for b in idx) - j, CHAIN_MAX)
-                metas = [pool.prepare(slots, [1] * len(idx), dev) for _ in range(m)]
-                drafts, f_hat = self.head.draft_chain(last, f_hat, pool, metas, drawer.dv)
-                drawer.put(j, idx, drafts)
+                metas = pool.prepare_run(slots, m, dev)
+                if batch.sampling is None:  # greedy
+                    temp = torch.zeros(len(idx), device=dev)
+                    u = torch.zeros(len(idx), m, dtype=torch.float64, device=dev)
+                else:  # each row's next m uniforms: what m single draws would take
+                    temp = batch.sampling.temperature[idx]
+                    u = torch.stack([torch.rand((m,), dtype=torch.float64, generator=batch.generators[b],
+                                                device=dev) for b in idx])
+                drafts, f_hat, q = self.head.draft_chain(last, f_hat, pool, metas, drawer.dv, temp, u)
+                drawer.put(j, idx, drafts, q if batch.sampling is not None else None)
                 j += m
             else:  # one entry a row: the last draft and f^ of the step before, as tensors (no host sync)
                 meta = pool.prepare(slots, [1] * len(idx), dev)
@@ -198,13 +205,13 @@ class EagleProposer(Proposer):
 
     def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run on ``pool`` (a twin of the draft pool) what rounds run: catch-ups of each width from true features,
-        each followed by a draft step from the head's own output, and greedy chains of the later steps' lengths
-        (over the draft vocabulary alone and with a prompt's tokens added) (engine.warmup builds their compiled
-        graphs), for ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and
+        each followed by a draft step from the head's own output, and chains of the later steps' lengths (one graph
+        each, whatever the vocabulary and sampling) (engine.warmup builds their compiled graphs), for ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and
         then one of those rows alone (its blocks interleaved with the others')."""
         lens = [ctx + i for i in range(rows)]
         chains = range(1, min(CHAIN_MAX, max(widths) - 2) + 1)  # a round's later steps: K - 1, K <= max(widths) - 1
-        vocabs = self._warm_vocabs() if chains else []
+        vocab = self._vocab.widened(self.draft_vocab)
+        chains = chains if vocab is not None else []
         slots = [pool.allocate(n + max(widths) + 1) for n in lens]
         try:
             self._forward(slots, [[1] * n for n in lens], [self._zeros(n, self._width) for n in lens], pool=pool)
@@ -215,22 +222,13 @@ class EagleProposer(Proposer):
                     for s, n in zip(sub, lens):
                         pool.truncate_to(s, n)
                 tok = torch.ones(len(sub), dtype=torch.long, device=self.head.device)
-                for m, dv in ((m, dv) for m in chains for dv in vocabs):
-                    metas = [pool.prepare(sub, [1] * len(sub), self.head.device) for _ in range(m)]
-                    self.head.draft_chain(tok, self._zeros(len(sub)), pool, metas, dv)
+                temp = torch.ones(len(sub), device=self.head.device)
+                for m in chains:
+                    metas = pool.prepare_run(sub, m, self.head.device)
+                    u = torch.full((len(sub), m), 0.5, dtype=torch.float64, device=self.head.device)
+                    self.head.draft_chain(tok, self._zeros(len(sub)), pool, metas, vocab, temp, u)
                     for s, n in zip(sub, lens):
                         pool.truncate_to(s, n)
         finally:
             for s in slots:
                 pool.free(s)
-
-    def _warm_vocabs(self) -> list:
-        """The vocabularies a greedy chain scores over, one compiled graph each: the draft vocabulary, and (where a
-        prompt's tokens can join it: PromptVocabs) the same with tokens added."""
-        dv = self.draft_vocab
-        if dv is None:
-            return []
-        have = set(dv.id_list)
-        outside = [i for i in range(dv.vocab_size) if i not in have][:3]
-        wider = dv.including(outside)
-        return [dv] if wider is dv else [dv, wider]
