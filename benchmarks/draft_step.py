@@ -9,8 +9,9 @@ For each head drafter (EAGLE, EAGLE-3) and draft quantization, in one process pe
   step, which has streamed ~80 MB of weights through the caches: the first draft step of a round;
 - draft warm: the same step right after another draft step: a round's later draft steps, one at a time (as
   sampled rounds run them);
-- chain of 3: a greedy round's three later steps as one compiled chain (EagleHead.draft_chain: the head's layer,
-  the draft-vocabulary scores and the argmax fed to the next step, one graph), synced; reported per step.
+- chain of 3: a round's three later steps as one compiled chain (EagleHead.draft_chain: the head's layer, the
+  draft-vocabulary scores and the argmax, or a draw at temperature 0.7, fed to the next step, one graph), synced;
+  reported per step.
 
 c = draft step / decode step (c chain: a chain step) and v = verify5 / decode step, each from the medians (quartiles in the JSON). A
 profile of warm draft steps (torch.profiler, top ops by self time) says what the step is made of.
@@ -28,6 +29,7 @@ from common import interleaved, machine, update_doc_section, write_json
 from infer import LLM
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path
 from infer.drafters import drafter_paths
+from infer.proposers.draft_vocab import PromptVocabs
 
 N_CTX = 32  # tokens of context in the scratch slots
 CHAIN = 3  # the later steps of a K = 4 round
@@ -55,18 +57,21 @@ def measure(kind: str, quantization: str, repeats: int, profile_steps: int) -> d
         drafter.scratch_step([dslot], 1)
         kv.draft_pool.truncate_to(dslot, N_CTX)
 
-    tok = torch.ones(1, dtype=torch.long, device=drafter.head.device)
-    f = torch.zeros(1, drafter.head.config.hidden_size, dtype=drafter.head.dtype, device=drafter.head.device)
+    dev = drafter.head.device
+    tok = torch.ones(1, dtype=torch.long, device=dev)
+    f = torch.zeros(1, drafter.head.config.hidden_size, dtype=drafter.head.dtype, device=dev)
+    vocab = PromptVocabs.widened(drafter.draft_vocab)  # as a round's (a prompt's tokens added)
 
     @torch.inference_mode()
-    def chain() -> None:
-        metas = [kv.draft_pool.prepare([dslot], [1], drafter.head.device) for _ in range(CHAIN)]
-        drafter.head.draft_chain(tok, f, kv.draft_pool, metas, drafter.draft_vocab)[0].tolist()
+    def chain(temperature: float) -> None:
+        u = torch.rand(1, CHAIN, dtype=torch.float64, device=dev)
+        drafter.head.draft_chain(tok, f, kv.draft_pool, kv.draft_pool.prepare_run([dslot], CHAIN, dev), vocab,
+                                 torch.full((1,), temperature, device=dev), u)[0].tolist()
         kv.draft_pool.truncate_to(dslot, N_CTX)
 
-    # in this order: "draft cold" follows a target step, "draft warm" follows "draft cold", the chain another step
-    fns = {"decode": lambda: target(1), "draft cold": draft, "draft warm": draft, "chain": chain,
-           "verify5": lambda: target(5)}
+    # in this order: "draft cold" follows a target step, "draft warm" follows "draft cold", the chains another step
+    fns = {"decode": lambda: target(1), "draft cold": draft, "draft warm": draft, "chain": lambda: chain(0.0),
+           "chain T=0.7": lambda: chain(0.7), "verify5": lambda: target(5)}
     interleaved(fns, 5)  # first calls: allocations, graph lookups
     times = interleaved(fns, repeats)
     ms = {k: sorted(v) for k, v in times.items()}
@@ -76,6 +81,8 @@ def measure(kind: str, quantization: str, repeats: int, profile_steps: int) -> d
     out = {"drafter": kind, "draft_quantization": quantization, "steps": stats,
            "c_cold": stats["draft cold"]["median_ms"] / dec_ms, "c_warm": stats["draft warm"]["median_ms"] / dec_ms,
            "chain_step_ms": stats["chain"]["median_ms"] / CHAIN, "c_chain": stats["chain"]["median_ms"] / CHAIN / dec_ms,
+           "chain_t07_step_ms": stats["chain T=0.7"]["median_ms"] / CHAIN,
+           "c_chain_t07": stats["chain T=0.7"]["median_ms"] / CHAIN / dec_ms,
            "v5": stats["verify5"]["median_ms"] / dec_ms,
            "head_params": sum(p.numel() for p in drafter.head.parameters())}
     if profile_steps:
@@ -97,16 +104,18 @@ def render(results: list[dict], info: dict) -> str:
              "SmolLM2-135M-Instruct, bfloat16 over its GGUF Q4_1 blocks, compiled; one row, 32 tokens of context; "
              f"{info['repeats']} interleaved rounds, medians (ms). c = draft step / decode step, v = verify of 5 "
              "tokens / decode step. \"cold\": a draft step right after a target step (a round's first), \"warm\": "
-             f"right after another draft step (its later ones, one at a time); \"chain step\": a greedy round's {CHAIN} "
-             "later steps as one compiled chain (EagleHead.draft_chain), per step.", "",
-             "| drafter | draft weights | decode | verify 5 | draft cold | draft warm | chain step | c cold | c warm | "
-             "c chain | v(5) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"right after another draft step (its later ones, one at a time); \"chain step\": a round's {CHAIN} later "
+             "steps as one compiled chain (EagleHead.draft_chain), per step, greedy (T=0.7: drawn at temperature "
+             "0.7).", "",
+             "| drafter | draft weights | decode | verify 5 | draft cold | draft warm | chain step | chain step T=0.7 | "
+             "c cold | c warm | c chain | v(5) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["steps"]
         lines.append(f"| {r['drafter']} | {r['draft_quantization']} | {s['decode']['median_ms']:.2f} | "
                      f"{s['verify5']['median_ms']:.2f} | {s['draft cold']['median_ms']:.2f} | "
-                     f"{s['draft warm']['median_ms']:.2f} | {r['chain_step_ms']:.2f} | {r['c_cold']:.3f} | "
+                     f"{s['draft warm']['median_ms']:.2f} | {r['chain_step_ms']:.2f} | {r['chain_t07_step_ms']:.2f} | "
+                     f"{r['c_cold']:.3f} | "
                      f"{r['c_warm']:.3f} | {r['c_chain']:.3f} | {r['v5']:.2f} |")
     prof = [r for r in results if r.get("profile_warm_us")]
     for r in prof:
