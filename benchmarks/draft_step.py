@@ -13,8 +13,8 @@ For each head drafter (EAGLE, EAGLE-3) and draft quantization, in one process pe
   draft-vocabulary scores and the argmax, or a draw at temperature 0.7, fed to the next step, one graph), synced;
   reported per step.
 
-c = draft step / decode step (c chain: a chain step) and v = verify5 / decode step, each from the medians (quartiles in the JSON). A
-profile of warm draft steps (torch.profiler, top ops by self time) says what the step is made of.
+c = draft step / decode step (c chain: a chain step) and v = verify5 / decode step, each from the medians (quartiles
+in the JSON). A profile of warm draft steps (torch.profiler, top ops by self time) says what the step is made of.
 Writes benchmarks/results/draft_step.json and the "draft-step" section of docs/benchmarks.md.
 """
 
@@ -80,7 +80,8 @@ def measure(kind: str, quantization: str, repeats: int, profile_steps: int) -> d
     dec_ms = stats["decode"]["median_ms"]
     out = {"drafter": kind, "draft_quantization": quantization, "steps": stats,
            "c_cold": stats["draft cold"]["median_ms"] / dec_ms, "c_warm": stats["draft warm"]["median_ms"] / dec_ms,
-           "chain_step_ms": stats["chain"]["median_ms"] / CHAIN, "c_chain": stats["chain"]["median_ms"] / CHAIN / dec_ms,
+           "chain_step_ms": stats["chain"]["median_ms"] / CHAIN,
+           "c_chain": stats["chain"]["median_ms"] / CHAIN / dec_ms,
            "chain_t07_step_ms": stats["chain T=0.7"]["median_ms"] / CHAIN,
            "c_chain_t07": stats["chain T=0.7"]["median_ms"] / CHAIN / dec_ms,
            "v5": stats["verify5"]["median_ms"] / dec_ms,
@@ -107,8 +108,8 @@ def render(results: list[dict], info: dict) -> str:
              f"right after another draft step (its later ones, one at a time); \"chain step\": a round's {CHAIN} later "
              "steps as one compiled chain (EagleHead.draft_chain), per step, greedy (T=0.7: drawn at temperature "
              "0.7).", "",
-             "| drafter | draft weights | decode | verify 5 | draft cold | draft warm | chain step | chain step T=0.7 | "
-             "c cold | c warm | c chain | v(5) |",
+             "| drafter | draft weights | decode | verify 5 | draft cold | draft warm | chain step | "
+             "chain step T=0.7 | c cold | c warm | c chain | v(5) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["steps"]

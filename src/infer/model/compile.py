@@ -214,7 +214,7 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
 
     ``model``: a LlamaForCausalLM (its ``_forward`` and ``_logits``), or a drafter head with a ``_forward`` of its own
     (model.draft_heads: an EAGLE head's draft step over its cache), whose ``forward`` dispatches the same way, and a
-    ``_chain`` (greedy draft steps run back to back, one graph per number of steps: ``draft_chain``)."""
+    ``_chain`` (draft steps run back to back, greedy or drawn, one graph per number of steps: ``draft_chain``)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if model.compiled is None:

@@ -95,7 +95,6 @@ class DraftHead(nn.Module):
                 return step(tokens, features, positions, kv, meta)
         return self._forward(tokens, features, positions, kv, meta, embed)
 
-
     def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, kv, metas: list, vocab,
                     temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``len(metas)`` draft steps back to back (an EAGLE head's): tokens [n] (each row's last draft), hidden [n, H]

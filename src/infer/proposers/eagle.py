@@ -40,7 +40,7 @@ from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
 
 # The most draft steps one chain runs (EagleHead.draft_chain: one compiled graph per length 1 .. CHAIN_MAX, built
-# by engine.warmup); a longer run of steps goes in several chains.
+# by engine.warmup); a longer run of steps goes in several chains. 0: a step at a time (benchmarks/draft_chain.py).
 CHAIN_MAX = 3
 
 
@@ -123,7 +123,7 @@ class EagleProposer(Proposer):
         catch_up = max(len(t) for t in toks)
         pool, dev = self.kv.draft_pool, self.head.device
         # over a draft vocabulary, greedy or plain temperature sampling: runs of later steps go as one chain
-        chain = batch.grammar is None and not batch.keep_logits and drawer.dv is not None and \
+        chain = CHAIN_MAX > 0 and batch.grammar is None and not batch.keep_logits and drawer.dv is not None and \
             (batch.sampling is None or plain_temperature(batch.sampling))
         j, prev_idx = 0, None
         while j < max(ks):
@@ -205,9 +205,10 @@ class EagleProposer(Proposer):
 
     def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run on ``pool`` (a twin of the draft pool) what rounds run: catch-ups of each width from true features,
-        each followed by a draft step from the head's own output, and chains of the later steps' lengths (one graph
-        each, whatever the vocabulary and sampling) (engine.warmup builds their compiled graphs), for ``rows`` rows at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and
-        then one of those rows alone (its blocks interleaved with the others')."""
+        each followed by a draft step from the head's own output, and chains of the later steps' lengths (a graph
+        each, whatever the vocabulary and sampling) (engine.warmup builds their compiled graphs), for ``rows`` rows
+        at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and then one of those rows alone
+        (its blocks interleaved with the others')."""
         lens = [ctx + i for i in range(rows)]
         chains = range(1, min(CHAIN_MAX, max(widths) - 2) + 1)  # a round's later steps: K - 1, K <= max(widths) - 1
         vocab = self._vocab.widened(self.draft_vocab)
