@@ -59,6 +59,17 @@ def median(xs):
     return statistics.median(xs)
 
 
+def quartiles(xs: list[float]) -> dict:
+    """The median and quartiles of a side's figures (a shared machine: the spread says how far to trust a ratio)."""
+    q = statistics.quantiles(xs, n=4)
+    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
+
+
+def spread(q: dict) -> str:
+    """A ``quartiles`` dict as "median (q1-q3)" for a table cell."""
+    return f"{q['median']:.1f} ({q['q1']:.1f}-{q['q3']:.1f})"
+
+
 def write_json(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

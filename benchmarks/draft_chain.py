@@ -16,23 +16,17 @@ Writes benchmarks/results/draft_chain.json and the "draft-chain" section of docs
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from common import machine, update_doc_section, write_json
+from common import machine, quartiles, spread, update_doc_section, write_json
 from infer import LLM, SamplingParams
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path
 from infer.drafters import drafter_paths, eval_prompts
 from infer.proposers import eagle
 
 SETTINGS = {"EAGLE head (auto K)": {"proposer": "draft"}, "hybrid (chat's default)": {"proposer": "hybrid"}}
-
-
-def quartiles(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4)
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
 
 
 def main() -> None:
@@ -82,8 +76,7 @@ def main() -> None:
           "| setting | chains tok/s | step by step tok/s | chains / step by step |", "|---|---|---|---|"]
     for cell, v in res["cells"].items():
         c, s = v["chains"], v["step by step"]
-        md.append(f"| {cell} | {c['median']:.1f} ({c['q1']:.1f}-{c['q3']:.1f}) | {s['median']:.1f} "
-                  f"({s['q1']:.1f}-{s['q3']:.1f}) | {c['median'] / s['median']:.3f}x |")
+        md.append(f"| {cell} | {spread(c)} | {spread(s)} | {c['median'] / s['median']:.3f}x |")
     update_doc_section("draft-chain", "\n".join(md))
     print("\n".join(md))
 

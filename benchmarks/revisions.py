@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, update_doc_section, write_json  # noqa: E402
+from common import ROOT, machine, quartiles, spread, update_doc_section, write_json  # noqa: E402
 
 PROMPTS = [  # two chat prompts and a code prompt, none of them the drafters' training prompts
     "Explain how a hash table works and when to use one.",
@@ -88,11 +88,6 @@ def run_worker(src: Path, setting: str, a) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def quartiles(xs):
-    q = statistics.quantiles(xs, n=4)
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the revision before the change")
@@ -131,15 +126,15 @@ def main() -> None:
     write_json("revisions", res)
     m = res["machine"]
     md = [f"Tokens/s after start-up, revision {res['base']} (base) against {res['head']} (head), SmolLM2-135M-Instruct "
-          f"with `infer chat`'s settings (bfloat16, its GGUF's Q4_1 blocks, compiled), one request, {a.new_tokens} new tokens, "
+          f"with `infer chat`'s settings (bfloat16, its GGUF's Q4_1 blocks, compiled), one request, {a.new_tokens} new "
+          f"tokens, "
           f"{len(PROMPTS)} chat prompts x {a.rounds} rounds x {a.repeats} processes per side, processes interleaved. "
           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Median (quartiles). "
           f"`python benchmarks/revisions.py --base {res['base']} --settings {a.settings}`.", "",
           "| setting | base tok/s | head tok/s | head / base |", "|---|---|---|---|"]
     for c in cells:
         b, h = res["cells"][c]["base"], res["cells"][c]["head"]
-        md.append(f"| {c} | {b['median']:.1f} ({b['q1']:.1f}-{b['q3']:.1f}) | {h['median']:.1f} "
-                  f"({h['q1']:.1f}-{h['q3']:.1f}) | {h['median'] / b['median']:.2f}x |")
+        md.append(f"| {c} | {spread(b)} | {spread(h)} | {h['median'] / b['median']:.2f}x |")
     update_doc_section("revisions", "\n".join(md))
     print("\n".join(md))
 
