@@ -13,8 +13,18 @@ head: infer.demo.real_model_speculation). K auto everywhere. The suffix tree is 
 learns from its own earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept
 across them would replay the answers). Greedy, the target at its served setting (REAL_MODEL_SETTINGS), interleaved
 (A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median pass; tokens/s = generated tokens /
-pass time (prefill included). Writes benchmarks/results/suffix.json, the "suffix" section of docs/benchmarks.md and
-docs/suffix.png.
+pass time (prefill included); one request at a time also the decode speed alone (tokens after the first / time after
+the first token: what speculation can change; the prompts' prefill is the same work in every variant).
+
+The ceiling (one request at a time): plain decoding's own outputs replayed through SuffixProposer.lookup in the
+loop's order (the tree as the engine's would hold it), priced with the suffix engine's measured verify costs
+(its cost model: a verify of k drafts costs v(k) decode steps). Three predictions of the decode speed over plain:
+"suffix, K 8" drafts whatever the tree offers up to spec_length_max; "suffix, oracle K" cuts each draft to its
+accepted prefix (a K chooser that knew the outcome: the most any use of these drafts can give); "every draft right"
+prices rounds of k accepted drafts at the best k (the verify cost alone's limit). What the measured speedup lacks
+against the first two is the engine's doing; what the second lacks against the third is the drafts' (alpha).
+
+Writes benchmarks/results/suffix.json, the "suffix" section of docs/benchmarks.md and docs/suffix.png.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from common import ROOT, RESULTS, machine, update_doc_section, write_json  # noq
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
+from infer.proposers.suffix import SuffixProposer  # noqa: E402
 
 FUNCTIONS = [
     "def area(w, h):\n    return w * h",
@@ -71,6 +82,42 @@ VARIANTS = {"plain": {}, "prompt lookup": {"proposer": "ngram"}, "suffix": {"pro
             "defaults": "defaults"}
 
 
+class _Replayed:
+    """A request as SuffixProposer.lookup reads it: its prompt and the output so far."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt_ids, self.output_ids = list(prompt), []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+
+def ceiling(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int) -> dict:
+    """Decode speed over plain predicted for the suffix tree's drafts on these outputs (module docstring). ``v(k)``:
+    a verify of k drafts in decode steps (v(0) = 1)."""
+    prop, cost, acc, drafted = SuffixProposer(), {"suffix": 0.0, "oracle": 0.0}, 0, 0
+    tokens = sum(len(o) for o in outputs)
+    for prompt, out in zip(prompts, outputs):
+        req, i = _Replayed(prompt), 0
+        while i < len(out):
+            d = prop.lookup(req, k_max)
+            a = next((j for j, (x, y) in enumerate(zip(d, out[i:])) if x != y), min(len(d), len(out) - i))
+            cost["suffix"] += v(len(d))
+            cost["oracle"] += v(a)
+            acc, drafted = acc + a, drafted + len(d)
+            n = min(a + 1, len(out) - i)  # the accepted drafts and the target's own token
+            req.output_ids += out[i:i + n]
+            i += n
+        prop.finished(req)
+    best = max((k + 1) / v(k) for k in range(k_max + 1))
+    return {"suffix, K %d" % k_max: tokens / cost["suffix"], "suffix, oracle K": tokens / cost["oracle"],
+            "every draft right": best, "acceptance at K %d" % k_max: acc / drafted if drafted else None}
+
+
 def run(a) -> dict:
     path = real_model_path()
     S = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
@@ -91,7 +138,7 @@ def run(a) -> dict:
         for wname, prompts in workloads.items():
             ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
             times = {n: [] for n in llms}
-            tokens, drafted, accepted = {}, {}, {}
+            tokens, drafted, accepted, decode_s, outputs = {}, {}, {}, {n: [] for n in llms}, None
             for rep in range(a.repeats + 1):
                 for name, llm in llms.items():
                     proposer = llm.engine.decoder.proposer if llm.engine.decoder is not None else None
@@ -105,6 +152,11 @@ def run(a) -> dict:
                     dt = time.perf_counter() - t0
                     if rep:
                         times[name].append(dt)
+                        # after the first token (a lone request's intervals do not overlap; a batch's do)
+                        decode_s[name].append(sum(o.metrics["finish_time"] - o.metrics["first_token_time"]
+                                                  for o in outs))
+                    if name == "plain":
+                        outputs = [list(o.token_ids) for o in outs]
                     tokens[name] = sum(len(o.token_ids) for o in outs)
                     drafted[name] = sum(o.num_draft_tokens for o in outs)
                     accepted[name] = sum(o.num_accepted_tokens for o in outs)
@@ -114,6 +166,21 @@ def run(a) -> dict:
                                "pass_s": times[n], "tokens": tokens[n],
                                "acceptance": accepted[n] / drafted[n] if drafted[n] else None,
                                "drafted_per_token": drafted[n] / tokens[n]} for n in llms}
+            if conc == 1:
+                after_first = {n: (tokens[n] - len(ids)) / statistics.median(decode_s[n]) for n in llms}
+                for n in llms:
+                    rows[wname][n]["decode_tokens_per_s"] = after_first[n]
+                    rows[wname][n]["decode_over_plain"] = after_first[n] / after_first["plain"]
+                    rows[wname][n]["decode_s"] = decode_s[n]
+                costs = llms["suffix"].engine.decoder.spec_length.costs
+                k_max = llms["suffix"].engine.config.spec_length_max
+
+                def v(k: int) -> float:
+                    return costs.verify_cost(1, k + 1) / costs.verify_cost(1, 1)
+
+                results.setdefault("ceiling", {})[wname] = {
+                    **ceiling(ids, outputs, v, k_max), "measured": rows[wname]["suffix"]["decode_over_plain"],
+                    "verify": [v(k) for k in range(k_max + 1)]}
             print(json.dumps({conc: {wname: {n: round(r["over_plain"], 2) for n, r in rows[wname].items()}}}),
                   flush=True)
         results["by_concurrency"][str(conc)] = rows
@@ -129,15 +196,30 @@ def render(res: dict) -> None:
              f"{res['settings']['dtype']} + {res['settings']['quantization']}, greedy, up to {res['new_tokens']} new "
              f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
              f"as a loop over their inputs; the suffix tree is emptied before each pass; {res['repeats']} passes "
-             "interleaved, per variant the median; tokens/s with prefill.", "",
-             "| requests at a time | workload | variant | tokens/s | vs plain | acceptance | drafts per token |",
-             "|---|---|---|---|---|---|---|"]
+             "interleaved, per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
+             "after the first token over plain's.", "",
+             "| requests at a time | workload | variant | tokens/s | vs plain | decode vs plain | acceptance | "
+             "drafts per token |",
+             "|---|---|---|---|---|---|---|---|"]
     for conc, rows in res["by_concurrency"].items():
         for wname, row in rows.items():
             for n, r in row.items():
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {acc} | "
-                             f"{r['drafted_per_token']:.2f} |")
+                dec = f"{r['decode_over_plain']:.2f}x" if "decode_over_plain" in r else "-"
+                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {dec} | "
+                             f"{acc} | {r['drafted_per_token']:.2f} |")
+    if res.get("ceiling"):
+        first = next(iter(res["ceiling"].values()))
+        k = len(first["verify"]) - 1
+        lines += ["", "The ceiling, one request at a time (decode speed over plain; plain's outputs replayed through the "
+                  "suffix tree, priced with the suffix engine's measured verify costs, v(k) = " +
+                  ", ".join(f"{x:.2f}" for x in first["verify"]) + f" decode steps for k = 0..{k} drafts):", "",
+                  f"| workload | measured (auto K) | suffix, K {k} | suffix, oracle K | every draft right | "
+                  f"acceptance at K {k} |", "|---|---|---|---|---|---|"]
+        for wname, c in res["ceiling"].items():
+            acc = c[f"acceptance at K {k}"]
+            lines.append(f"| {wname} | {c['measured']:.2f}x | {c[f'suffix, K {k}']:.2f}x | {c['suffix, oracle K']:.2f}x | "
+                         f"{c['every draft right']:.2f}x | {'-' if acc is None else f'{acc:.2f}'} |")
     update_doc_section("suffix", "\n".join(lines))
     try:
         import matplotlib
