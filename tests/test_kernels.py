@@ -332,6 +332,33 @@ def test_pointwise_kernels_reject_bad_input():
         torch.ops.infer.silu_mul(torch.randn(2, 7))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", [None, "int8", "q4_1"])
+@pytest.mark.parametrize("B,T", [(8, 3), (3, 9), (20, 1)])  # B x T past MAX_ROWS; 20: a decode wider than it
+def test_a_batch_decode_and_its_verify_give_each_row_the_same_bits(dtype, kind, B, T):
+    """What batched greedy speculation's parity rests on: a row's first verify position equals its decode step, with
+    every other row of the batch beside it, whatever B x T (the kernels gate on tokens a row, not rows in all)."""
+    from infer.engine import Engine, EngineConfig
+    from infer.model.quant import quantize_model
+    from infer.testing import random_llama
+
+    model = random_llama(64, seed=0, hidden_size=64).to(getattr(torch, dtype))
+    if kind:
+        model = quantize_model(model, kind)
+    eng = Engine(EngineConfig(model="t", block_size=4, max_batch_size=B, dtype=dtype, quantization=kind), model=model)
+    runner, pool = eng.runner, eng.kv.pool
+    with torch.inference_mode():
+        slots = [pool.allocate(40) for _ in range(B)]
+        runner.forward(runner.model, pool, slots, [[(3 * i + j) % 60 + 1 for j in range(5 + i % 7)] for i in range(B)])
+        lens = [pool.seq_len(s) for s in slots]
+        decode = runner.forward(runner.model, pool, slots, [[5]] * B)  # [B, 1, H]
+        for s, n in zip(slots, lens):
+            pool.truncate_to(s, n)
+        verify = runner.forward(runner.model, pool, slots, [[5] + [7] * (T - 1)] * B)  # [B, T, H]
+        assert torch.equal(decode[:, 0], verify[:, 0])
+        assert torch.equal(runner.model.compute_logits(decode), runner.model.compute_logits(verify)[:, :1])
+
+
 def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):
     """The same greedy tokens with the kernels and with INFER_CPU_KERNELS=0 (ATen), on a float32 tiny model."""
     script = ("import sys, json, torch; torch.set_num_threads(1)\n"

@@ -94,12 +94,18 @@ class ModelRunner:
         """Feed each request's next chunk; sample for the requests whose chunk reaches the end of the sequence."""
         if not prefill:
             return []
-        rows = [r.token_slice(r.num_computed, r.num_computed + n) for r, n in prefill]
-        hidden = self.forward(self.model, self.kv.pool, [r.slot for r, _ in prefill], rows)
+        # One forward a request: a prompt's states must not depend on which prompts share its step. Beside a longer
+        # neighbour a row is padded and ATen's attention takes its masked path, an ulp away from the causal one, and
+        # with a quantized target (int8 activations) an ulp can flip a rounding that 30 layers carry to a near-tie
+        # (docs/design.md, numerics): plain and speculating engines, whose requests finish at other steps, would
+        # then prefill the same prompt with other neighbours and part.
+        hidden = [self.forward(self.model, self.kv.pool, [r.slot],
+                               [r.token_slice(r.num_computed, r.num_computed + n)])[0]
+                  for r, n in prefill]  # [n, H] each
         done_idx, done_reqs = [], []
         for i, (r, n) in enumerate(prefill):
             if self.feature_sink is not None:
-                self.feature_sink(r, r.num_computed, hidden[i, :n])
+                self.feature_sink(r, r.num_computed, hidden[i][:n])
             r.num_computed += n
             self.stats.prompt_tokens += n
             self.kv.cache_prefix(r)
@@ -109,8 +115,8 @@ class ModelRunner:
                 done_reqs.append(r)
         if not done_reqs:
             return []
-        last = torch.stack([hidden[i, j] for i, j in done_idx])
-        logits = self.model.compute_logits(last)
+        last = torch.stack([hidden[i][j] for i, j in done_idx])
+        logits = self.model.compute_logits(last[:, None])[:, 0]  # [n, 1, H]: the per-row kernels at any n
         tokens = self.sample(done_reqs, logits)
         return [(r, self.emit(r, t, logits[i])) for i, (r, t) in enumerate(zip(done_reqs, tokens))]
 
@@ -126,7 +132,8 @@ class ModelRunner:
         if self.feature_sink is not None:
             for i, r in enumerate(decode):
                 self.feature_sink(r, r.num_computed, hidden[i, :1])
-        logits = self.model.compute_logits(hidden[:, -1])
+        # [B, 1, H], not [B, H]: a verify's [B, K+1, H] takes the per-row kernels at any B, and so must a decode
+        logits = self.model.compute_logits(hidden[:, -1:])[:, 0]
         return self.sample(decode, logits), logits
 
     def emit_decoded(self, decode: list[Request], tokens: list[int], logits) -> list[tuple[Request, StepOutput]]:

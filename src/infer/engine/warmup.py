@@ -90,7 +90,7 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
             runner.forward(model, pool, slots, [[1] * n for n in lens])  # the prompts: eager
             for t in widths:
                 hidden = runner.forward(model, pool, slots, [[1] * t] * rows)
-                model.compute_logits(hidden), model.compute_logits(hidden[:, -1])  # verify, decode
+                model.compute_logits(hidden), model.compute_logits(hidden[:, -1:])  # verify, decode
                 for s, n in zip(slots, lens):
                     pool.truncate_to(s, n)
                 if tree and rows == 1 and t > 1:  # a star: every node a child of the root
