@@ -144,15 +144,17 @@ _CPU_HAS_BF16_MATMUL = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_am
 def few_rows_on_cpu(x: torch.Tensor) -> bool:
     """Whether infer's per-row kernels (linear, norm, rope, silu * up) take x: a CPU step of at most kernels.MAX_ROWS
     tokens a row, x ``[B, T, ...]`` with T <= MAX_ROWS whatever the batch (decode, verify, a tree, a short prefill
-    chunk), or ``[N, H]`` with N <= MAX_ROWS; no autograd (the kernels have no backward).
+    chunk), or ``[N, H]`` with N <= MAX_ROWS. Where autograd records (training), at most MAX_ROWS rows in all, as
+    before (the kernels have no backward: a training batch's products go to ATen).
 
     By tokens a row, not rows in all: each kernel's result for a row does not depend on the rows beside it, so a
     batch's decode [B, 1] and verify [B, K+1] give each row the same bits only if both take the kernels. Counting
     B x T sent a verify of 8 rows x 3 tokens to ATen's ops (another rounding) while its decode took the kernels, and
     batched greedy speculation parted from plain decoding at near-ties (tests/test_kernels.py)."""
     tokens = x.shape[-2] if x.dim() >= 3 else x.shape[0] if x.dim() == 2 else 1
-    return (x.device.type == "cpu" and tokens <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES
-            and not x.requires_grad and kernels.available())
+    if x.requires_grad and torch.is_grad_enabled():
+        tokens = x.numel() // max(1, x.shape[-1])
+    return x.device.type == "cpu" and tokens <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES and kernels.available()
 
 
 def few_tokens_on_cpu(x: torch.Tensor) -> bool:
