@@ -300,7 +300,7 @@ def stage_pack(work: Path) -> None:
     PACKED.mkdir(parents=True, exist_ok=True)
     for n in range(len(rows) // PACK_ROWS):
         path = PACKED / f"answers-{n:03d}.jsonl.gz"
-        if path.exists():
+        if path.exists() and sum(1 for _ in gzip.open(path, "rt")) == PACK_ROWS:  # a partial one is completed
             continue
         with gzip.open(path.with_suffix(".tmp"), "wt") as f:
             for i in range(n * PACK_ROWS, (n + 1) * PACK_ROWS):

@@ -239,11 +239,12 @@ def collate3(batch: list[dict]):
     T = max(len(b["ids"]) for b in batch)
     ids = torch.stack([F.pad(b["ids"], (0, T - len(b["ids"]))) for b in batch])
     aux = torch.stack([F.pad(b["aux"].float(), (0, 0, 0, T - len(b["ids"]))) for b in batch])
-    teach = torch.full((len(batch), T), -1, dtype=torch.long)
+    dev = ids.device  # the items' (the CPU's, or a GPU's: scripts/eagle3_gpu.py)
+    teach = torch.full((len(batch), T), -1, dtype=torch.long, device=dev)
     off = 0
     for r, b in enumerate(batch):
         A, L = len(b["top_ids"]), len(b["ids"])
-        p = torch.arange(max(0, b["first"]), min(L, b["first"] + A))  # positions whose next token is answer p-first
+        p = torch.arange(max(0, b["first"]), min(L, b["first"] + A), device=dev)  # their next token is answer p-first
         teach[r, p] = off + p - b["first"]
         off += A
     return ids, aux, teach, torch.cat([b["top_ids"] for b in batch]).long(), torch.cat([b["top_logp"] for b in batch])
@@ -285,35 +286,33 @@ def eagle3_losses(head: Eagle3Head, embed, sub_index, batch, steps: int = TTT_ST
     return total, stats
 
 
-def run_eagle3(args):
-    from infer.demo import real_model_path
+def new_eagle3(target, train: list[dict], subset_size: int, seed: int):
+    """A fresh EAGLE-3 head for ``target`` -> (head, sub_index [V]: column of each token in the draft vocabulary or
+    -1, subset). The draft vocabulary: the ``subset_size`` commonest answer tokens of ``train`` and the EOS tokens."""
     from drafter_data import AUX_LAYERS
 
-    items = load_items3(args.work)
-    train, val = split(items)
-    target = load_model(real_model_path(), dtype="float32")
     V = target.config.vocab_size
     counts = token_counts(train, V)
-    subset = torch.unique(torch.cat([torch.argsort(counts, descending=True)[: args.subset],
+    subset = torch.unique(torch.cat([torch.argsort(counts, descending=True)[:subset_size],
                                      torch.tensor(target.config.eos_token_ids)]))  # ascending
     sub_index = torch.full((V,), -1, dtype=torch.long)
     sub_index[subset] = torch.arange(len(subset))
-    embed = target.embed_tokens.requires_grad_(False)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist())
     for name, p in head.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     with torch.no_grad():
-        head.lm_head.weight.copy_(target.lm_head_weight[subset])  # starts as the target's own rows
-        head.norm.weight.copy_(target.norm.weight)
-    n_tok = sum(len(it["top_ids"]) for it in train)
-    print(f"eagle3: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, {len(train)} conversations "
-          f"({n_tok} answer positions) train, {len(val)} validate, draft vocabulary {len(subset)}", file=sys.stderr)
+        head.lm_head.weight.copy_(target.lm_head_weight[subset.to(target.device)].cpu())  # the target's own rows
+        head.norm.weight.copy_(target.norm.weight.cpu())
+    return head.to(target.device), sub_index.to(target.device), subset
+
+
+def eagle3_fns(head, embed, sub_index, train: list[dict], val: list[dict], batch: int, seed: int):
+    """train_loop's (step_fn, eval_fn) for an EAGLE-3 head: a seeded random batch a step; validation in batches of 8."""
 
     def step_fn(step):
-        loss, stats = eagle3_losses(head, embed, sub_index,
-                                    random.Random(args.seed * 1_000_003 + step).sample(train, args.batch))
+        loss, stats = eagle3_losses(head, embed, sub_index, random.Random(seed * 1_000_003 + step).sample(train, batch))
         return loss, {k: float(v.mean()) for k, v in stats.items() if k in ("top1_1", "top1_2", "top1_3")}
 
     def eval_fn():
@@ -326,6 +325,21 @@ def run_eagle3(args):
         out["overlap"] = round(sum(v for k, v in out.items() if k.startswith("overlap")) / (len(out) / 2), 4)
         return out
 
+    return step_fn, eval_fn
+
+
+def run_eagle3(args):
+    from infer.demo import real_model_path
+
+    items = load_items3(args.work)
+    train, val = split(items)
+    target = load_model(real_model_path(), dtype="float32")
+    embed = target.embed_tokens.requires_grad_(False)
+    head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
+    n_tok = sum(len(it["top_ids"]) for it in train)
+    print(f"eagle3: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, {len(train)} conversations "
+          f"({n_tok} answer positions) train, {len(val)} validate, draft vocabulary {len(subset)}", file=sys.stderr)
+    step_fn, eval_fn = eagle3_fns(head, embed, sub_index, train, val, args.batch, args.seed)
     log, seconds, kept = train_loop("eagle3", head, step_fn, eval_fn, args.work, args.steps, args.minutes, args.lr,
                                     args.seed, eval_every=args.eval_every)
     final = eval_fn()

@@ -1,0 +1,333 @@
+"""Issue 33's EAGLE-3 head trained on a lent GPU in one run: the data's remaining answers, the teacher pass and many
+more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, and training was still bound by steps).
+
+    # 1. here: the prompts are built from this Python's standard library (drafter_data.build_prompts), so they are
+    #    built and tokenised here, with the packed answers (data/drafter-answers) beside them
+    python scripts/eagle3_gpu.py prepare --out .gpu/jobs.json.gz
+    # 2. on the GPU machine (no network: the GGUF travels beside the jobs)
+    python scripts/eagle3_gpu.py run --jobs .gpu/jobs.json.gz --model SmolLM2.gguf --out $OUT --seconds 400
+    # 3. here: the new answers into data/drafter-answers, the head into a drafter directory
+    python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
+    # a second run can go on from the first (--init DIR, with --answers DIR/answers-new.jsonl.gz)
+
+`run`, in its time budget (--seconds, wall clock from its start):
+  - answers the jobs not yet answered (job order, as drafter_data.py's stage `answers`: every prompt at 0.7 and
+    greedily), batched through infer's engine on the GPU (bfloat16, the GGUF's weights dequantized), for at most
+    --generate-seconds;
+  - teacher-forces every answered conversation through the float32 target (the GGUF's Q4_1 weights, exact): the
+    outputs of layers AUX_LAYERS at every position and the top-20 next-token log-probabilities at every answer
+    position, kept on the GPU (what drafter_data.py's stages `answers`/`layers` store on disk on the CPU);
+  - trains a fresh EAGLE-3 head exactly as scripts/train_heads.py does (same losses, training-time test, schedule,
+    best-validation weights), for as many steps as the rest of the budget holds (timed on its first batches);
+  - writes the head in two safetensors files (each under the device tool's 16 MB a file), its log, and the new
+    answers in the packed format.
+The CPU target the head serves computes its layers with int8 activations on Q4_1 blocks, the GPU's teacher in
+float32 on the same weights: the features differ by that rounding (the EAGLE head trained on float32 features and
+served on int8 ones before, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafter_data import AUX_LAYERS, PACK_ROWS, PACKED, TOPK, answer_jobs, build_prompts  # noqa: E402
+
+MAX_TOKENS = 160  # drafter_data.py's default answer length
+TEMPERATURES = (0.7, 0.0)
+MAX_SEQ = 2048  # KV slots of the generating engine (its default, the model's 8,192 positions, x 256 slots is ~48 GB)
+
+
+def prepare(out: Path, num_jobs: int) -> None:
+    from infer.demo import real_model_path
+    from infer.tokenizer import Tokenizer
+
+    train, _ = build_prompts(0)
+    jobs = answer_jobs(train, len(train), TEMPERATURES)[:num_jobs]
+    packed = {}
+    for path in sorted(PACKED.glob("answers-*.jsonl.gz")):
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                r = json.loads(line)
+                packed[r["job"]] = r
+    tok = Tokenizer(real_model_path())
+    rows = []
+    for i, j in enumerate(jobs):
+        r = packed.get(i)
+        if r is not None and r["source"] != j["source"]:
+            raise SystemExit(f"packed row {i} is for {r['source']!r}, the prompt list has {j['source']!r}")
+        rows.append({"job": i, "source": j["source"], "kind": j["kind"], "temperature": j["temperature"],
+                     "prompt_ids": tok.apply_chat_template([{"role": "user", "content": j["prompt"]}]),
+                     "answer_ids": r["answer_ids"] if r else None, "finish_reason": r["finish_reason"] if r else None})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out, "wt") as f:
+        json.dump(rows, f)
+    print(f"{out}: {len(rows)} jobs, {len(packed)} answered", file=sys.stderr)
+
+
+def generate(model: Path, rows: list[dict], device: str, deadline: float, batch: int, seed: int) -> int:
+    """Answer rows without answers, in job order, a batch at a time, until the deadline -> rows answered."""
+    from infer.llm import LLM
+    from infer.sampling import SamplingParams
+
+    todo = [r for r in rows if r["answer_ids"] is None and len(r["prompt_ids"]) + MAX_TOKENS <= MAX_SEQ]
+    if not todo or time.time() > deadline:
+        return 0
+    llm = LLM(model, dtype="bfloat16", device=device, compile=False, max_batch_size=batch,
+              max_num_batched_tokens=16384, max_seq_len=MAX_SEQ)
+    done = 0
+    for start in range(0, len(todo), batch):
+        if time.time() > deadline:
+            break
+        part = todo[start:start + batch]
+        params = [SamplingParams(temperature=r["temperature"], max_tokens=MAX_TOKENS, seed=seed + r["job"])
+                  for r in part]
+        for r, o in zip(part, llm.generate([r["prompt_ids"] for r in part], params)):
+            r["answer_ids"], r["finish_reason"], r["generated"] = list(o.token_ids), o.finish_reason, True
+        done += len(part)
+        print(f"answered {done} rows, {deadline - time.time():.0f} s left", file=sys.stderr, flush=True)
+    llm.close()
+    del llm
+    return done
+
+
+@torch.inference_mode()
+def teacher(model: Path, rows: list[dict], device: str, batch: int):
+    """-> (train_heads.load_items3's items computed on the device: ids [T], aux bf16 [T, 3H], first, top_ids /
+    top_logp [A, 20], answer, index; the float32 target)."""
+    from infer.model.loader import load_model
+    from train_drafters import MAXLEN
+
+    target = load_model(model, torch.float32, torch.device(device))
+    target.capture_layers(AUX_LAYERS)
+    H = target.config.hidden_size
+    rows = [r for r in rows if r["answer_ids"] is not None and len(r["answer_ids"]) >= 2]
+    rows.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
+    items = []
+    for b in range(0, len(rows), batch):
+        part = rows[b:b + batch]
+        seqs = [(r["prompt_ids"] + r["answer_ids"][:-1])[-MAXLEN:] for r in part]
+        T = max(len(s) for s in seqs)
+        x = torch.zeros(len(part), T, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            x[j, :len(s)] = torch.tensor(s)
+        hidden = target(x.to(device))  # [b, T, 4H]: causal, so right padding changes nothing before it
+        for j, (r, s) in enumerate(zip(part, seqs)):
+            first = len(s) - len(r["answer_ids"])  # position whose next token is the first answer token
+            lo = max(0, first)
+            logp = target.compute_logits(hidden[j, lo:len(s)]).log_softmax(-1)
+            vals, ids = logp.topk(TOPK)
+            if first < 0:  # the cut took the prompt and some answer: the teacher rows start at answer -first
+                pad = torch.zeros(-first, TOPK, device=device)
+                vals, ids = torch.cat([pad, vals]), torch.cat([pad.long(), ids])
+            items.append({"ids": torch.tensor(s, device=device), "aux": hidden[j, :len(s), H:].to(torch.bfloat16),
+                          "first": first, "top_ids": ids.to(torch.int32), "top_logp": vals.to(torch.float16),
+                          "answer": torch.tensor(r["answer_ids"]), "index": r["job"]})
+    items.sort(key=lambda it: it["index"])
+    return items, target
+
+
+def run(args) -> None:
+    from train_drafters import split, train_loop
+    from infer.model.draft_heads import Eagle3Head
+    from train_heads import eagle3_fns, new_eagle3
+
+    t0 = time.time()
+    end = t0 + args.seconds
+    args.out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(args.jobs, "rt") as f:
+        rows = json.load(f)[::args.every]
+    n_cpu = sum(1 for r in rows if r["answer_ids"] is not None)  # answered on the CPU (data/drafter-answers)
+    if args.answers:  # answers of an earlier run (its answers-new.jsonl.gz), not answered again
+        with gzip.open(args.answers, "rt") as f:
+            extra = {r["job"]: r for r in map(json.loads, f)}
+        for r in rows:
+            if r["answer_ids"] is None and r["job"] in extra:
+                r["answer_ids"], r["finish_reason"] = extra[r["job"]]["answer_ids"], extra[r["job"]]["finish_reason"]
+    try:
+        n_gen = generate(args.model, rows, args.device, min(end - 150, t0 + args.generate_seconds), args.gen_batch,
+                         args.seed)
+    except Exception as e:  # the budget's main use is the training: go on with the answers there are
+        print(f"generation failed, training on the answers there are: {e!r}", file=sys.stderr)
+        n_gen = sum(1 for r in rows if r.get("generated"))
+    new = [r for r in rows if r.get("generated")]
+    with gzip.open(args.out / "answers-new.jsonl.gz", "wt") as f:
+        for r in new:
+            f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
+                                "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
+                                "answered_on": "cuda, bfloat16 (scripts/eagle3_gpu.py)"}) + "\n")
+    t1 = time.time()
+    items, target = teacher(args.model, rows, args.device, args.teacher_batch)
+    t2 = time.time()
+    print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass over {len(items)} conversations in "
+          f"{t2 - t1:.0f} s", file=sys.stderr, flush=True)
+    train, val = split(items)
+    embed = target.embed_tokens.requires_grad_(False)
+    head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
+    if args.init:  # go on from an earlier run's head (a warm restart of the schedule), its draft vocabulary kept
+        state = {**load_file(str(args.init / "head-a.safetensors")), **load_file(str(args.init / "head-b.safetensors"))}
+        subset = state["draft_ids"]
+        sub_index = torch.full_like(sub_index, -1)
+        sub_index[subset.to(sub_index.device)] = torch.arange(len(subset), device=sub_index.device)
+        head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist()).to(args.device)
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    step_fn, eval_fn = eagle3_fns(head, embed, sub_index, train, val, args.batch, args.seed)
+    # time a few steps (no update) to size the schedule to the budget: the cosine decays over the steps that fit
+    probe = 5
+    torch.cuda.synchronize() if args.device.startswith("cuda") else None
+    ts = time.time()
+    for s in range(probe):
+        loss, _ = step_fn(10_000_000 + s)
+        loss.backward()
+        head.zero_grad(set_to_none=True)
+    torch.cuda.synchronize() if args.device.startswith("cuda") else None
+    per_step = (time.time() - ts) / probe
+    t_eval = time.time()
+    eval_fn()
+    t_eval = time.time() - t_eval
+    left = end - time.time() - 40  # export and the last evaluation
+    evals = 10
+    steps = max(20, int((left - evals * t_eval) / (per_step * 1.1)))
+    n_tok = sum(len(it["top_ids"]) for it in train)
+    print(f"eagle3: {len(train)} conversations ({n_tok} answer positions) train, {len(val)} validate; "
+          f"{per_step * 1e3:.0f} ms a step of {args.batch}, eval {t_eval:.1f} s -> {steps} steps", file=sys.stderr,
+          flush=True)
+    work = args.out / "work"
+    work.mkdir(exist_ok=True)
+    log, seconds, kept = train_loop("eagle3", head, step_fn, eval_fn, work, steps, left / 60, args.lr, args.seed,
+                                    ckpt_every=10 ** 9, eval_every=max(1, steps // evals))
+    final = eval_fn()
+    (work / "eagle3.pt").unlink(missing_ok=True)
+    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.state_dict().items()}
+    save_file({k: v for k, v in state.items() if k == "lm_head.weight"}, str(args.out / "head-a.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(args.out / "head-b.safetensors"))
+    (args.out / "training.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
+        "answered_cpu": n_cpu, "answered_gpu": sum(1 for r in rows if r["answer_ids"] is not None) - n_cpu,
+        "init": str(args.init) if args.init else None, "steps": len(log), "kept_step": kept,
+        "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "final": final,
+        "draft_vocab": len(subset), "evals": [e for e in log if "eval" in e]}) + "\n")
+    print(f"trained {len(log)} steps in {seconds:.0f} s, kept step {kept}: {final}; total {time.time() - t0:.0f} s",
+          file=sys.stderr)
+
+
+def install(runs: list[Path], head_out: Path | None) -> None:
+    """The runs' new answers appended to data/drafter-answers, PACK_ROWS consecutive jobs a file (a last, partial
+    file is completed by a later pack); the last run's head (if --head-out) saved as a drafter directory with its
+    card (runs: the first from scratch, each later one trained on from the one before)."""
+    new = {}
+    for src in runs:
+        if (src / "answers-new.jsonl.gz").exists():
+            with gzip.open(src / "answers-new.jsonl.gz", "rt") as f:
+                new.update((r["job"], r) for r in map(json.loads, f))
+    have = sorted(PACKED.glob("answers-*.jsonl.gz"))
+    nxt = len(have) * PACK_ROWS
+    if have:  # a partial last file: rewritten with the rows that follow it
+        with gzip.open(have[-1], "rt") as f:
+            last = [json.loads(line) for line in f]
+        if len(last) < PACK_ROWS:
+            nxt = last[0]["job"]
+            new.update((r["job"], r) for r in last)
+    while nxt in new:
+        path = PACKED / f"answers-{nxt // PACK_ROWS:03d}.jsonl.gz"
+        rows = [new[j] for j in range(nxt, nxt + PACK_ROWS) if j in new]
+        rows = rows[:next((i for i, r in enumerate(rows) if r["job"] != nxt + i), len(rows))]  # consecutive only
+        with gzip.open(path.with_suffix(".tmp"), "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        path.with_suffix(".tmp").rename(path)
+        print(f"packed {path}: {len(rows)} rows", file=sys.stderr)
+        nxt += len(rows)
+        if len(rows) < PACK_ROWS:
+            break
+    if head_out is None:
+        return
+    from infer.demo import real_model_path
+    from infer.model.draft_heads import Eagle3Head, save_heads
+    from infer.model.loader import load_model
+    from train_heads import STEP_DECAY, TTT_STEPS
+
+    src = runs[-1]
+    state = {**load_file(str(src / "head-a.safetensors")), **load_file(str(src / "head-b.safetensors"))}
+    logs = [json.loads((r / "training.json").read_text()) for r in runs]
+    log = logs[-1]
+    target = load_model(real_model_path(), dtype="float32")
+    head = Eagle3Head(target.config, AUX_LAYERS, state["draft_ids"].tolist())
+    head.load_state_dict(state)
+    save_heads(head, head_out, extra={"target": "SmolLM2-135M-Instruct"})
+    n = sum(p.numel() for p in head.parameters())
+    per = "; ".join(f"{k} {v:.3f}" for k, v in log["final"].items() if k != "overlap")
+    schedule = ", then ".join(f"{g['steps']} steps at peak lr {g['lr']} ({g['seconds'] / 60:.1f} min)"
+                              + (" from scratch" if i == 0 else " on from that head (a warm restart)")
+                              for i, g in enumerate(logs))
+    (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
+
+{n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP 1536) whose attention reads
+[norm(embed(x_{{i+1}})); norm(h_i)], h_i = fc(the target's layers {list(AUX_LAYERS)} at i) for true entries and the
+layer's own previous output when drafting, and its own head over a {log['draft_vocab']}-token draft vocabulary
+(model.draft_heads.Eagle3Head). The target's embedding is borrowed (not shipped). `LLM(model, draft_model=<this
+directory>)`; the kind is recorded in config.json (`infer_drafter.kind = "eagle3"`).
+
+- Data: SmolLM2's own answers at temperature 0.7 and greedy to scripts/drafter_data.py's training prompts
+  ({log['answered_cpu']} answered on the CPU by the Q4_1 engine, {log['answered_gpu']} on the GPU by the bfloat16
+  engine; all in data/drafter-answers): {log['conversations']} training conversations, {log['answer_positions']}
+  answer positions. The outputs of the target's layers and its top-20 next-token law come from one float32
+  teacher-forced pass over the GGUF's weights (scripts/eagle3_gpu.py).
+- Training: scripts/eagle3_gpu.py on one {log['device']} (scripts/train_heads.py's losses): forward KL to the
+  target's top-20 (renormalised over the draft vocabulary), training-time test over {TTT_STEPS} draft steps (step s
+  from the outputs of step s-1, weighted {STEP_DECAY}^s); AdamW, cosine schedule, batch {log['batch']} conversations:
+  {schedule}. The weights shipped are those of the last run's step {log['kept_step']}, its best validation.
+- Validation ({log['validate']} held-back conversations, teacher forcing, step s = draft s): sum over the top-20 of
+  min(p, q) and top-1 agreement with the target: {per}.
+  Acceptance per draft position on held-out prompts: docs/benchmarks.md.
+""")
+    (head_out / "training_log.json").write_text(json.dumps({"runs": logs}) + "\n")
+    print(f"exported {head_out}", file=sys.stderr)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--num-jobs", type=int, default=24_000)
+    p = sub.add_parser("run")
+    p.add_argument("--jobs", type=Path, required=True)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seconds", type=float, default=400)
+    p.add_argument("--generate-seconds", type=float, default=120)
+    p.add_argument("--gen-batch", type=int, default=256)
+    p.add_argument("--teacher-batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--subset", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--answers", type=Path, default=None, help="an earlier run's answers-new.jsonl.gz")
+    p.add_argument("--init", type=Path, default=None, help="an earlier run's output: train on from its head")
+    p.add_argument("--every", type=int, default=1, help="every n-th job only (a quick trial of the pipeline)")
+    p = sub.add_parser("install")
+    p.add_argument("--from", dest="src", type=Path, nargs="+", required=True, help="run outputs, in training order")
+    p.add_argument("--head-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        prepare(args.out, args.num_jobs)
+    elif args.cmd == "run":
+        run(args)
+    else:
+        install(args.src, args.head_out)
+
+
+if __name__ == "__main__":
+    main()
