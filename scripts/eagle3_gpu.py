@@ -101,21 +101,23 @@ def generate(model: Path, rows: list[dict], device: str, deadline: float, batch:
 
 
 @torch.inference_mode()
-def teacher(model: Path, rows: list[dict], device: str, batch: int):
+def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tuple[int, ...] = AUX_LAYERS,
+            maxlen: int | None = None):
     """-> (train_heads.load_items3's items computed on the device: ids [T], aux bf16 [T, 3H], first, top_ids /
     top_logp [A, 20], answer, index; the float32 target)."""
     from infer.model.loader import load_model
     from train_drafters import MAXLEN
 
     target = load_model(model, torch.float32, torch.device(device))
-    target.capture_layers(AUX_LAYERS)
+    target.capture_layers(layers)
     H = target.config.hidden_size
+    maxlen = maxlen or MAXLEN
     rows = [r for r in rows if r["answer_ids"] is not None and len(r["answer_ids"]) >= 2]
     rows.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
     items = []
     for b in range(0, len(rows), batch):
         part = rows[b:b + batch]
-        seqs = [(r["prompt_ids"] + r["answer_ids"][:-1])[-MAXLEN:] for r in part]
+        seqs = [(r["prompt_ids"] + r["answer_ids"][:-1])[-maxlen:] for r in part]
         T = max(len(s) for s in seqs)
         x = torch.zeros(len(part), T, dtype=torch.long)
         for j, s in enumerate(seqs):

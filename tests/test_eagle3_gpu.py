@@ -1,0 +1,69 @@
+"""scripts/eagle3_gpu.py, the EAGLE-3 head's data and training on a lent GPU: what it computes on the device must be
+what the CPU pipeline stores (train_heads.load_items3's items), or the head trains on shifted targets without a
+sign; and its packing must extend data/drafter-answers without losing or reordering a row. Tiny models, the CPU."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import eagle3_gpu  # noqa: E402
+from infer.model import load_model  # noqa: E402
+from infer.testing import make_tiny_llama  # noqa: E402
+
+
+def test_teacher_items_line_up_with_the_answers(tmp_path):
+    """Item conventions (load_items3): ids = (prompt + answer[:-1]) cut from the left to maxlen, aux [T, n H] the
+    captured layers, top_ids[a] the target's top tokens after answer token a - 1, i.e. at position first + a; a cut
+    into the answer leaves rows a < -first unused (never indexed by collate3)."""
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0)
+    model = load_model(path)
+    model.capture_layers((0, 1))
+    H, V = model.config.hidden_size, model.config.vocab_size
+    rows = [{"job": 0, "prompt_ids": [3, 4, 5, 6], "answer_ids": [7, 8, 9]},
+            {"job": 1, "prompt_ids": [1, 2], "answer_ids": [10, 11, 12, 13, 14, 15]}]  # cut at 6: first = -1
+    items, _ = eagle3_gpu.teacher(path, rows, "cpu", batch=2, layers=(0, 1), maxlen=6)
+    assert [it["index"] for it in items] == [0, 1]
+    for it, r in zip(items, rows):
+        seq = (r["prompt_ids"] + r["answer_ids"][:-1])[-6:]
+        assert it["ids"].tolist() == seq and it["answer"].tolist() == r["answer_ids"]
+        assert it["first"] == len(seq) - len(r["answer_ids"]) and len(it["top_ids"]) == len(r["answer_ids"])
+        with torch.no_grad():
+            out = model(torch.tensor([seq]))[0]
+            logp = model.compute_logits(out).log_softmax(-1)
+        assert it["aux"].shape == (len(seq), 2 * H) and torch.equal(it["aux"], out[:, H:].to(torch.bfloat16))
+        for a in range(max(0, -it["first"]), len(r["answer_ids"])):
+            p = it["first"] + a  # the position whose next token is answer a
+            assert it["top_ids"][a, 0] == logp[p].argmax()
+            assert abs(float(it["top_logp"][a, 0]) - float(logp[p].max())) < 1e-2
+        assert V > int(it["top_ids"].max())
+
+
+def test_install_packs_consecutive_answers_and_completes_a_partial_file(tmp_path, monkeypatch):
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    monkeypatch.setattr(eagle3_gpu, "PACK_ROWS", 4)
+    monkeypatch.setattr(eagle3_gpu, "PACKED", packed)
+
+    def write(path, jobs):
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps({"job": j, "answer_ids": [j]}) + "\n" for j in jobs)
+
+    def read(path):
+        with gzip.open(path, "rt") as f:
+            return [json.loads(line)["job"] for line in f]
+
+    write(packed / "answers-000.jsonl.gz", range(0, 4))
+    run1, run2 = tmp_path / "r1", tmp_path / "r2"
+    run1.mkdir(), run2.mkdir()
+    write(run1 / "answers-new.jsonl.gz", range(4, 10))  # a full file and a partial one
+    eagle3_gpu.install([run1], None)
+    assert read(packed / "answers-001.jsonl.gz") == [4, 5, 6, 7] and read(packed / "answers-002.jsonl.gz") == [8, 9]
+    write(run2 / "answers-new.jsonl.gz", [10, 11, 12, 14])  # 13 missing: 14 must wait
+    eagle3_gpu.install([run2], None)
+    assert read(packed / "answers-002.jsonl.gz") == [8, 9, 10, 11]
+    assert read(packed / "answers-003.jsonl.gz") == [12]
+    assert sorted(p.name for p in packed.iterdir()) == [f"answers-00{i}.jsonl.gz" for i in range(4)]
