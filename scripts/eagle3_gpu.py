@@ -172,6 +172,9 @@ def run(args) -> None:
     t2 = time.time()
     print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass over {len(items)} conversations in "
           f"{t2 - t1:.0f} s", file=sys.stderr, flush=True)
+    # the head's training in TF32 (the teacher pass before it was float32): its products' inputs are rounded to 10
+    # mantissa bits, finer than the bfloat16 the captured layers are kept in
+    torch.set_float32_matmul_precision("high")
     train, val = split(items)
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)

@@ -159,22 +159,25 @@ def test_eagle3_training_unroll_equals_cached_drafting(backend):
     head = random_heads(target, "eagle3", seed=3)
     L, S, H = 9, 3, target.config.hidden_size
     tokens = torch.randint(0, 64, (2, L + S + 1), generator=torch.Generator().manual_seed(0))
+    # entries in both rows, in no particular order (the training batches' selection is row-major; nothing relies on it)
+    select = torch.tensor([[1, L - 2], [0, 2], [1, 0], [0, L - 2]])
     with torch.no_grad():
         aux = target(tokens)[..., H:]  # the captured layers follow the final state
-        out0, outs, _ = head.unroll(tokens, aux, S, select=torch.tensor([[1, L - 2]]))
+        out0, outs, _ = head.unroll(tokens, aux, S, select=select)
         assert torch.allclose(out0, head(tokens[:, 1:], aux[:, :-1], torch.arange(tokens.shape[1] - 1)[None]),
                               atol=1e-5)
         c = head.config
-        pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64) if backend == "slotted" else \
-            PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 16, 4)
-        slot = pool.allocate(L + S)
-        meta = pool.prepare([slot], [L - 1])
-        prev = head(tokens[1:, 1:L], aux[1:, :L - 1], meta.positions, pool, meta)[:, -1:]
-        assert torch.allclose(prev[0, 0], out0[1, L - 2], atol=1e-5)
-        for s in range(1, S):  # draft entry s: the true token x_{L-1+s}, the step before's output, position L-2+s
-            meta = pool.prepare([slot], [1])
-            prev = head(tokens[1:, L - 1 + s: L + s], prev, meta.positions, pool, meta)
-            assert torch.allclose(prev[0, 0], outs[s - 1][0], atol=1e-5), s
+        for m, (row, i) in enumerate(select.tolist()):  # entry i's drafts: the cache holds true entries 0 .. i
+            pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64) if backend == "slotted" else \
+                PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 16, 4)
+            slot = pool.allocate(L + S)
+            meta = pool.prepare([slot], [i + 1])
+            prev = head(tokens[row:row + 1, 1:i + 2], aux[row:row + 1, :i + 1], meta.positions, pool, meta)[:, -1:]
+            assert torch.allclose(prev[0, 0], out0[row, i], atol=1e-5)
+            for s in range(1, S):  # draft s: the true token x_{i+1+s}, the step before's output, position i+s
+                meta = pool.prepare([slot], [1])
+                prev = head(tokens[row:row + 1, i + 1 + s: i + 2 + s], prev, meta.positions, pool, meta)
+                assert torch.allclose(prev[0, 0], outs[s - 1][m], atol=1e-5), (m, s)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -238,3 +241,20 @@ def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled):
     assert len(set(got.flatten().tolist())) > 1 and all(pool.seq_len(s) == 10 for s in slots)
     if want_k is not None:
         assert torch.equal(pool.k[0], want_k)
+
+
+def test_eagle3_training_steps_reach_every_weight():
+    """A training step's later draft steps feed one entry a row ([M, 1, H]): few tokens a row, but autograd records
+    and the norms' and products' weights want gradients, so they must take ATen's ops (infer's kernels have no
+    backward). Gated on the input alone, the embedding's norm (its input, the frozen embedding, needs no gradient)
+    took infer::rms_norm there and its weight got no gradient from steps >= 1."""
+    target = random_llama(64, seed=0)
+    head = random_heads(target, "eagle3", seed=3).train().requires_grad_(True)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        aux = target(tokens)[..., target.config.hidden_size:]
+    _, outs, _ = head.unroll(tokens, aux, 3, embed=target.embed_tokens)
+    sum(o.square().sum() for o in outs).backward()  # the later steps only
+    for name, p in head.named_parameters():
+        if name.startswith("layer."):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name

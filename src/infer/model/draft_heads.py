@@ -287,31 +287,31 @@ class Eagle3Head(DraftHead):
             q, k, v = q[:, 0], k[:, 0], v[:, 0]  # [M, nh or nkv, D]
             diag_k.append(k.repeat_interleave(nh // nkv, 1) if nkv != nh else k)
             diag_v.append(v.repeat_interleave(nh // nkv, 1) if nkv != nh else v)
-            sc0 = (_scores_by_row(q, kg, rows) * scale).masked_fill(later, float("-inf"))  # [M, nh, T-1]
+            sc0 = (_scores_by_row(q, kg, rows, cols) * scale).masked_fill(later, float("-inf"))  # [M, nh, T-1]
             scd = torch.stack([(q * kk).sum(-1) for kk in diag_k], -1) * scale  # [M, nh, s]
             w = torch.cat([sc0, scd], -1).softmax(-1)
-            o = _mix_by_row(w[..., : T - 1], vg, rows) + (w[..., T - 1:, None] * torch.stack(diag_v, 2)).sum(2)
+            o = _mix_by_row(w[..., : T - 1], vg, rows, cols) + (w[..., T - 1:, None] * torch.stack(diag_v, 2)).sum(2)
             hidden = finish(hidden, o.flatten(-2))
             outs.append(hidden)
         return out0, outs, select
 
 
-def _scores_by_row(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """q [M, h, D] against the keys of each query's own batch row, k [B, T, h, D] -> [M, h, T] (one matmul per row)."""
-    out = q.new_empty(q.shape[0], q.shape[1], k.shape[1])
-    for b in rows.unique().tolist():
-        m = rows == b
-        out[m] = torch.einsum("mhd,thd->mht", q[m], k[b])
-    return out
+def _scores_by_row(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """q [M, h, D], entry m at (rows[m], cols[m]) (distinct), against the keys of its own batch row, k [B, T, h, D]
+    -> [M, h, T]. One batched product over a [B, T] grid of the queries (zeros where no entry sits, never read): a
+    loop over the batch rows cost a mask, a host sync and ~8 kernels a row, and made a GPU's training step
+    launch-bound (scripts/eagle3_gpu.py); the grid costs B x T x h x T floats, ~0.3 GB at 32 x 512 x 9."""
+    B, T = k.shape[:2]
+    grid = q.new_zeros(B, T, *q.shape[1:]).index_put((rows, cols), q)  # [B, T, h, D]
+    return torch.einsum("bihd,bthd->biht", grid, k)[rows, cols]
 
 
-def _mix_by_row(w: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """weights w [M, h, T] over the values of each query's own row, v [B, T, h, D] -> [M, h, D]."""
-    out = w.new_empty(w.shape[0], w.shape[1], v.shape[-1])
-    for b in rows.unique().tolist():
-        m = rows == b
-        out[m] = torch.einsum("mht,thd->mhd", w[m], v[b])
-    return out
+def _mix_by_row(w: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """weights w [M, h, T] of entry m at (rows[m], cols[m]) over the values of its own row, v [B, T, h, D] -> [M, h, D]
+    (the grid of ``_scores_by_row``)."""
+    B, T = v.shape[:2]
+    grid = w.new_zeros(B, T, *w.shape[1:]).index_put((rows, cols), w)  # [B, T, h, T]
+    return torch.einsum("biht,bthd->bihd", grid, v)[rows, cols]
 
 
 class ResBlock(nn.Module):

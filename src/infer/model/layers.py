@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if few_rows_on_cpu(x):  # decode / verify: infer's kernel, the same bits eager or compiled (kernels/norm.cpp)
+        if few_rows_on_cpu(x, self.weight):  # decode / verify: infer's kernel, eager = compiled (kernels/norm.cpp)
             return torch.ops.infer.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same math
@@ -126,7 +126,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     without bfloat16 matrix units (a prefill) runs in float32: ATen's bfloat16 GEMM on AVX2 is ~6x slower than
     converting both operands and using the float32 one (283 x 512 x 3072: 47 vs 7 ms here).
     """
-    if few_rows_on_cpu(x):
+    if few_rows_on_cpu(x, weight, bias):
         y = torch.ops.infer.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
@@ -141,18 +141,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 _CPU_HAS_BF16_MATMUL = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def few_rows_on_cpu(x: torch.Tensor) -> bool:
+def few_rows_on_cpu(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether infer's per-row kernels (linear, norm, rope, silu * up) take x: a CPU step of at most kernels.MAX_ROWS
     tokens a row, x ``[B, T, ...]`` with T <= MAX_ROWS whatever the batch (decode, verify, a tree, a short prefill
     chunk), or ``[N, H]`` with N <= MAX_ROWS. Where autograd records (training), at most MAX_ROWS rows in all, as
-    before (the kernels have no backward: a training batch's products go to ATen).
+    before (the kernels have no backward: a training batch's products go to ATen): where x or one of ``params`` (the
+    op's weights) wants a gradient. The weights count too: a head's norm over the frozen embedding has an input
+    that needs none and a weight that does (tests/test_draft_heads.py).
 
     By tokens a row, not rows in all: each kernel's result for a row does not depend on the rows beside it, so a
     batch's decode [B, 1] and verify [B, K+1] give each row the same bits only if both take the kernels. Counting
     B x T sent a verify of 8 rows x 3 tokens to ATen's ops (another rounding) while its decode took the kernels, and
     batched greedy speculation parted from plain decoding at near-ties (tests/test_kernels.py)."""
     tokens = x.shape[-2] if x.dim() >= 3 else x.shape[0] if x.dim() == 2 else 1
-    if x.requires_grad and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
         tokens = x.numel() // max(1, x.shape[-1])
     return x.device.type == "cpu" and tokens <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES and kernels.available()
 
