@@ -54,7 +54,7 @@ def _req(ids, n=0):
 
 
 def test_proposer_drafts_from_earlier_requests_and_evicts_oldest():
-    p = SuffixProposer(max_depth=8, max_tokens=40, min_prob=0.5, min_match=1)
+    p = SuffixProposer(max_depth=8, max_tokens=40, min_prob=0.5, min_match=1, length_factor=2.0)
     first = _req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert p.lookup(first, 4) == []  # a request's own text: nothing repeats yet
     p.finished(first)
