@@ -4,7 +4,8 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
     # 1. here: the prompts are built from this Python's standard library (drafter_data.build_prompts), so they are
     #    built and tokenised here, with the packed answers (data/drafter-answers) beside them
     python scripts/eagle3_gpu.py prepare --out .gpu/jobs.json.gz
-    # 2. on the GPU machine (no network: the GGUF travels beside the jobs)
+    # 2. on the GPU machine (no network: the GGUF travels beside the jobs; where one transfer carries less than its
+    #    98 MB, in parts that are joined there with cat; --init / --answers go on from an earlier run's output)
     python scripts/eagle3_gpu.py run --jobs .gpu/jobs.json.gz --model SmolLM2.gguf --out $OUT --seconds 400
     # 3. here: the new answers into data/drafter-answers, the head into a drafter directory
     python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
