@@ -187,15 +187,19 @@ def run(args) -> None:
         head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist()).to(args.device)
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     step_fn, eval_fn = eagle3_fns(head, embed, sub_index, train, val, args.batch, args.seed)
-    # time a few steps (no update) to size the schedule to the budget: the cosine decays over the steps that fit
-    probe = 5
-    torch.cuda.synchronize() if args.device.startswith("cuda") else None
-    ts = time.time()
-    for s in range(probe):
+    # time a few steps (no update) to size the schedule to the budget: the cosine decays over the steps that fit.
+    # The first steps are not timed: they pay for CUDA's lazy start-up (cuBLAS handles, kernel choice), and timing
+    # them read 47 ms a step where the run then took 30 ms, so two runs ended with a third of their budget unused.
+    warmup, probe = 3, 8
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    for s in range(warmup + probe):
+        if s == warmup:
+            sync()
+            ts = time.time()
         loss, _ = step_fn(10_000_000 + s)
         loss.backward()
         head.zero_grad(set_to_none=True)
-    torch.cuda.synchronize() if args.device.startswith("cuda") else None
+    sync()
     per_step = (time.time() - ts) / probe
     t_eval = time.time()
     eval_fn()
