@@ -9,12 +9,16 @@ request at a time (an agent) and 8 at a time (a batch of 8 concurrent requests, 
 
 Variants: plain decoding; prompt lookup (proposer "ngram"); suffix decoding (proposer "suffix": a suffix tree over
 the engine's earlier and running requests); infer's default speculation on SmolLM2 (prompt lookup, else the EAGLE
-head: infer.demo.real_model_speculation). K auto everywhere. The suffix tree is emptied before every pass, so a pass
-learns from its own earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept
-across them would replay the answers). Greedy, the target at its served setting (REAL_MODEL_SETTINGS), interleaved
-(A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median pass; tokens/s = generated tokens /
-pass time (prefill included); one request at a time also the decode speed alone (tokens after the first / time after
-the first token: what speculation can change; the prompts' prefill is the same work in every variant).
+head: infer.demo.real_model_speculation); and plain and suffix decoding with the prefix cache on (paged KV,
+``enable_prefix_caching``: a loop's prompts share their instruction, so most of a prompt's prefill is a hit; "vs
+plain, same KV cache" compares them with plain decoding with the prefix cache, the others with plain). K auto
+everywhere. The suffix tree and the prefix cache are emptied before every pass, so a pass learns from its own
+earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept across them would
+replay the answers, a prefix cache would hold the whole prompts). Greedy, the target at its served setting
+(REAL_MODEL_SETTINGS), interleaved (A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median
+pass; tokens/s = generated tokens / pass time (prefill included); one request at a time also the decode speed alone
+(tokens after the first / time after the first token: what speculation can change; the prompts' prefill is the same
+work in every variant at equal KV cache).
 
 The ceiling (one request at a time): plain decoding's own outputs replayed through SuffixProposer.lookup in the
 loop's order (the tree as the engine's would hold it), priced with the suffix engine's measured verify costs
@@ -78,8 +82,15 @@ WORKLOADS = {
     "JSON extraction": ["Extract the order as JSON with the keys id, quantity, item, color, city, date and payment. "
                         f"Reply with the JSON only.\n\n{r}" for r in RECORDS],
 }
+PREFIX_CACHE = {"kv_cache_backend": "paged", "enable_prefix_caching": True}
 VARIANTS = {"plain": {}, "prompt lookup": {"proposer": "ngram"}, "suffix": {"proposer": "suffix"},
-            "defaults": "defaults"}
+            "defaults": "defaults", "plain + prefix cache": PREFIX_CACHE,
+            "suffix + prefix cache": {"proposer": "suffix", **PREFIX_CACHE}}
+
+
+def same_cache_plain(name: str) -> str:
+    """The plain variant a variant is compared with at equal KV cache (the prefix cache saves prefill either way)."""
+    return "plain + prefix cache" if name.endswith("+ prefix cache") else "plain"
 
 
 class _Replayed:
@@ -144,6 +155,7 @@ def run(a) -> dict:
                     proposer = llm.engine.decoder.proposer if llm.engine.decoder is not None else None
                     if hasattr(proposer, "clear"):
                         proposer.clear()  # a fresh agent loop: the tree learns from this pass's inputs only
+                    llm.reset_prefix_cache()  # and the prefix cache too (a pass repeats the last pass's prompts)
                     t0 = time.perf_counter()
                     if conc == 1:
                         outs = [llm.generate([x], params)[0] for x in ids]  # one request after another
@@ -160,9 +172,10 @@ def run(a) -> dict:
                     tokens[name] = sum(len(o.token_ids) for o in outs)
                     drafted[name] = sum(o.num_draft_tokens for o in outs)
                     accepted[name] = sum(o.num_accepted_tokens for o in outs)
-            base = tokens["plain"] / statistics.median(times["plain"])
-            rows[wname] = {n: {"tokens_per_s": tokens[n] / statistics.median(times[n]),
-                               "over_plain": tokens[n] / statistics.median(times[n]) / base,
+            speed = {n: tokens[n] / statistics.median(times[n]) for n in llms}
+            base = speed["plain"]
+            rows[wname] = {n: {"tokens_per_s": speed[n], "over_plain": speed[n] / base,
+                               "over_same_cache": speed[n] / speed[same_cache_plain(n)],
                                "pass_s": times[n], "tokens": tokens[n],
                                "acceptance": accepted[n] / drafted[n] if drafted[n] else None,
                                "drafted_per_token": drafted[n] / tokens[n]} for n in llms}
@@ -195,19 +208,20 @@ def render(res: dict) -> None:
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Model: {res['model']}, "
              f"{res['settings']['dtype']} + {res['settings']['quantization']}, greedy, up to {res['new_tokens']} new "
              f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
-             f"as a loop over their inputs; the suffix tree is emptied before each pass; {res['repeats']} passes "
+             f"as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; {res['repeats']} passes "
              "interleaved, per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
-             "| requests at a time | workload | variant | tokens/s | vs plain | decode vs plain | acceptance | "
-             "drafts per token |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| requests at a time | workload | variant | tokens/s | vs plain | vs plain, same KV cache | decode vs plain "
+             "| acceptance | drafts per token |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for conc, rows in res["by_concurrency"].items():
         for wname, row in rows.items():
             for n, r in row.items():
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 dec = f"{r['decode_over_plain']:.2f}x" if "decode_over_plain" in r else "-"
-                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {dec} | "
-                             f"{acc} | {r['drafted_per_token']:.2f} |")
+                same = f"{r['over_same_cache']:.2f}x" if "over_same_cache" in r else "-"
+                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {same} | "
+                             f"{dec} | {acc} | {r['drafted_per_token']:.2f} |")
     if res.get("ceiling"):
         first = next(iter(res["ceiling"].values()))
         k = len(first["verify"]) - 1

@@ -190,3 +190,17 @@ def test_beam_search_matches_transformers_when_beams_finish_early(ckpt_dirs, hf_
         assert best.token_ids == expected[: len(best.token_ids)]
         checked += best.token_ids[-1] == eos
     assert checked >= 1, "at least one best hypothesis should end in EOS"
+
+
+def test_reset_prefix_cache_forgets_what_later_prompts_reuse(gqa_dir):
+    llm = LLM(gqa_dir, kv_cache_backend="paged", block_size=4, enable_prefix_caching=True)
+    prompt, params = list(range(3, 40)), SamplingParams(temperature=0, max_tokens=6)
+    first = llm.generate([prompt], params)[0].token_ids
+    assert llm.engine.stats.prefix_cache_hit_tokens == 0
+    assert llm.generate([prompt], params)[0].token_ids == first
+    hits = llm.engine.stats.prefix_cache_hit_tokens
+    assert hits == 36  # the prompt's 9 full blocks (37 tokens, the last one recomputed)
+    assert llm.reset_prefix_cache() > 0
+    assert llm.generate([prompt], params)[0].token_ids == first
+    assert llm.engine.stats.prefix_cache_hit_tokens == hits  # nothing reused after the reset
+    assert LLM(gqa_dir).reset_prefix_cache() == 0  # no prefix cache: nothing to forget

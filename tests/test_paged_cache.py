@@ -148,3 +148,33 @@ def test_whole_prompt_never_hits():
     pool.cache_prefix(a, prompt)
     b = pool.allocate(prefix_ids=prompt)
     assert pool.seq_len(b) == 4
+
+
+def test_reset_prefix_cache_forgets_hits_and_frees_cached_blocks(model):
+    pool = PagedKVCachePool.for_model(model, num_blocks=6, block_size=4, max_seq_len=32, max_slots=3,
+                                      enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 2 full blocks + 2
+    a = pool.allocate(prefix_ids=prompt)
+    meta = pool.prepare([a], [10])
+    model(torch.tensor([prompt]), meta.positions, pool, meta)
+    pool.cache_prefix(a, prompt)
+    b = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(b) == 8
+    pool.free(b)
+    assert pool.reset_prefix_cache() == 2
+    assert pool.reset_prefix_cache() == 0
+    c = pool.allocate(prefix_ids=prompt)
+    assert pool.seq_len(c) == 0  # forgotten: computed again
+    pool.free(c)
+    # the slot that computed the blocks keeps them, unchanged: its next token sees the same keys
+    meta = pool.prepare([a], [1])
+    h = model(torch.tensor([[3]]), meta.positions, pool, meta)
+    ref = PagedKVCachePool.for_model(model, num_blocks=6, block_size=4, max_seq_len=32, max_slots=1)
+    r = ref.allocate()
+    meta = ref.prepare([r], [11])
+    torch.testing.assert_close(h[0, -1], model(torch.tensor([prompt + [3]]), meta.positions, ref, meta)[0, -1])
+    pool.free(a)  # uncached now: its blocks go back to the free list, not to the evictable set
+    assert pool.free_token_capacity() == 6 * 4 and not pool._evictable
+    d = pool.allocate()
+    pool.prepare([d], [24])  # every block, from the free list alone
+    assert pool.seq_len(d) == 24

@@ -36,6 +36,12 @@ class LLM:
         closes on leaving the block."""
         self.engine.close()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (``enable_prefix_caching``), as vLLM's ``LLM.reset_prefix_cache``: later prompts
+        compute their prefixes again (at a near-tie that can change a greedy token, as a hit can: docs/design.md,
+        numerics). Returns the number of cached blocks forgotten (0 without a prefix cache)."""
+        return self.engine.kv.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -155,6 +155,11 @@ class KVCachePool(ABC):
     def cache_prefix(self, slot: int, token_ids: list[int]) -> None:
         """Offer the computed K/V of ``token_ids`` (the prompt in ``slot``) to the prefix cache. Default: none."""
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix: later prompts compute theirs again (slots in use keep what they hold).
+        Returns the number of blocks forgotten. Default: none (no prefix cache)."""
+        return 0
+
     @property
     def num_used_slots(self) -> int:
         return 0

@@ -143,6 +143,17 @@ class PagedKVCachePool(KVCachePool):
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h], self._hash_of[b] = b, h
 
+    def reset_prefix_cache(self) -> int:
+        # Metadata only: a cached block referenced by a slot stays that slot's (returned to the free list when it
+        # is released, being uncached now); an evictable one is free at once. No K/V is copied or cleared.
+        n = len(self._block_of)
+        for b in self._evictable:
+            heapq.heappush(self._free_blocks, b)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        return n
+
     def free(self, slot: int) -> None:
         if slot not in self._tables:
             raise ValueError(f"slot {slot} is not allocated")

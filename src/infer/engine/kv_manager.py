@@ -112,6 +112,9 @@ class KVManager:
     def cache_prefix(self, req: Request) -> None:
         self.pool.cache_prefix(req.slot, req.prompt_ids)
 
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
     def free_kv_tokens(self) -> int:
         free = self.pool.free_token_capacity()
         return free if self.draft_pool is None else min(free, self.draft_pool.free_token_capacity())
