@@ -208,7 +208,8 @@ def render(res: dict) -> None:
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Model: {res['model']}, "
              f"{res['settings']['dtype']} + {res['settings']['quantization']}, greedy, up to {res['new_tokens']} new "
              f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
-             f"as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; {res['repeats']} passes "
+             "as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; "
+             f"{res['repeats']} passes "
              "interleaved, per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
              "| requests at a time | workload | variant | tokens/s | vs plain | vs plain, same KV cache | decode vs plain "
