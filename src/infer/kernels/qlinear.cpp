@@ -533,8 +533,8 @@ inline void rows_block(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M,
 
 #if defined(INFER_QLINEAR_PAIRS)
 std::atomic<bool> pairs_on{true};  // infer::qlinear_pairs: off for an A/B in one process (benchmarks/kernel_rows.py)
-// groups g0 .. g1 in pairs -> the first group left (the pairs' code kept out of line: inlined into run's loop it
-// cost decode's 8-wide loop ~15% in one build)
+// groups g0 .. g1 in pairs -> the first group left (out of line, so that run's decode loop compiles as it did
+// without the pairs: one row measured the same with them, benchmarks/kernel_rows.py)
 template <int64_t F>
 __attribute__((noinline)) int64_t pair_groups(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M, const Out& y,
                                               int64_t N, int64_t g0, int64_t g1) {
