@@ -2,6 +2,7 @@
 what the CPU pipeline stores (train_heads.load_items3's items), or the head trains on shifted targets without a
 sign; and its packing must extend data/drafter-answers without losing or reordering a row. Tiny models, the CPU."""
 
+import argparse
 import gzip
 import json
 import sys
@@ -67,3 +68,44 @@ def test_install_packs_consecutive_answers_and_completes_a_partial_file(tmp_path
     assert read(packed / "answers-002.jsonl.gz") == [8, 9, 10, 11]
     assert read(packed / "answers-003.jsonl.gz") == [12]
     assert sorted(p.name for p in packed.iterdir()) == [f"answers-00{i}.jsonl.gz" for i in range(4)]
+
+
+def test_answer_on_the_cpu_goes_in_job_order_resumes_and_installs(tmp_path, monkeypatch):
+    """`answer` (the jobs answered in a CPU session's background): the unanswered jobs in job order, at most --num;
+    a second call resumes from its own file (a gzip member a batch) and answers only what is left; install packs the
+    rows after the packed ones."""
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0, max_position_embeddings=2048)
+    monkeypatch.setattr(eagle3_gpu, "MAX_TOKENS", 6)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    monkeypatch.setattr(eagle3_gpu, "PACK_ROWS", 4)
+    monkeypatch.setattr(eagle3_gpu, "PACKED", packed)
+    temps = [0.7, 0.0, 0.7, 0.0, 0.7, 0.0]
+    rows = [{"job": j, "source": f"s{j // 2}", "kind": "chat", "temperature": t, "prompt_ids": [3 + j // 2, 4, 5],
+             "answer_ids": [1, 2] if j < 2 else None, "finish_reason": "stop" if j < 2 else None}
+            for j, t in enumerate(temps)]
+    with gzip.open(tmp_path / "packed" / "answers-000.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({k: r[k] for k in ("job", "source", "temperature", "answer_ids", "finish_reason")})
+                     + "\n" for r in rows[:2])
+    jobs = tmp_path / "jobs.json.gz"
+    with gzip.open(jobs, "wt") as f:
+        json.dump(rows, f)
+    out = tmp_path / "cpu"
+
+    def answered():
+        with gzip.open(out / "answers-new.jsonl.gz", "rt") as f:
+            return [json.loads(line) for line in f]
+
+    args = dict(jobs=jobs, model=path, out=out, seconds=600, gen_batch=2, seed=0)
+    eagle3_gpu.answer(argparse.Namespace(**args, num=3))  # two batches: jobs 2, 3, then 4
+    first = answered()
+    assert [r["job"] for r in first] == [2, 3, 4]
+    assert all(1 <= len(r["answer_ids"]) <= 6 and r["finish_reason"] in ("stop", "length") for r in first)
+    assert [r["temperature"] for r in first] == temps[2:5] and "cpu" in first[0]["answered_on"]
+    eagle3_gpu.answer(argparse.Namespace(**args, num=None))  # resumes: only job 5 is left
+    assert answered()[:3] == first and [r["job"] for r in answered()] == [2, 3, 4, 5]
+    eagle3_gpu.install([out], None)
+    with gzip.open(packed / "answers-000.jsonl.gz", "rt") as f:
+        assert [json.loads(line)["job"] for line in f] == [0, 1, 2, 3]
+    with gzip.open(packed / "answers-001.jsonl.gz", "rt") as f:
+        assert [json.loads(line)["answer_ids"] for line in f] == [r["answer_ids"] for r in answered()[2:]]
