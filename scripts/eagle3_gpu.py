@@ -70,7 +70,9 @@ def prepare(out: Path, num_jobs: int) -> None:
             raise SystemExit(f"packed row {i} is for {r['source']!r}, the prompt list has {j['source']!r}")
         rows.append({"job": i, "source": j["source"], "kind": j["kind"], "temperature": j["temperature"],
                      "prompt_ids": tok.apply_chat_template([{"role": "user", "content": j["prompt"]}]),
-                     "answer_ids": r["answer_ids"] if r else None, "finish_reason": r["finish_reason"] if r else None})
+                     "answer_ids": r["answer_ids"] if r else None, "finish_reason": r["finish_reason"] if r else None,
+                     # where it was answered (the first packed rows, from drafter_data.py, say nothing: the CPU)
+                     "answered_on": r.get("answered_on", "cpu") if r else None})
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt") as f:
         json.dump(rows, f)
@@ -155,7 +157,8 @@ def run(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.jobs, "rt") as f:
         rows = json.load(f)[::args.every]
-    n_cpu = sum(1 for r in rows if r["answer_ids"] is not None)  # answered on the CPU (data/drafter-answers)
+    n_cpu = sum(1 for r in rows if r["answer_ids"] is not None  # answered on the CPU (packed, data/drafter-answers)
+                and not str(r.get("answered_on") or "cpu").startswith("cuda"))
     if args.answers:  # answers of an earlier run (its answers-new.jsonl.gz), not answered again
         with gzip.open(args.answers, "rt") as f:
             extra = {r["job"]: r for r in map(json.loads, f)}
