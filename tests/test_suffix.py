@@ -23,9 +23,12 @@ def test_tree_counts_match_and_evict():
     t.extend(1, [1, 2, 3, 1, 2, 3])
     t.extend(2, [1, 2, 4])
     assert t.check() and t.num_tokens() == 9 and t.num_sequences() == 2
-    drafts, match, prob = t.speculate([9, 1, 2], 3, 0.0)
+    drafts, match, prob = t.speculate([9, 1, 2], 3, 0.0, min_match=2)
     # "1 2" is continued by 3 twice and by 4 once; "1 2 3" by 1 once and ends once; "1 2 3 1" is at the depth bound
     assert (drafts, match) == ([3, 1], 2) and prob == pytest.approx(2 / 3 * 1 / 2)
+    # "2" alone drafts one token further before the depth bound (3, 1, then 2 after "2 3 1"): 2/3 + 1/3 + 1/3
+    # expected accepted tokens against 2/3 + 1/3, so the shorter match's draft wins
+    assert t.speculate([9, 1, 2], 3, 0.0) == ([3, 1, 2], 1, pytest.approx(1 / 3))
     assert t.speculate([7, 7], 3, 0.0) == ([], 0, 0.0)  # nothing matches
     t.extend(1, [1, 2, 4, 4])  # sequences grow in pieces
     assert t.check()
@@ -44,6 +47,20 @@ def test_min_prob_sets_the_draft_length():
     assert t.speculate([1, 2, 3], 3, 0.5)[0] == [5, 6]
     drafts = t.speculate([1, 2, 3], 3, 0.1)[0]  # then 7 and 8 tie (1 of 2 each): one of them
     assert drafts[:2] == [5, 6] and drafts[2] in (7, 8)
+
+
+def test_the_draft_with_most_expected_accepted_tokens_wins():
+    t = suffix_tree_module().SuffixTree(8)
+    t.extend(0, [5, 1, 2, 7])
+    for s in range(1, 4):
+        t.extend(s, [6, 2, 3, 4, 8])
+    # "5 1 2" and "1 2" were followed by 7 once (1 expected token); "2" by 7 once and by 3 three times, then always
+    # 4 and 8: 3 x 0.75 expected tokens
+    assert t.speculate([5, 1, 2], 4, 0.3) == ([3, 4, 8], 1, pytest.approx(0.75))
+    # capped at length_factor x the match's length, "2" drafts one token (0.75): the longest match's 7 wins
+    assert t.speculate([5, 1, 2], 4, 0.3, length_factor=1.0) == ([7], 3, 1.0)
+    # a tie (both 1.0) goes to the longer match
+    assert t.speculate([5, 1, 2], 4, 0.8, length_factor=1.0)[1] == 3
 
 
 def _req(ids, n=0):

@@ -5,11 +5,13 @@ running ones, the request's own context included. No model: a lookup costs micro
     SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.3, length_factor=1.0, min_match=1)
 
 The tree (suffix_tree.cpp, built on first use like infer's kernels) holds every substring of up to ``max_depth``
-tokens of every sequence, with counts. A round matches the longest suffix of a request's context (up to
-``max_depth - 1`` tokens) and follows the most frequent continuation while its estimated probability (the product of
-the children's shares of their parents' counts) stays >= ``min_prob``: a long, frequent match drafts many tokens, a
-rare one few or none (the draft length is the match's frequency). Up to K, and no more than ``length_factor`` x the
-match's length; a match shorter than ``min_match`` tokens drafts nothing.
+tokens of every sequence, with counts. A round tries every suffix of a request's context (up to ``max_depth - 1``
+tokens) that the tree holds; from each it follows the most frequent continuation while its estimated probability
+(the product of the children's shares of their parents' counts) stays >= ``min_prob``, up to K and no more than
+``length_factor`` x the match's length: a long, frequent match drafts many tokens, a rare one few or none (the draft
+length is the match's frequency). Of these drafts the round keeps the one with the most expected accepted tokens (the
+sum of its prefixes' probabilities; SuffixDecoding's and arctic-inference's rule), the longer match at a tie. A
+match shorter than ``min_match`` tokens drafts nothing.
 
 The defaults (a one-token match drafts, at most as many tokens as the match is long, while the continuation's
 probability stays >= 0.3) come from replaying plain decoding's outputs through the tree and pricing each round with
@@ -30,7 +32,6 @@ thread, so the tree needs no lock.
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from collections import OrderedDict
 from pathlib import Path
@@ -127,8 +128,9 @@ class SuffixProposer(Proposer):
             return []
         self._sync(req)
         ctx = req.token_slice(max(0, req.num_tokens - self.max_depth + 1))
-        drafts, match, _ = self.tree.speculate(ctx, k, self.min_prob, self.min_match, stored=True)  # its own text is in the tree
-        return list(drafts[:max(0, min(k, math.floor(self.length_factor * match)))])
+        drafts, _, _ = self.tree.speculate(ctx, k, self.min_prob, self.min_match, stored=True,  # its own text is in
+                                           length_factor=self.length_factor)  # the tree
+        return list(drafts)
 
     # -- the proposer seam ------------------------------------------------------------------------------------
     def free_drafts(self, req: Request, k: int) -> int:

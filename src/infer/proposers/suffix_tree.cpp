@@ -1,8 +1,8 @@
 // A suffix tree of bounded depth over many token sequences (SuffixDecoding, Oliaro et al. 2024-25): every substring
 // of up to `max_depth` tokens of every sequence is a path from the root, each node counting the suffixes that pass
 // through or end at it. Sequences grow token by token (a request's prompt, then its output) and are removed whole
-// (eviction). `speculate` finds the longest suffix of a context that is a path, then follows the most frequent
-// child while its share of its parent's count stays high: the drafts and the match's length and probability.
+// (eviction). `speculate` tries every suffix of a context that is a path, following the most frequent child while
+// its share of its parent's count stays high, and keeps the draft with the most expected accepted tokens.
 //
 // Nodes live in one vector (a free list reuses removed ones); edges in one hash map keyed by (parent, token); a
 // node's children are also linked (first_child / next_sibling) to pick the most frequent one. Appending token t to a
@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <tuple>
@@ -82,26 +83,34 @@ class SuffixTree {
         seqs_.erase(it);
     }
 
-    // (drafts, match length, probability of the drafts under the counts): from the longest suffix of the context
-    // that is a path and drafts at least one token (the most specific match). A context's own latest suffix, when
-    // the context is a stored sequence, is a path with no continuation: it drafts nothing, and a shorter match, an
+    // (drafts, match length, probability of the drafts under the counts): of every suffix of the context that is a
+    // path (a match of m tokens), the one whose draft scores highest, the score being the draft's expected number of
+    // accepted tokens under the counts (the sum of its prefixes' probabilities; SuffixDecoding's, arctic-inference's
+    // rule). A draft follows the most frequent child while the probability stays >= min_prob, up to max_spec tokens
+    // and, with length_factor > 0, up to max(1, length_factor x m): a long match may draft long, a short one only
+    // briefly. Ties go to the longer match (the more specific one). A context's own latest suffix, when the
+    // context is a stored sequence, is a path with no continuation: it drafts nothing, and a shorter match, an
     // earlier occurrence, takes over.
     // With `stored`, the context is itself a stored sequence's end: its own suffix ends at the matched node, and is
     // left out of that node's count (the share of a continuation is among the other occurrences).
     std::tuple<std::vector<int32_t>, int, double> speculate(const std::vector<int32_t>& context, int max_spec,
-                                                           double min_prob, int min_match, bool stored) const {
+                                                           double min_prob, int min_match, bool stored,
+                                                           double length_factor) const {
         const int L = static_cast<int>(context.size());
-        std::vector<int32_t> best_drafts;
+        std::vector<int32_t> best_drafts, drafts;
         int best_m = 0;
-        double best_prob = 0.0;
+        double best_prob = 0.0, best_score = 0.0;
         for (int m = std::min(L, max_depth_ - 1); m >= std::max(1, min_match); --m) {
             int32_t u = 0;
             for (int i = L - m; i < L && u >= 0; ++i) u = edge(u, context[i]);
             if (u < 0) continue;  // this suffix never occurred: try a shorter one
-            std::vector<int32_t> drafts;
-            double prob = 1.0;
+            int cap = max_spec;
+            if (length_factor > 0.0)
+                cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * m))));
+            drafts.clear();
+            double prob = 1.0, score = 0.0;
             int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
-            while (static_cast<int>(drafts.size()) < max_spec && nodes_[u].depth < max_depth_) {
+            while (static_cast<int>(drafts.size()) < cap && nodes_[u].depth < max_depth_) {
                 int32_t best = -1;
                 for (int32_t c = nodes_[u].first_child; c >= 0; c = nodes_[c].next_sibling)
                     if (best < 0 || nodes_[c].count > nodes_[best].count) best = c;
@@ -111,14 +120,15 @@ class SuffixTree {
                 own = 0;
                 if (p < min_prob) break;
                 prob = p;
+                score += p;
                 drafts.push_back(nodes_[best].token);
                 u = best;
             }
-            if (!drafts.empty()) {
+            if (score > best_score) {
                 best_drafts.swap(drafts);
                 best_m = m;
                 best_prob = prob;
-                break;
+                best_score = score;
             }
         }
         return {best_drafts, best_m, best_prob};
@@ -207,7 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("extend", &SuffixTree::extend, py::arg("seq"), py::arg("tokens"))
         .def("remove", &SuffixTree::remove, py::arg("seq"))
         .def("speculate", &SuffixTree::speculate, py::arg("context"), py::arg("max_spec"), py::arg("min_prob"),
-             py::arg("min_match") = 1, py::arg("stored") = false)
+             py::arg("min_match") = 1, py::arg("stored") = false, py::arg("length_factor") = 0.0)
         .def("num_tokens", &SuffixTree::num_tokens)
         .def("num_nodes", &SuffixTree::num_nodes)
         .def("num_sequences", &SuffixTree::num_sequences)
