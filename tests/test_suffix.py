@@ -86,6 +86,8 @@ def test_proposer_drafts_from_earlier_requests_and_evicts_oldest():
     assert p.lookup(_req([40, 1, 2, 3]), 4) == []  # the first request is gone
     with pytest.raises(ValueError, match="min_prob"):
         SuffixProposer(min_prob=0)
+    with pytest.raises(ValueError, match="length_factor"):
+        SuffixProposer(length_factor=0)
 
 
 # -- losslessness through the engine ------------------------------------------------------------------------------

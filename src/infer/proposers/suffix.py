@@ -80,6 +80,8 @@ class SuffixProposer(Proposer):
             raise ValueError(f"suffix max_tokens must be >= 1, got {max_tokens}")
         if not 0.0 < min_prob <= 1.0:
             raise ValueError(f"suffix min_prob must be in (0, 1], got {min_prob}")
+        if not length_factor > 0.0:  # the C++ side reads <= 0 as "no cap"
+            raise ValueError(f"suffix length_factor must be > 0, got {length_factor}")
         self.max_depth, self.max_tokens, self.min_prob, self.length_factor = max_depth, max_tokens, min_prob, \
             length_factor
         self.min_match = min_match
