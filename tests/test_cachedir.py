@@ -4,6 +4,8 @@ so that their owner rebuilds them; whole entries and entries another process may
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from infer import kernels
-from infer.cachedir import IN_PROGRESS_S, compile_cache_damage, drop_damaged, elf_damage
+from infer.cachedir import IN_PROGRESS_S, build_lock, compile_cache_damage, drop_damaged, elf_damage
 
 
 def _a_shared_library() -> Path:
@@ -112,3 +114,66 @@ def test_a_damaged_tokenizer_entry_is_reported_and_converted_again(tmp_path, mon
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # rewritten whole
         assert Tokenizer(gguf).encode("Hello world") == ids
+
+
+# --- the build lock ---------------------------------------------------------------------------------------------------
+# torch's cpp_extension baton (a file `lock`) outlives a builder that was killed; build_lock's flock does not.
+
+_HOLD = """
+import os, sys, time
+from pathlib import Path
+from infer.cachedir import build_lock
+d = Path(sys.argv[1])
+with build_lock(d):
+    (d / "lock").touch()  # torch's baton, as a build in progress has it
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    assert (d / "lock").exists(), "a live builder's baton was taken away"
+    (d / "lock").unlink()
+"""
+
+
+def _holder(d: Path, seconds: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(d), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_build_lock_removes_the_baton_of_a_killed_builder(tmp_path):
+    proc = _holder(tmp_path, 600)
+    proc.kill()  # mid-build: torch's baton stays behind
+    proc.wait(timeout=30)
+    assert (tmp_path / "lock").exists()
+    with pytest.warns(RuntimeWarning, match="left by a build that was stopped"), build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_build_lock_waits_for_a_live_builder_and_leaves_its_baton(tmp_path):
+    proc = _holder(tmp_path, 1.5)
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no baton was stale
+        with build_lock(tmp_path):
+            waited = time.monotonic() - t0
+    assert proc.wait(timeout=30) == 0  # the holder found its baton where it left it
+    assert waited > 1.0
+
+
+def test_the_suffix_tree_loads_past_a_stale_baton():
+    """End to end: a stale baton in the suffix tree's build directory (torch alone would wait on it forever)."""
+    import hashlib
+
+    from infer.cachedir import cache_dir
+    from infer.proposers import suffix
+
+    src = Path(suffix.__file__).with_name("suffix_tree.cpp")
+    build = cache_dir("kernels") / ("infer_suffix_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12])
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").touch()
+    try:
+        run = subprocess.run([sys.executable, "-c", "from infer.proposers.suffix import suffix_tree_module as m; "
+                              "print(m().SuffixTree(4).num_nodes())"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.strip() == "0", run.stderr[-2000:]
+        assert "left by a build that was stopped" in run.stderr
+    finally:
+        (build / "lock").unlink(missing_ok=True)  # never leave the hang behind for later tests

@@ -5,17 +5,14 @@ dependency, part of the test extra)."""
 
 import concurrent.futures as cf
 import json
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from infer.testing import make_tiny_llama
+from infer.testing import make_tiny_llama, server_log, start_server, stop_server
 
 pytest.importorskip("ray.serve", reason="Ray Serve is optional: pip install -e '.[ray]'")
 openai = pytest.importorskip("openai")
@@ -29,9 +26,8 @@ def replicas(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "infer.server", "--model", str(ckpt), "--served-model-name", NAME,
-                             "--port", str(port), "--replicas", "2", "--replica-cpus", "0.5", "--max-batch-size", "4"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_server("--model", str(ckpt), "--served-model-name", NAME, "--port", str(port), "--replicas", "2",
+                        "--replica-cpus", "0.5", "--max-batch-size", "4")
     base = f"http://127.0.0.1:{port}"
     try:
         deadline, up = time.monotonic() + 180, set()
@@ -41,15 +37,10 @@ def replicas(tmp_path_factory):
                     up.add(r.headers["x-infer-replica"])
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.5)
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, server_log(proc)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, grace=60)  # SIGTERM first: Ray Serve shuts its replicas down
 
 
 def _stream(base: str, i: int) -> tuple[int, str, str]:

@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,7 +20,7 @@ from infer.llm import LLM
 from infer.sampling import SamplingParams
 from infer.server import build_app
 from infer.server.thread import ServerThread
-from infer.testing import make_tiny_llama
+from infer.testing import make_tiny_llama, server_log, start_server, stop_server
 
 NAME = "tiny"
 KEY = "hardening-key"  # with a key: the auth middleware must not hide a client's disconnect from the route
@@ -172,9 +170,8 @@ def _free_port() -> int:
 
 def test_sigterm_drains_within_the_grace_period_and_ends_every_stream(long_ckpt):
     grace, port = 1.0, _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infer.server", "--model", str(long_ckpt), "--port", str(port),
-                             "--max-batch-size", "8", "--shutdown-timeout", str(grace)],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = start_server("--model", str(long_ckpt), "--port", str(port), "--max-batch-size", "8",
+                        "--shutdown-timeout", str(grace), env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -182,7 +179,7 @@ def test_sigterm_drains_within_the_grace_period_and_ends_every_stream(long_ckpt)
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
                 break
             except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                assert proc.poll() is None and time.monotonic() < deadline, server_log(proc)
                 time.sleep(0.2)
         ends: list = [None] * 8
         body = json.dumps({"model": str(long_ckpt), "prompt": "x", "max_tokens": 3900, "ignore_eos": True,
@@ -212,5 +209,4 @@ def test_sigterm_drains_within_the_grace_period_and_ends_every_stream(long_ckpt)
         assert took < grace + 2, f"exited {took:.1f} s after SIGTERM"
         assert ends == [(b"[DONE]", "abort")] * 8  # every stream got its final event, then [DONE]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_server(proc)

@@ -17,8 +17,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +29,7 @@ from infer.generate import autoregressive_generate
 from infer.model.loader import load_model
 from infer.sampling import SamplingParams
 from infer.speculative import speculative_generate
-from infer.testing import make_tiny_llama, random_llama
+from infer.testing import make_tiny_llama, random_llama, server_log, start_server, stop_server
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
@@ -315,8 +313,7 @@ def test_server_that_loses_a_worker_fails_the_request_and_stays_up(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "infer.server", "--model", str(ckpt), "--port", str(port),
-                             "--tensor-parallel-size", "2"], stderr=subprocess.PIPE, text=True)
+    proc = start_server("--model", str(ckpt), "--port", str(port), "--tensor-parallel-size", "2")
 
     def call(path, body=None):
         req = urllib.request.Request(base + path, data=body and json.dumps(body).encode(),
@@ -334,7 +331,7 @@ def test_server_that_loses_a_worker_fails_the_request_and_stays_up(tmp_path):
                 call("/health")
                 break
             except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                assert proc.poll() is None and time.monotonic() < deadline, server_log(proc)
                 time.sleep(0.2)
         (worker,) = _spawned_children(proc.pid)
         body = {"model": str(ckpt), "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -360,8 +357,7 @@ def test_server_that_loses_a_worker_fails_the_request_and_stays_up(tmp_path):
         proc.wait(timeout=15)
         assert time.monotonic() - t0 < 15
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_server(proc)
 
 
 def _tiny_vocab_pair(root) -> tuple:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -35,6 +38,32 @@ def write_atomic(path: Path, text: str) -> bool:
     except OSError:
         Path(tmp).unlink(missing_ok=True)
         return False
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold across torch's ``cpp_extension.load`` into ``build_dir``: one builder at a time, and never a wait on a
+    dead one. torch's own lock (its "baton", a file ``lock`` made with O_EXCL and removed when the build ends)
+    outlives a builder that was killed, and every later load then waits on it forever (a server stopped during its
+    first start, a test that kills a worker). This lock is an flock, which the kernel releases when its holder dies:
+    whoever holds it is the only live builder among those that take it, so a baton found then is stale, and goes.
+    Where flock is missing (not Linux or macOS), torch's baton alone serves."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(build_dir / ".infer-build.flock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits for a live builder (a first build takes ~30 s)
+        baton = build_dir / "lock"
+        if baton.exists():
+            warnings.warn(f"removed {baton}, left by a build that was stopped", RuntimeWarning, stacklevel=3)
+            baton.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 # --- damaged entries ------------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ Requires transformers (a test/benchmark dependency).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -179,3 +183,50 @@ def random_heads(target, kind: str, seed: int = 0, **kw):
             else:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     return head.to(target.device, target.dtype).eval().requires_grad_(False).attach(target)
+
+
+# --- a server in a process of its own (end-to-end tests) -------------------------------------------------------------
+# The server runs in a session of its own, so stop_server reaches all it started (tensor-parallel workers, Ray's
+# daemons and replicas), with stdout to /dev/null and stderr to a pipe: nothing it leaves behind holds the test run's
+# own output open (a CI job waits for that to close). Its stderr is read only once it is stopped: reading a live
+# server's stderr to its end waits forever.
+
+def start_server(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """``python -m infer.server *args``."""
+    return subprocess.Popen([sys.executable, "-m", "infer.server", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """SIGTERM the server and wait up to ``grace`` s for it; then SIGKILL whatever is left of its session."""
+    if proc.poll() is None and grace > 0:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in [proc.pid, *_session(proc.pid)]:  # Ray's workers sit in groups of their own, in the same session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # exited already
+    proc.wait(timeout=30)
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux /proc; elsewhere none: the server alone is stopped)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[3]) == sid and int(stat.parent.name) != sid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def server_log(proc: subprocess.Popen, tail: int = 3000) -> str:
+    """The end of a server's stderr, once it is stopped (an assertion's message when it does not come up)."""
+    stop_server(proc)
+    return proc.stderr.read()[-tail:] if proc.stderr else ""

@@ -89,13 +89,15 @@ def _ensure_ninja_on_path() -> None:
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
+    from ..cachedir import build_lock
+
     _ensure_ninja_on_path()
     flags = _flags()
     name = build_name()
     build_dir = CACHE_DIR / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
+    with build_lock(build_dir):
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
 
     @torch.library.register_fake("infer::linear")
     def _(x, weight, scale=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype

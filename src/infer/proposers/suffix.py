@@ -51,17 +51,17 @@ def suffix_tree_module():
 
         from torch.utils.cpp_extension import load
 
-        from ..cachedir import cache_dir
+        from ..cachedir import build_lock, cache_dir
         from ..kernels import _ensure_ninja_on_path
 
         src = Path(__file__).with_name("suffix_tree.cpp")
         name = "infer_suffix_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12]
         build = cache_dir("kernels") / name
-        build.mkdir(parents=True, exist_ok=True)
         _ensure_ninja_on_path()
         try:
-            _module = load(name=name, sources=[str(src)], extra_cflags=["-O2"], build_directory=str(build),
-                           verbose=False)
+            with build_lock(build):
+                _module = load(name=name, sources=[str(src)], extra_cflags=["-O2"], build_directory=str(build),
+                               verbose=False)
         except Exception as e:  # noqa: BLE001  (no compiler: the proposer cannot run; say so in one line)
             lines = str(e).strip().splitlines()
             raise RuntimeError("proposer='suffix' needs its C++ suffix tree, which could not be built "
