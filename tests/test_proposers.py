@@ -242,6 +242,43 @@ def test_free_drafts_are_priced_and_estimated_apart_from_the_model():
     assert policy.choose([copy, other], [6, 6]) == [0, 0]  # the same rows drafted by the model: too dear
 
 
+def test_confident_free_drafts_are_priced_by_their_confidence_as_calibrated():
+    """With the proposer's confidence in each free draft (a suffix tree's counts), a row's expected tokens follow it:
+    a run of sure copies drafts long where one rate per row would cut it short, a draft that trails off is cut where
+    it stops paying, and what the target then accepts re-calibrates the confidences."""
+    from infer.spec_decode.spec_length import Calibration
+
+    costs = CostModel.from_points(1, 8, {(1, 1): 1.0, (1, 9): 2.6}, {})  # a verify costs 1 + 0.2 per draft
+    policy = GoodputSpecLength(8, costs)
+    r = _req([1, 2])
+    conf = {"sure": [0.99] * 8, "trailing": [0.95, 0.95, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]}
+    shape = "sure"
+    policy.free = lambda req, k: min(k, 8)
+    policy.confidence = lambda req, k: conf[shape][:k]
+    for _ in range(3):  # a middling rate per row: 0.5
+        policy.observe(r, 4, 1, free=True)
+    assert policy.choose([r], [8]) == [8]
+    shape = "trailing"
+    assert policy.choose([r], [8]) == [2]
+    policy.confidence = lambda req, k: None  # the same row priced by its rate alone
+    assert policy.choose([r], [8])[0] < 8
+
+    cal = Calibration()
+    assert cal(0.95) == pytest.approx(0.95) and cal(0.05) == pytest.approx(0.05)  # trusted before any draft
+    for _ in range(400):  # drafts of confidence 0.95 turn out right half the time
+        cal.observe(0.95, True)
+        cal.observe(0.95, False)
+    assert cal(0.95) == pytest.approx(0.5, abs=0.02) and cal(0.05) == pytest.approx(0.05)
+    assert cal.curve([0.95, 0.95], 4) == pytest.approx([1.0, 1.5, 1.75, 1.75, 1.75], abs=0.02)
+    # the policy learns from what the target judged: drafts 0..n accepted, the next one rejected
+    policy = GoodputSpecLength(8, costs)
+    policy.free, policy.confidence = (lambda req, k: min(k, 8)), (lambda req, k: [0.55] * k)
+    policy.choose([r], [8])
+    policy.observe(r, 3, 1, free=True)
+    assert policy.calibration.judged[5] == pytest.approx(4.0 * 0.995 ** 2 + 0.995 + 1.0)  # two judged: 1 right
+    assert policy.calibration(0.55) < 0.55
+
+
 def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
     """Through the engine: the hybrid's model steps priced at 1000 s, n-gram copies still drafted and accepted, the
     output the plain one."""

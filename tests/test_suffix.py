@@ -23,13 +23,14 @@ def test_tree_counts_match_and_evict():
     t.extend(1, [1, 2, 3, 1, 2, 3])
     t.extend(2, [1, 2, 4])
     assert t.check() and t.num_tokens() == 9 and t.num_sequences() == 2
-    drafts, match, prob = t.speculate([9, 1, 2], 3, 0.0, min_match=2)
+    drafts, match, prob, probs = t.speculate([9, 1, 2], 3, 0.0, min_match=2)
     # "1 2" is continued by 3 twice and by 4 once; "1 2 3" by 1 once and ends once; "1 2 3 1" is at the depth bound
     assert (drafts, match) == ([3, 1], 2) and prob == pytest.approx(2 / 3 * 1 / 2)
+    assert probs == pytest.approx([2 / 3, 1 / 3])  # each prefix's probability
     # "2" alone drafts one token further before the depth bound (3, 1, then 2 after "2 3 1"): 2/3 + 1/3 + 1/3
     # expected accepted tokens against 2/3 + 1/3, so the shorter match's draft wins
-    assert t.speculate([9, 1, 2], 3, 0.0) == ([3, 1, 2], 1, pytest.approx(1 / 3))
-    assert t.speculate([7, 7], 3, 0.0) == ([], 0, 0.0)  # nothing matches
+    assert t.speculate([9, 1, 2], 3, 0.0)[:3] == ([3, 1, 2], 1, pytest.approx(1 / 3))
+    assert t.speculate([7, 7], 3, 0.0) == ([], 0, 0.0, [])  # nothing matches
     t.extend(1, [1, 2, 4, 4])  # sequences grow in pieces
     assert t.check()
     t.remove(1)
@@ -56,9 +57,9 @@ def test_the_draft_with_most_expected_accepted_tokens_wins():
         t.extend(s, [6, 2, 3, 4, 8])
     # "5 1 2" and "1 2" were followed by 7 once (1 expected token); "2" by 7 once and by 3 three times, then always
     # 4 and 8: 3 x 0.75 expected tokens
-    assert t.speculate([5, 1, 2], 4, 0.3) == ([3, 4, 8], 1, pytest.approx(0.75))
+    assert t.speculate([5, 1, 2], 4, 0.3)[:3] == ([3, 4, 8], 1, pytest.approx(0.75))
     # capped at length_factor x the match's length, "2" drafts one token (0.75): the longest match's 7 wins
-    assert t.speculate([5, 1, 2], 4, 0.3, length_factor=1.0) == ([7], 3, 1.0)
+    assert t.speculate([5, 1, 2], 4, 0.3, length_factor=1.0) == ([7], 3, 1.0, [1.0])
     # a tie (both 1.0) goes to the longer match
     assert t.speculate([5, 1, 2], 4, 0.8, length_factor=1.0)[1] == 3
 
@@ -88,6 +89,24 @@ def test_proposer_drafts_from_earlier_requests_and_evicts_oldest():
         SuffixProposer(min_prob=0)
     with pytest.raises(ValueError, match="length_factor"):
         SuffixProposer(length_factor=0)
+
+
+def test_confidence_is_each_draft_given_the_ones_before_and_the_priced_drafts_are_proposed():
+    p = SuffixProposer(max_depth=8, min_prob=0.1, length_factor=4.0)
+    for i, tail in enumerate([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, 9]]):
+        r = _req([1, 2, 3] + tail)
+        p.lookup(r, 1)
+        p.finished(r)
+    r = _req([40, 1, 2, 3])
+    assert p.free_drafts(r, 3) == 3 and p.lookup(r, 3) == [5, 6, 7]
+    assert p.draft_confidence(r, 3) == pytest.approx([1.0, 3 / 4, 2 / 3])  # 4 of 4, then 3 of 4, then 2 of 3
+    assert p.draft_confidence(r, 2) == pytest.approx([1.0, 3 / 4])
+    for _ in range(2):  # text that changes the draft, entering the tree mid-round (other rows')
+        p.lookup(_req([1, 2, 3, 5, 6, 8, 8]), 1)
+    assert p.lookup(_req([40, 1, 2, 3]), 3) == [5, 6, 8]
+    assert p.lookup(r, 3) == [5, 6, 7] and p.lookup(r, 1) == [5]  # the round proposes what auto K priced
+    r.append(5)
+    assert p.lookup(r, 2)[0] == 6  # a new length: a new lookup
 
 
 # -- losslessness through the engine ------------------------------------------------------------------------------

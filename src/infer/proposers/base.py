@@ -98,6 +98,13 @@ class Proposer(ABC):
         its drafts come from a model, priced by the cost model. Auto K prices and estimates such rows apart."""
         return None
 
+    def draft_confidence(self, req: Request, k: int) -> list[float] | None:
+        """For free drafts: the proposer's own probability of each of the drafts ``free_drafts(req, k)`` counted, given
+        the drafts before it (a suffix tree's counts); None where it has no such estimate. Auto K learns how these
+        map to acceptance and prices each row's drafts by them (a long run of confident copies is worth a long draft,
+        which one acceptance rate per row cannot tell)."""
+        return None
+
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two
         (a draft model's lazy prefill of the prompt, or of the text decoded while the row sat at K = 0): a one-time

@@ -90,6 +90,7 @@ class SuffixProposer(Proposer):
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its tokens in the tree
         self._done: OrderedDict[int, None] = OrderedDict()  # finished sequences, oldest first: what eviction takes
         self._ids = itertools.count()
+        self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its latest lookup (_lookup)
 
     # -- the tree ---------------------------------------------------------------------------------------------
     def _sync(self, req: Request) -> None:
@@ -122,21 +123,38 @@ class SuffixProposer(Proposer):
         self.tree = suffix_tree_module().SuffixTree(self.max_depth)
         self._fed = weakref.WeakKeyDictionary()
         self._seq = weakref.WeakKeyDictionary()
+        self._memo = weakref.WeakKeyDictionary()
         self._done.clear()
 
     def lookup(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` drafts continuing ``req``'s context, [] where the tree has no confident continuation."""
+        return self._lookup(req, k)[0]
+
+    def _lookup(self, req: Request, k: int) -> tuple[list[int], list[float]]:
+        """(drafts, each draft's probability under the counts given the drafts before it). A round asks three times
+        (auto K's count and confidence at the row's cap, then the proposal at the K chosen): the answer is kept per
+        request and length, and a smaller k takes its first k, so the drafts proposed are the drafts priced, even
+        where other rows' text entered the tree in between."""
         if k <= 0:
-            return []
+            return [], []
+        memo = self._memo.get(req)
+        if memo is not None and memo[0] == req.num_tokens and k <= memo[1]:
+            return memo[2][:k], memo[3][:k]
         self._sync(req)
         ctx = req.token_slice(max(0, req.num_tokens - self.max_depth + 1))
-        drafts, _, _ = self.tree.speculate(ctx, k, self.min_prob, self.min_match, stored=True,  # its own text is in
-                                           length_factor=self.length_factor)  # the tree
-        return list(drafts)
+        drafts, _, _, probs = self.tree.speculate(ctx, k, self.min_prob, self.min_match, stored=True,  # its own
+                                                  length_factor=self.length_factor)  # text is in the tree
+        # the tree gives each prefix's probability; draft j's, given the drafts before it, is the ratio of two
+        cond = [p / (probs[j - 1] if j else 1.0) for j, p in enumerate(probs)]
+        self._memo[req] = (req.num_tokens, k, list(drafts), cond)
+        return list(drafts), cond
 
     # -- the proposer seam ------------------------------------------------------------------------------------
     def free_drafts(self, req: Request, k: int) -> int:
-        return len(self.lookup(req, k))  # every draft is a copy from the tree; none: the row decodes plainly
+        return len(self._lookup(req, k)[0])  # every draft is a copy from the tree; none: the row decodes plainly
+
+    def draft_confidence(self, req: Request, k: int) -> list[float]:
+        return self._lookup(req, k)[1]
 
     def propose(self, batch: DraftBatch) -> Proposal:
         return _proposal([self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)], batch)

@@ -83,7 +83,8 @@ class SuffixTree {
         seqs_.erase(it);
     }
 
-    // (drafts, match length, probability of the drafts under the counts): of every suffix of the context that is a
+    // (drafts, match length, probability of the drafts under the counts, the probability of each prefix of the
+    // drafts, one a draft: the proposer's confidence in each draft): of every suffix of the context that is a
     // path (a match of m tokens), the one whose draft scores highest, the score being the draft's expected number of
     // accepted tokens under the counts (the sum of its prefixes' probabilities; SuffixDecoding's, arctic-inference's
     // rule). A draft follows the most frequent child while the probability stays >= min_prob, up to max_spec tokens
@@ -93,11 +94,12 @@ class SuffixTree {
     // earlier occurrence, takes over.
     // With `stored`, the context is itself a stored sequence's end: its own suffix ends at the matched node, and is
     // left out of that node's count (the share of a continuation is among the other occurrences).
-    std::tuple<std::vector<int32_t>, int, double> speculate(const std::vector<int32_t>& context, int max_spec,
+    std::tuple<std::vector<int32_t>, int, double, std::vector<double>> speculate(const std::vector<int32_t>& context, int max_spec,
                                                            double min_prob, int min_match, bool stored,
                                                            double length_factor) const {
         const int L = static_cast<int>(context.size());
         std::vector<int32_t> best_drafts, drafts;
+        std::vector<double> best_probs, probs;
         int best_m = 0;
         double best_prob = 0.0, best_score = 0.0;
         for (int m = std::min(L, max_depth_ - 1); m >= std::max(1, min_match); --m) {
@@ -108,6 +110,7 @@ class SuffixTree {
             if (length_factor > 0.0)
                 cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * m))));
             drafts.clear();
+            probs.clear();
             double prob = 1.0, score = 0.0;
             int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
             while (static_cast<int>(drafts.size()) < cap && nodes_[u].depth < max_depth_) {
@@ -122,16 +125,18 @@ class SuffixTree {
                 prob = p;
                 score += p;
                 drafts.push_back(nodes_[best].token);
+                probs.push_back(p);
                 u = best;
             }
             if (score > best_score) {
                 best_drafts.swap(drafts);
+                best_probs.swap(probs);
                 best_m = m;
                 best_prob = prob;
                 best_score = score;
             }
         }
-        return {best_drafts, best_m, best_prob};
+        return {best_drafts, best_m, best_prob, best_probs};
     }
 
     int64_t num_tokens() const { return num_tokens_; }
