@@ -35,7 +35,12 @@ using namespace infer_kernels;
 // bfloat16) once for all of them, which is most of the work at head_dim 64. A query's own arithmetic is unchanged by
 // its company: its score for a key is an 8-lane fma chain over D in order, a horizontal sum, then the D % 8 tail in
 // scalar; its output lane d sums p_j v_j[d] over the keys it sees in key order.
+// 8 where the build targets AVX-512 (32 vector registers hold 8 queries' 2 accumulators each); 4 with AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int QB = 8;
+#else
 constexpr int QB = 4;
+#endif
 // K and V rows are fetched PF keys ahead of their use (every cache line of the row): in a step they come cold
 // from memory, the ~100 MB of weights streamed since their layer last ran having evicted them. SmolLM2 decode,
 // in-process A/B: 12.4 -> 10.9 ms a step at 512 keys, 10.5 -> 9.6 at 256 (AMD EPYC, 2 cores); 16 keys ahead does
