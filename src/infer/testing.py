@@ -205,7 +205,9 @@ def stop_server(proc: subprocess.Popen, grace: float = 0.0) -> None:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-    for pid in [proc.pid, *_session(proc.pid)]:  # Ray's workers sit in groups of their own, in the same session
+    # Ray's workers sit in process groups of their own, in the server's session; the server's own pid only while it
+    # is unreaped (once reaped, the number may be another process's)
+    for pid in _session(proc.pid) + ([proc.pid] if proc.poll() is None else []):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
