@@ -161,13 +161,9 @@ def test_build_lock_waits_for_a_live_builder_and_leaves_its_baton(tmp_path):
 
 def test_the_suffix_tree_loads_past_a_stale_baton():
     """End to end: a stale baton in the suffix tree's build directory (torch alone would wait on it forever)."""
-    import hashlib
-
-    from infer.cachedir import cache_dir
     from infer.proposers import suffix
 
-    src = Path(suffix.__file__).with_name("suffix_tree.cpp")
-    build = cache_dir("kernels") / ("infer_suffix_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12])
+    build = suffix.build_dir()
     build.mkdir(parents=True, exist_ok=True)
     (build / "lock").touch()
     try:

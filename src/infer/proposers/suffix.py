@@ -43,25 +43,33 @@ from .ngram import _proposal
 _module = None
 
 
+SOURCE = Path(__file__).with_name("suffix_tree.cpp")
+
+
+def build_dir() -> Path:
+    """Where the suffix tree's build is cached: beside infer's kernels, named by its source's hash."""
+    import hashlib
+
+    from ..cachedir import cache_dir
+
+    return cache_dir("kernels") / ("infer_suffix_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12])
+
+
 def suffix_tree_module():
     """The compiled SuffixTree (a small pybind11 module, cached on disk like infer's kernels)."""
     global _module
     if _module is None:
-        import hashlib
-
         from torch.utils.cpp_extension import load
 
-        from ..cachedir import build_lock, cache_dir
+        from ..cachedir import build_lock
         from ..kernels import _ensure_ninja_on_path
 
-        src = Path(__file__).with_name("suffix_tree.cpp")
-        name = "infer_suffix_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12]
-        build = cache_dir("kernels") / name
+        build = build_dir()
         _ensure_ninja_on_path()
         try:
             with build_lock(build):
-                _module = load(name=name, sources=[str(src)], extra_cflags=["-O2"], build_directory=str(build),
-                               verbose=False)
+                _module = load(name=build.name, sources=[str(SOURCE)], extra_cflags=["-O2"],
+                               build_directory=str(build), verbose=False)
         except Exception as e:  # noqa: BLE001  (no compiler: the proposer cannot run; say so in one line)
             lines = str(e).strip().splitlines()
             raise RuntimeError("proposer='suffix' needs its C++ suffix tree, which could not be built "
