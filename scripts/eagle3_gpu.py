@@ -211,8 +211,9 @@ def run(args) -> None:
     sync()
     per_step = (time.time() - ts) / probe
     t_eval = time.time()
-    eval_fn()
+    start_eval = eval_fn()  # the head as it starts (from --init: the earlier run's, on this run's validation set)
     t_eval = time.time() - t_eval
+    print(f"eagle3 at the start: {start_eval}", file=sys.stderr, flush=True)
     left = end - time.time() - 40  # export and the last evaluation
     evals = 10
     steps = max(20, int((left - evals * t_eval) / (per_step * 1.1)))
@@ -235,7 +236,8 @@ def run(args) -> None:
         "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
         "answered_cpu": n_cpu, "answered_gpu": sum(1 for r in rows if r["answer_ids"] is not None) - n_cpu,
         "init": str(args.init) if args.init else None, "steps": len(log), "kept_step": kept,
-        "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "final": final,
+        "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "start": start_eval,
+        "final": final,
         "draft_vocab": len(subset), "evals": [e for e in log if "eval" in e]}) + "\n")
     print(f"trained {len(log)} steps in {seconds:.0f} s, kept step {kept}: {final}; total {time.time() - t0:.0f} s",
           file=sys.stderr)
@@ -272,10 +274,11 @@ def answer(args) -> None:
     print(f"answered {n} jobs on the CPU -> {out}", file=sys.stderr)
 
 
-def install(runs: list[Path], head_out: Path | None) -> None:
+def install(runs: list[Path], head_out: Path | None, history: Path | None = None) -> None:
     """The runs' new answers appended to data/drafter-answers, PACK_ROWS consecutive jobs a file (a last, partial
     file is completed by a later pack); the last run's head (if --head-out) saved as a drafter directory with its
-    card (runs: the first from scratch, each later one trained on from the one before)."""
+    card (runs: the first from scratch, each later one trained on from the one before; history: a drafter
+    directory's training_log.json whose runs came before these, the first of ``runs`` going on from its head)."""
     new = {}
     for src in runs:
         if (src / "answers-new.jsonl.gz").exists():
@@ -310,6 +313,8 @@ def install(runs: list[Path], head_out: Path | None) -> None:
     src = runs[-1]
     state = {**load_file(str(src / "head-a.safetensors")), **load_file(str(src / "head-b.safetensors"))}
     logs = [json.loads((r / "training.json").read_text()) for r in runs]
+    if history is not None:
+        logs = json.loads(history.read_text())["runs"] + logs
     log = logs[-1]
     target = load_model(real_model_path(), dtype="float32")
     head = Eagle3Head(target.config, AUX_LAYERS, state["draft_ids"].tolist())
@@ -317,7 +322,9 @@ def install(runs: list[Path], head_out: Path | None) -> None:
     save_heads(head, head_out, extra={"target": "SmolLM2-135M-Instruct"})
     n = sum(p.numel() for p in head.parameters())
     per = "; ".join(f"{k} {v:.3f}" for k, v in log["final"].items() if k != "overlap")
-    schedule = ", then ".join(f"{g['steps']} steps at peak lr {g['lr']} ({g['seconds'] / 60:.1f} min wall time)"
+    start = ("" if "start" not in log else " (the head it started from: "
+             + "; ".join(f"{k} {v:.3f}" for k, v in log["start"].items() if k != "overlap") + ")")
+    schedule = ", then ".join(f"{g['steps']} steps of {g['batch']} at peak lr {g['lr']} ({g['seconds'] / 60:.1f} min)"
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
                               for i, g in enumerate(logs))
     (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
@@ -335,10 +342,10 @@ directory>)`; the kind is recorded in config.json (`infer_drafter.kind = "eagle3
   teacher-forced pass over the GGUF's weights (scripts/eagle3_gpu.py).
 - Training: scripts/eagle3_gpu.py on one {log['device']} (scripts/train_heads.py's losses): forward KL to the
   target's top-20 (renormalised over the draft vocabulary), training-time test over {TTT_STEPS} draft steps (step s
-  from the outputs of step s-1, weighted {STEP_DECAY}^s); AdamW, cosine schedule, batch {log['batch']} conversations:
+  from the outputs of step s-1, weighted {STEP_DECAY}^s); AdamW, cosine schedule, batches of conversations:
   {schedule}. The weights shipped are those of the last run's step {log['kept_step']}, its best validation.
-- Validation ({log['validate']} held-back conversations, teacher forcing, step s = draft s): sum over the top-20 of
-  min(p, q) and top-1 agreement with the target: {per}.
+- Validation (the last run's {log['validate']} held-back conversations, teacher forcing, step s = draft s): sum over
+  the top-20 of min(p, q) and top-1 agreement with the target: {per}{start}.
   Acceptance per draft position on held-out prompts: docs/benchmarks.md.
 """)
     (head_out / "training_log.json").write_text(json.dumps({"runs": logs}) + "\n")
@@ -378,6 +385,8 @@ def main(argv=None):
     p = sub.add_parser("install")
     p.add_argument("--from", dest="src", type=Path, nargs="+", required=True, help="run outputs, in training order")
     p.add_argument("--head-out", type=Path, default=None)
+    p.add_argument("--history", type=Path, default=None,
+                   help="the drafter's training_log.json whose runs came before --from's (the first went on from it)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.out, args.num_jobs)
@@ -389,7 +398,7 @@ def main(argv=None):
             args.model = real_model_path()
         answer(args)
     else:
-        install(args.src, args.head_out)
+        install(args.src, args.head_out, args.history)
 
 
 if __name__ == "__main__":
