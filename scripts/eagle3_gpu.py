@@ -324,7 +324,8 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
     per = "; ".join(f"{k} {v:.3f}" for k, v in log["final"].items() if k != "overlap")
     start = ("" if "start" not in log else " (the head it started from: "
              + "; ".join(f"{k} {v:.3f}" for k, v in log["start"].items() if k != "overlap") + ")")
-    schedule = ", then ".join(f"{g['steps']} steps of {g['batch']} at peak lr {g['lr']} ({g['seconds'] / 60:.1f} min)"
+    schedule = ", then ".join(f"{g['steps']} steps of {g['batch']} at peak lr {g['lr']} "
+                              f"({g['seconds'] / 60:.1f} min wall time)"
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
                               for i, g in enumerate(logs))
     (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
