@@ -151,7 +151,8 @@ def test_attention_reads_paged_rows_in_place_with_the_same_bits(dt):
         torch.ops.infer.attention(q, k, v, None, rows)
 
 
-@pytest.mark.parametrize("D", [24, 19])  # 24: a 16-lane block then an 8-lane one; 19: a scalar tail
+@pytest.mark.parametrize("D", [24, 19, 64, 48])  # 24: a 16-lane block then an 8-lane one; 19: a scalar tail;
+# 64, 48: AVX-512 builds take 16-lane scores in blocks of four keys (L = 23: three keys after the blocks)
 def test_attention_query_is_the_same_in_any_group(D):
     """The kernel runs a KV head's queries in groups sharing each key load; a query's output must not depend on its
     company: alone, with its own mask row (a tree's holes included), it is bit-identical to its row in the step."""

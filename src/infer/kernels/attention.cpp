@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -34,7 +35,8 @@ using namespace infer_kernels;
 // Up to QB queries of one KV head go through its keys together: each K and V row is loaded (and widened from
 // bfloat16) once for all of them, which is most of the work at head_dim 64. A query's own arithmetic is unchanged by
 // its company: its score for a key is an 8-lane fma chain over D in order, a horizontal sum, then the D % 8 tail in
-// scalar; its output lane d sums p_j v_j[d] over the keys it sees in key order.
+// scalar (on AVX-512 with D a multiple of 16: 16 lanes and hsum16's tree, scores_wide); its output lane d sums
+// p_j v_j[d] over the keys it sees in key order.
 // 8 where the build targets AVX-512 (32 vector registers hold 8 queries' 2 accumulators each); 4 with AVX2's 16.
 #if defined(__AVX512F__)
 constexpr int QB = 8;
@@ -139,7 +141,10 @@ inline void softmax(Query& qy, int64_t mstride, float* scratch) {
   float* sc = qy.sc;
   const int64_t len = qy.len;
   qy.dense = true;
-  if (qy.mrow)
+  // a verify's rows see every key up to their own: one memchr finds no masked key (a bool is a byte, false 0)
+  // where the scalar scan below cost ~30% of a 9-token verify's attention at 600 keys
+  const bool all_visible = qy.mrow && mstride == 1 && std::memchr(qy.mrow, 0, len) == nullptr;
+  if (qy.mrow && !all_visible)
     for (int64_t j = 0; j < len; ++j)
       if (!qy.mrow[j * mstride]) {
         sc[j] = -std::numeric_limits<float>::infinity();
@@ -228,6 +233,176 @@ inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t m
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// 16 lanes where the build targets AVX-512 and D is a multiple of 16 (SmolLM2's 64). A score is 16 lane partials (lane
+// l: the fma chain over d = l, l + 16, .. in order) summed by hsum16's tree; four keys' trees run as one (reduce4:
+// the same additions in the same order, lanes of four keys side by side), so a score does not depend on which keys
+// share its block. A value lane d is the same fma chain over the keys as with 8 lanes: the outputs' bits are
+// unchanged by the width.
+constexpr bool kWide = true;
+
+// hsum16's tree for four vectors at once -> lanes 0, 4, 8, 12 of the result are the four sums
+inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // lanes l + l+8: 128-bit blocks [x0 + x2, x1 + x3] of each, two vectors a result
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  // lanes l + l+4: one 128-bit block a vector
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(3, 2, 3, 2)));  // l + l+2 (movehl)
+  return _mm512_add_ps(w, _mm512_movehdup_ps(w));                                     // l + l+1 (movehdup)
+}
+
+inline __m512 wide(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 wide(const c10::BFloat16* p) { return load16(p); }
+
+// a key row as float32: the row itself, or widened into tmp (once for all the queries of a group)
+inline const float* key_row(const float* k, float*, int64_t) { return k; }
+inline const float* key_row(const c10::BFloat16* k, float* tmp, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(tmp + d, load16(k + d));
+  return tmp;
+}
+
+// scores of NI queries for four keys (rows k[0..3]; bfloat16 ones widened as they are loaded)
+template <int NI, typename T>
+inline void scores4(Query* qs, const T* const* k, int64_t j, int64_t D) {
+  __m512 a[NI][4];
+  for (int i = 0; i < NI; ++i)
+    for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 k0 = wide(k[0] + d), k1 = wide(k[1] + d), k2 = wide(k[2] + d), k3 = wide(k[3] + d);
+    for (int i = 0; i < NI; ++i) {
+      const __m512 qd = _mm512_loadu_ps(qs[i].q + d);
+      a[i][0] = _mm512_fmadd_ps(k0, qd, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(k1, qd, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(k2, qd, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(k3, qd, a[i][3]);
+    }
+  }
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int i = 0; i < NI; ++i) {
+    const __m512 r = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
+    _mm_storeu_ps(qs[i].sc + j, _mm512_castps512_ps128(_mm512_permutexvar_ps(lanes, r)));
+  }
+}
+
+template <typename T>
+inline void score_group(Query* qs, int n, const T* const* k, int64_t j, int64_t D) {
+  switch (n) {
+    case 6: scores4<6>(qs, k, j, D); break;
+    case 5: scores4<5>(qs, k, j, D); break;
+    case 4: scores4<4>(qs, k, j, D); break;
+    case 3: scores4<3>(qs, k, j, D); break;
+    case 2: scores4<2>(qs, k, j, D); break;
+    default: scores4<1>(qs, k, j, D);
+  }
+}
+
+template <typename T>
+inline void scores_wide(Query* qs, int nq, const Rows<T>& K, int64_t maxlen, int64_t D, float* kbuf) {
+  int64_t j = 0;
+  for (; j + 4 <= maxlen; j += 4) {
+    if (j + PF + 3 < maxlen)
+      for (int u = 0; u < 4; ++u) prefetch_row(K(j + PF + u), D);
+    if (nq <= 6) {  // one group of queries reads the keys (24 accumulators): widened in registers
+      const T* k[4] = {K(j), K(j + 1), K(j + 2), K(j + 3)};
+      score_group(qs, nq, k, j, D);
+      continue;
+    }
+    const float* k[4];  // several groups: widened once, into kbuf
+    for (int u = 0; u < 4; ++u) k[u] = key_row(K(j + u), kbuf + u * D, D);
+    for (int i = 0; i < nq; i += 4) score_group(qs + i, std::min(4, nq - i), k, j, D);  // 16 accumulators
+  }
+  for (; j < maxlen; ++j) {  // the last keys one at a time: hsum16, the same tree
+    const float* k0 = key_row(K(j), kbuf, D);
+    for (int i = 0; i < nq; ++i) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(k0 + d), _mm512_loadu_ps(qs[i].q + d), a);
+      qs[i].sc[j] = hsum16(a);
+    }
+  }
+}
+
+// weighted_values_wide at D = 64 for up to 6 queries: the four 16-lane blocks of every query in registers, so each
+// V row is loaded and widened once and each probability broadcast once (the same fma chain per lane)
+template <typename T>
+inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t common, int64_t maxlen,
+                     T* const* o) {
+  __m512 a[6][4];
+  for (int i = 0; i < 6; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < maxlen; ++j) {
+    const T* vr = V(j);
+    if (j + PF < maxlen) prefetch_row(V(j + PF), 64);
+    const __m512 x0 = wide(vr), x1 = wide(vr + 16), x2 = wide(vr + 32), x3 = wide(vr + 48);
+    for (int i = 0; i < nq; ++i) {
+      if (j >= common && (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride]))) continue;
+      const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
+      a[i][0] = _mm512_fmadd_ps(p, x0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(p, x1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(p, x2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(p, x3, a[i][3]);
+    }
+  }
+  alignas(64) float tmp[64];
+  for (int i = 0; i < nq; ++i) {
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(tmp + 16 * c, a[i][c]);
+    for (int l = 0; l < 64; ++l) o[i][l] = static_cast<T>(tmp[l]);
+  }
+}
+
+// o_i = sum_j p_ij v_j for the group, 32 output lanes at a time (2 x nq accumulators of 16 lanes)
+template <typename T>
+inline void weighted_values_wide(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t D, T* const* o) {
+  int64_t common = qs[0].len, maxlen = 0;
+  bool dense = true;
+  for (int i = 0; i < nq; ++i) {
+    common = std::min(common, qs[i].len);
+    maxlen = std::max(maxlen, qs[i].len);
+    dense = dense && qs[i].dense;
+  }
+  if (!dense) common = 0;
+  if (D == 64 && nq <= 6) return values64(qs, nq, V, mstride, common, maxlen, o);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const bool two = d0 + 32 <= D;
+    __m512 a0[QB], a1[QB];
+    for (int i = 0; i < QB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < common; ++j) {
+      const T* vr = V(j) + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
+      const __m512 x0 = wide(vr), x1 = two ? wide(vr + 16) : _mm512_setzero_ps();
+      for (int i = 0; i < nq; ++i) {
+        const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
+        a0[i] = _mm512_fmadd_ps(p, x0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(p, x1, a1[i]);
+      }
+    }
+    for (; j < maxlen; ++j) {
+      const T* vr = V(j) + d0;
+      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
+      const __m512 x0 = wide(vr), x1 = two ? wide(vr + 16) : _mm512_setzero_ps();
+      for (int i = 0; i < nq; ++i) {
+        if (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride])) continue;
+        const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
+        a0[i] = _mm512_fmadd_ps(p, x0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(p, x1, a1[i]);
+      }
+    }
+    alignas(64) float tmp[32];
+    for (int i = 0; i < nq; ++i) {
+      _mm512_store_ps(tmp, a0[i]);
+      _mm512_store_ps(tmp + 16, a1[i]);
+      for (int l = 0; l < (two ? 32 : 16); ++l) o[i][d0 + l] = static_cast<T>(tmp[l]);
+    }
+  }
+}
+#else
+constexpr bool kWide = false;
+#endif
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
             std::array<int64_t, 3> mstride, const int64_t* rows, int64_t L, at::Tensor& out) {
@@ -241,11 +416,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const auto qst = q.strides(), ks = k.strides(), vs = v.strides();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // one item per (batch row, KV head, group): the KV head's G x T queries (index t * G + g) in groups of <= QB
-  const int64_t per_head = G * Tq, groups = (per_head + QB - 1) / QB, items = B * Hkv * groups;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D * QB));
+  [[maybe_unused]] const bool wide_d = kWide && D % 16 == 0;
+  // groups of at most 6 at D = 64 on the wide path: values64 keeps all of a group's outputs in registers
+  const int64_t qb = wide_d && D == 64 ? 6 : QB;
+  const int64_t per_head = G * Tq, groups = (per_head + qb - 1) / qb, items = B * Hkv * groups;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D * qb));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> buf;
-    buf.resize(QB * (D + L) + L);  // + L: the softmax's scratch
+    buf.resize(QB * (D + L) + L + 4 * D);  // + L: the softmax's scratch; + 4 D: four keys widened
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t grp = item % groups, hk = (item / groups) % Hkv, b = item / (groups * Hkv);
       // groups of near-equal size: 15 queries -> 4 + 4 + 4 + 3
@@ -279,6 +457,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         prefetch_row(K(j), D);
         prefetch_row(V(j), D);
       }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      if (wide_d) {  // chosen by D alone: every call of a model takes the same arithmetic
+        scores_wide<T>(qs, nq, K, maxlen, D, buf.data() + QB * (D + L) + L);
+        for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
+        weighted_values_wide<T>(qs, nq, V, mstride[2], D, outs);
+        continue;
+      }
+#endif
       scores<T>(qs, nq, K, maxlen, D, D8);
       for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
       weighted_values<T>(qs, nq, V, mstride[2], D, D8, outs);
