@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import sys
 import time
 from pathlib import Path
