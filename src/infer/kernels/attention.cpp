@@ -179,11 +179,9 @@ inline void softmax(Query& qy, int64_t mstride, float* scratch) {
   }
 }
 
-// o_i = sum_j p_ij v_j for the group, 16 output lanes at a time (2 x nq accumulators in registers)
-template <typename T>
-inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t D, int64_t D8,
-                            T* const* o) {
-  int64_t common = qs[0].len, maxlen = 0;  // keys every query of the group sees (all dense) / any query may see
+// keys every query of the group sees (0 unless all are dense) / keys any query of it may see
+inline void key_span(const Query* qs, int nq, int64_t& common, int64_t& maxlen) {
+  common = qs[0].len, maxlen = 0;
   bool dense = true;
   for (int i = 0; i < nq; ++i) {
     common = std::min(common, qs[i].len);
@@ -191,6 +189,14 @@ inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t m
     dense = dense && qs[i].dense;
   }
   if (!dense) common = 0;
+}
+
+// o_i = sum_j p_ij v_j for the group, 16 output lanes at a time (2 x nq accumulators in registers)
+template <typename T>
+inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t D, int64_t D8,
+                            T* const* o) {
+  int64_t common, maxlen;
+  key_span(qs, nq, common, maxlen);
   for (int64_t d0 = 0; d0 < D8; d0 += 16) {
     const bool two = d0 + 16 <= D8;
     V8 a0[QB], a1[QB];
@@ -237,8 +243,8 @@ inline void weighted_values(const Query* qs, int nq, const Rows<T>& V, int64_t m
 // 16 lanes where the build targets AVX-512 and D is a multiple of 16 (SmolLM2's 64). A score is 16 lane partials (lane
 // l: the fma chain over d = l, l + 16, .. in order) summed by hsum16's tree; four keys' trees run as one (reduce4:
 // the same additions in the same order, lanes of four keys side by side), so a score does not depend on which keys
-// share its block. A value lane d is the same fma chain over the keys as with 8 lanes: the outputs' bits are
-// unchanged by the width.
+// share its block. The weighted values keep weighted_values' arithmetic (values64 only holds more of it in
+// registers), so the outputs' bits differ from the 8-lane build's by the scores alone.
 constexpr bool kWide = true;
 
 // hsum16's tree for four vectors at once -> lanes 0, 4, 8, 12 of the result are the four sums
@@ -255,8 +261,6 @@ inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_add_ps(w, _mm512_movehdup_ps(w));                                     // l + l+1 (movehdup)
 }
 
-inline __m512 wide(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 wide(const c10::BFloat16* p) { return load16(p); }
 
 // a key row as float32: the row itself, or widened into tmp (once for all the queries of a group)
 inline const float* key_row(const float* k, float*, int64_t) { return k; }
@@ -272,7 +276,7 @@ inline void scores4(Query* qs, const T* const* k, int64_t j, int64_t D) {
   for (int i = 0; i < NI; ++i)
     for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512 k0 = wide(k[0] + d), k1 = wide(k[1] + d), k2 = wide(k[2] + d), k3 = wide(k[3] + d);
+    const __m512 k0 = load16(k[0] + d), k1 = load16(k[1] + d), k2 = load16(k[2] + d), k3 = load16(k[3] + d);
     for (int i = 0; i < NI; ++i) {
       const __m512 qd = _mm512_loadu_ps(qs[i].q + d);
       a[i][0] = _mm512_fmadd_ps(k0, qd, a[i][0]);
@@ -325,18 +329,20 @@ inline void scores_wide(Query* qs, int nq, const Rows<T>& K, int64_t maxlen, int
   }
 }
 
-// weighted_values_wide at D = 64 for up to 6 queries: the four 16-lane blocks of every query in registers, so each
-// V row is loaded and widened once and each probability broadcast once (the same fma chain per lane)
+// weighted_values at D = 64 for up to 6 queries: the four 16-lane blocks of every query in registers, so each V row
+// is loaded and widened once and each probability broadcast once. A lane's fma chain over the keys is
+// weighted_values' own, so the bits are the same; other shapes go to weighted_values.
 template <typename T>
-inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t common, int64_t maxlen,
-                     T* const* o) {
+inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, T* const* o) {
+  int64_t common, maxlen;
+  key_span(qs, nq, common, maxlen);
   __m512 a[6][4];
   for (int i = 0; i < 6; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < maxlen; ++j) {
     const T* vr = V(j);
     if (j + PF < maxlen) prefetch_row(V(j + PF), 64);
-    const __m512 x0 = wide(vr), x1 = wide(vr + 16), x2 = wide(vr + 32), x3 = wide(vr + 48);
+    const __m512 x0 = load16(vr), x1 = load16(vr + 16), x2 = load16(vr + 32), x3 = load16(vr + 48);
     for (int i = 0; i < nq; ++i) {
       if (j >= common && (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride]))) continue;
       const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
@@ -353,52 +359,6 @@ inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride,
   }
 }
 
-// o_i = sum_j p_ij v_j for the group, 32 output lanes at a time (2 x nq accumulators of 16 lanes)
-template <typename T>
-inline void weighted_values_wide(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, int64_t D, T* const* o) {
-  int64_t common = qs[0].len, maxlen = 0;
-  bool dense = true;
-  for (int i = 0; i < nq; ++i) {
-    common = std::min(common, qs[i].len);
-    maxlen = std::max(maxlen, qs[i].len);
-    dense = dense && qs[i].dense;
-  }
-  if (!dense) common = 0;
-  if (D == 64 && nq <= 6) return values64(qs, nq, V, mstride, common, maxlen, o);
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
-    const bool two = d0 + 32 <= D;
-    __m512 a0[QB], a1[QB];
-    for (int i = 0; i < QB; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j < common; ++j) {
-      const T* vr = V(j) + d0;
-      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
-      const __m512 x0 = wide(vr), x1 = two ? wide(vr + 16) : _mm512_setzero_ps();
-      for (int i = 0; i < nq; ++i) {
-        const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
-        a0[i] = _mm512_fmadd_ps(p, x0, a0[i]);
-        a1[i] = _mm512_fmadd_ps(p, x1, a1[i]);
-      }
-    }
-    for (; j < maxlen; ++j) {
-      const T* vr = V(j) + d0;
-      if (d0 == 0 && j + PF < maxlen) prefetch_row(V(j + PF), D);
-      const __m512 x0 = wide(vr), x1 = two ? wide(vr + 16) : _mm512_setzero_ps();
-      for (int i = 0; i < nq; ++i) {
-        if (j >= qs[i].len || (qs[i].mrow && !qs[i].mrow[j * mstride])) continue;
-        const __m512 p = _mm512_set1_ps(qs[i].sc[j]);
-        a0[i] = _mm512_fmadd_ps(p, x0, a0[i]);
-        a1[i] = _mm512_fmadd_ps(p, x1, a1[i]);
-      }
-    }
-    alignas(64) float tmp[32];
-    for (int i = 0; i < nq; ++i) {
-      _mm512_store_ps(tmp, a0[i]);
-      _mm512_store_ps(tmp + 16, a1[i]);
-      for (int l = 0; l < (two ? 32 : 16); ++l) o[i][d0 + l] = static_cast<T>(tmp[l]);
-    }
-  }
-}
 #else
 constexpr bool kWide = false;
 #endif
@@ -457,17 +417,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         prefetch_row(K(j), D);
         prefetch_row(V(j), D);
       }
+      // the wide path is chosen by D alone: every call of a model takes the same arithmetic
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-      if (wide_d) {  // chosen by D alone: every call of a model takes the same arithmetic
-        scores_wide<T>(qs, nq, K, maxlen, D, buf.data() + QB * (D + L) + L);
-        for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
-        weighted_values_wide<T>(qs, nq, V, mstride[2], D, outs);
-        continue;
-      }
+      if (wide_d) scores_wide<T>(qs, nq, K, maxlen, D, buf.data() + QB * (D + L) + L);
+      else
 #endif
-      scores<T>(qs, nq, K, maxlen, D, D8);
+        scores<T>(qs, nq, K, maxlen, D, D8);
       for (int i = 0; i < nq; ++i) softmax(qs[i], mstride[2], buf.data() + QB * (D + L));
-      weighted_values<T>(qs, nq, V, mstride[2], D, D8, outs);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      if (wide_d && D == 64 && nq <= 6) values64<T>(qs, nq, V, mstride[2], outs);
+      else
+#endif
+        weighted_values<T>(qs, nq, V, mstride[2], D, D8, outs);
     }
   });
 }
