@@ -40,6 +40,31 @@ def test_tree_counts_match_and_evict():
     assert t.check() and t.num_nodes() == 0
 
 
+def test_best_children_and_stored_lookups_survive_growth_and_eviction():
+    """Each node's kept most frequent child stays right as sequences grow and are removed (check() re-derives it),
+    and a stored sequence's lookup from its open suffixes equals walking its context from the root."""
+    rnd = random.Random(0)
+    t = suffix_tree_module().SuffixTree(6)
+    seqs = {}
+    for step in range(300):
+        s = rnd.randrange(12)
+        if s in seqs and rnd.random() < 0.15:
+            t.remove(s)
+            del seqs[s]
+        else:
+            toks = [rnd.randrange(5) for _ in range(rnd.randint(1, 6))]  # 5 symbols: many repeats and ties
+            t.extend(s, toks)
+            seqs.setdefault(s, []).extend(toks)
+        if step % 10 == 0:
+            assert t.check()
+        for q, toks in seqs.items():
+            for lf in (0.0, 1.0):
+                want = t.speculate(toks[-5:], 4, 0.2, min_match=1, stored=True, length_factor=lf)
+                got = t.speculate_stored(q, 4, 0.2, min_match=1, length_factor=lf)
+                assert got[:2] == want[:2] and got[2] == pytest.approx(want[2])
+    assert t.speculate_stored(99, 4, 0.2) == ([], 0, 0.0, [])  # no such sequence: no draft
+
+
 def test_min_prob_sets_the_draft_length():
     t = suffix_tree_module().SuffixTree(8)
     for s, tail in enumerate([[5, 6, 7], [5, 6, 8], [5, 9, 9]]):

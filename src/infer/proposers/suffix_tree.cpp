@@ -5,9 +5,13 @@
 // its share of its parent's count stays high, and keeps the draft with the most expected accepted tokens.
 //
 // Nodes live in one vector (a free list reuses removed ones); edges in one hash map keyed by (parent, token); a
-// node's children are also linked (first_child / next_sibling) to pick the most frequent one. Appending token t to a
-// sequence extends each of its open suffixes (the nodes of its last max_depth - 1 suffixes) by t: max_depth hash
-// operations a token, no path walked twice.
+// node's children are also linked (first_child / next_sibling). Appending token t to a sequence extends each of its
+// open suffixes (the nodes of its last max_depth - 1 suffixes) by t: max_depth hash operations a token, no path
+// walked twice. Each node keeps its most frequent child (`best`, the first to reach the highest count): counts only
+// grow while sequences grow, so one comparison a count keeps it; removal re-scans a parent whose best child lost
+// count. A draft then follows `best` links: no scan of a common token's thousands of children per draft token.
+// A stored sequence's open suffixes are also its context's matches (`speculate_stored`): a running request's
+// lookup walks no path from the root.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -23,6 +27,7 @@ namespace py = pybind11;
 
 struct Node {
     int32_t token = -1, parent = -1, depth = 0, first_child = -1, next_sibling = -1;
+    int32_t best = -1;  // the child of highest count, the first to reach it (not kept for the root: no draft starts there)
     int64_t count = 0;
 };
 
@@ -47,12 +52,15 @@ class SuffixTree {
             next.clear();
             nodes_[0].count += 1;  // every suffix passes through the root
             int32_t c = child_or_new(0, t);
-            nodes_[c].count += 1;
+            nodes_[c].count += 1;  // the root keeps no best child
             if (nodes_[c].depth < max_depth_) next.push_back(c);
             for (int32_t u : s.open) {
                 int32_t v = child_or_new(u, t);
-                nodes_[v].count += 1;
-                if (nodes_[v].depth < max_depth_) next.push_back(v);
+                Node& nv = nodes_[v];
+                nv.count += 1;
+                int32_t& b = nodes_[u].best;
+                if (b < 0 || nv.count > nodes_[b].count) b = v;
+                if (nv.depth < max_depth_) next.push_back(v);
             }
             s.open.swap(next);
             s.tokens.push_back(t);
@@ -76,12 +84,17 @@ class SuffixTree {
             }
             nodes_[0].count -= 1;
             for (auto p = path.rbegin(); p != path.rend(); ++p) {
+                const int32_t parent = nodes_[*p].parent;
+                const bool was_best = nodes_[parent].best == *p;
                 if (--nodes_[*p].count == 0) unlink(*p);
+                if (was_best && parent != 0) rescan(parent);  // a sibling may count more now
             }
         }
         num_tokens_ -= n;
         seqs_.erase(it);
     }
+
+    using Draft = std::tuple<std::vector<int32_t>, int, double, std::vector<double>>;
 
     // (drafts, match length, probability of the drafts under the counts, the probability of each prefix of the
     // drafts, one a draft: the proposer's confidence in each draft): of every suffix of the context that is a
@@ -94,49 +107,29 @@ class SuffixTree {
     // earlier occurrence, takes over.
     // With `stored`, the context is itself a stored sequence's end: its own suffix ends at the matched node, and is
     // left out of that node's count (the share of a continuation is among the other occurrences).
-    std::tuple<std::vector<int32_t>, int, double, std::vector<double>> speculate(const std::vector<int32_t>& context, int max_spec,
-                                                           double min_prob, int min_match, bool stored,
-                                                           double length_factor) const {
+    Draft speculate(const std::vector<int32_t>& context, int max_spec, double min_prob, int min_match, bool stored,
+                    double length_factor) const {
         const int L = static_cast<int>(context.size());
-        std::vector<int32_t> best_drafts, drafts;
-        std::vector<double> best_probs, probs;
-        int best_m = 0;
-        double best_prob = 0.0, best_score = 0.0;
+        Best best;
         for (int m = std::min(L, max_depth_ - 1); m >= std::max(1, min_match); --m) {
             int32_t u = 0;
             for (int i = L - m; i < L && u >= 0; ++i) u = edge(u, context[i]);
             if (u < 0) continue;  // this suffix never occurred: try a shorter one
-            int cap = max_spec;
-            if (length_factor > 0.0)
-                cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * m))));
-            drafts.clear();
-            probs.clear();
-            double prob = 1.0, score = 0.0;
-            int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
-            while (static_cast<int>(drafts.size()) < cap && nodes_[u].depth < max_depth_) {
-                int32_t best = -1;
-                for (int32_t c = nodes_[u].first_child; c >= 0; c = nodes_[c].next_sibling)
-                    if (best < 0 || nodes_[c].count > nodes_[best].count) best = c;
-                if (best < 0) break;
-                double p = prob * static_cast<double>(nodes_[best].count) /
-                           static_cast<double>(nodes_[u].count - own);
-                own = 0;
-                if (p < min_prob) break;
-                prob = p;
-                score += p;
-                drafts.push_back(nodes_[best].token);
-                probs.push_back(p);
-                u = best;
-            }
-            if (score > best_score) {
-                best_drafts.swap(drafts);
-                best_probs.swap(probs);
-                best_m = m;
-                best_prob = prob;
-                best_score = score;
-            }
+            draft_from(u, m, max_spec, min_prob, stored, length_factor, best);
         }
-        return {best_drafts, best_m, best_prob, best_probs};
+        return best.result();
+    }
+
+    // speculate(the stored sequence's last max_depth - 1 tokens, stored=true), from the sequence's open suffixes:
+    // open[i] is the node of its last i + 1 tokens, so every match is at hand without a walk from the root.
+    Draft speculate_stored(int64_t seq, int max_spec, double min_prob, int min_match, double length_factor) const {
+        Best best;
+        auto it = seqs_.find(seq);
+        if (it == seqs_.end()) return best.result();
+        const std::vector<int32_t>& open = it->second.open;
+        for (int m = static_cast<int>(open.size()); m >= std::max(1, min_match); --m)
+            draft_from(open[m - 1], m, max_spec, min_prob, true, length_factor, best);
+        return best.result();
     }
 
     int64_t num_tokens() const { return num_tokens_; }
@@ -162,12 +155,64 @@ class SuffixTree {
             }
         }
         if (root != nodes_[0].count || static_cast<int64_t>(want.size()) != num_nodes()) return false;
-        for (const auto& kv : want)
-            if (nodes_[kv.first].count != kv.second) return false;
+        for (const auto& kv : want) {
+            const Node& n = nodes_[kv.first];
+            if (n.count != kv.second) return false;
+            int64_t most = 0;  // and its best child is one of the most frequent
+            for (int32_t c = n.first_child; c >= 0; c = nodes_[c].next_sibling) most = std::max(most, nodes_[c].count);
+            if ((n.best < 0) != (most == 0) || (n.best >= 0 && (nodes_[n.best].parent != kv.first ||
+                                                                nodes_[n.best].count != most)))
+                return false;
+        }
         return true;
     }
 
   private:
+    struct Best {  // the best draft so far, and the scratch a candidate is built in
+        std::vector<int32_t> drafts, cand;
+        std::vector<double> probs, cand_probs;
+        int m = 0;
+        double prob = 0.0, score = 0.0;
+        Draft result() { return {drafts, m, prob, probs}; }
+    };
+
+    // the draft from node u (a match of m tokens), kept in `best` if it scores higher (see speculate)
+    void draft_from(int32_t u, int m, int max_spec, double min_prob, bool stored, double length_factor,
+                    Best& best) const {
+        int cap = max_spec;
+        if (length_factor > 0.0) cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * m))));
+        best.cand.clear();
+        best.cand_probs.clear();
+        double prob = 1.0, score = 0.0;
+        int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
+        while (static_cast<int>(best.cand.size()) < cap && nodes_[u].depth < max_depth_) {
+            const int32_t c = nodes_[u].best;
+            if (c < 0) break;
+            const double p = prob * static_cast<double>(nodes_[c].count) / static_cast<double>(nodes_[u].count - own);
+            own = 0;
+            if (p < min_prob) break;
+            prob = p;
+            score += p;
+            best.cand.push_back(nodes_[c].token);
+            best.cand_probs.push_back(p);
+            u = c;
+        }
+        if (score > best.score) {
+            best.drafts.swap(best.cand);
+            best.probs.swap(best.cand_probs);
+            best.m = m;
+            best.prob = prob;
+            best.score = score;
+        }
+    }
+
+    void rescan(int32_t u) {  // u's most frequent child, the first in its list at a tie
+        int32_t b = -1;
+        for (int32_t c = nodes_[u].first_child; c >= 0; c = nodes_[c].next_sibling)
+            if (b < 0 || nodes_[c].count > nodes_[b].count) b = c;
+        nodes_[u].best = b;
+    }
+
     static uint64_t key(int32_t parent, int32_t token) {
         return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
     }
@@ -204,6 +249,7 @@ class SuffixTree {
         int32_t* link = &nodes_[n.parent].first_child;
         while (*link != id) link = &nodes_[*link].next_sibling;
         *link = n.next_sibling;
+        if (nodes_[n.parent].best == id) nodes_[n.parent].best = -1;
         edges_.erase(key(n.parent, n.token));
         free_.push_back(id);
     }
@@ -223,6 +269,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("remove", &SuffixTree::remove, py::arg("seq"))
         .def("speculate", &SuffixTree::speculate, py::arg("context"), py::arg("max_spec"), py::arg("min_prob"),
              py::arg("min_match") = 1, py::arg("stored") = false, py::arg("length_factor") = 0.0)
+        .def("speculate_stored", &SuffixTree::speculate_stored, py::arg("seq"), py::arg("max_spec"),
+             py::arg("min_prob"), py::arg("min_match") = 1, py::arg("length_factor") = 0.0)
         .def("num_tokens", &SuffixTree::num_tokens)
         .def("num_nodes", &SuffixTree::num_nodes)
         .def("num_sequences", &SuffixTree::num_sequences)

@@ -213,27 +213,37 @@ class GoodputSpecLength:
         B = len(alphas)
         plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
         best = (B / (self.costs.verify_cost(B, 1) + plain_o) * (1.0 + MARGIN), 0, 0)
-        order = sorted(range(B), key=lambda b: -alphas[b])
-        # per row, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds and tokens left,
-        # whether its drafts are free
+        order = self._order(alphas, caps)
+        # per row that can draft, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds
+        # and tokens left, whether its drafts are free. A row of cap 0 adds no token and no cost at any k: it never
+        # changes the best rate, and `order` puts such rows last, so they are left out.
         e_rows = [(curves[b] if curves is not None and curves[b] is not None else
                    [expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
-                   *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]) or not caps[b])
-                  for b in order]  # a row that cannot draft (cap 0) costs no draft step either
-        for k in range(1, self.k_max + 1):
+                   *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
+                  for b in order if caps[b]]
+        # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
+        for k in range(1, min(self.k_max, max(caps, default=0)) + 1):
             fixed = self.costs.verify_cost(B, k + 1) + spec_o
             total, setup_s, models = float(B), 0.0, 0
-            draft_s = [self.costs.draft_cost(n, k) for n in range(B + 1)]  # k steps over n model rows
+            draft_s = {}  # k steps over n model rows, priced when first needed
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
                 x = e[min(k, cap)]
                 total += x - 1.0  # extra tokens of the m-th drafting row
                 models += not is_free
                 if once and not is_free:  # its set-up seconds, amortised over min(its rounds left, horizon)
                     setup_s += once * max(x / max(x, left), 1.0 / horizon)
+                if models not in draft_s:
+                    draft_s[models] = self.costs.draft_cost(models, k)
                 rate = total / (fixed + draft_s[models] + setup_s)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
+
+    @staticmethod
+    def _order(alphas: list[float], caps: list[int]) -> list[int]:
+        """The rows in the order they start drafting: the rows that can (cap > 0) by acceptance estimate, then the
+        rest."""
+        return sorted(range(len(alphas)), key=lambda b: (not caps[b], -alphas[b]))
 
     def choose(self, reqs, caps):
         B = len(reqs)
@@ -252,8 +262,10 @@ class GoodputSpecLength:
         elif self.rounds_at_size:
             self.rounds_at_size += 1
         self.last_size = B
-        _, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free, curves)
-        order = sorted(range(B), key=lambda b: -alphas[b])
+        # no row has a draft to offer (a copying proposer found no match anywhere): plain decoding, nothing to price
+        _, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free, curves) if any(caps) \
+            else (0.0, 0, 0)
+        order = self._order(alphas, caps)
         ks = [0] * B
         for b in order[:m]:
             ks[b] = min(k, caps[b])
