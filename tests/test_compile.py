@@ -1,5 +1,7 @@
 """torch.compile'd decode/verify steps: same tokens as eager, on both KV backends and under speculation, with
-no recompilation once the step shapes have been seen; tiny models stay eager unless asked."""
+no recompilation once the step shapes have been seen; tiny models stay eager unless asked. (A lone request's
+compiled speculation, float32 and bfloat16, against a plain eager engine: test_warmup.py, which builds the same
+graphs stage by stage.)"""
 
 import pytest
 import torch
@@ -31,16 +33,6 @@ def test_compiled_greedy_equals_eager(gqa_dir, eager, backend):
     assert _ids(llm.generate(PROMPTS, GREEDY)) == eager
 
 
-def test_compiled_speculation_equals_eager_and_does_not_recompile(gqa_dir, eager):
-    llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
-    assert _ids(llm.generate(PROMPTS, GREEDY)) == eager
-    assert llm.engine.wait_until_ready(timeout=600)  # the background warm-up (engine.warmup) is done
-    # Every step shape (decode, K+1 verify, logits) has been seen: new lengths must reuse the graphs.
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        out = llm.generate(["x" * 7, "a b c d e f g h i j"], SamplingParams(temperature=0, max_tokens=40))
-    assert all(o.token_ids for o in out)
-
-
 def test_a_batched_engine_builds_every_graph_at_start_up(gqa_dir, eager):
     """Served batches are ragged (rows of several lengths: every step masked, a decode too) and leave a lone request
     on blocks interleaved with the others' (gathers, not slices): the warm-up builds those graphs as well, so once it
@@ -50,21 +42,6 @@ def test_a_batched_engine_builds_every_graph_at_start_up(gqa_dir, eager):
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert _ids(llm.generate(PROMPTS, GREEDY)) == eager  # two at a time, of different lengths
         assert _ids(llm.generate(PROMPTS[:1], GREEDY)) == eager[:1]  # alone, on the blocks the batch left
-    assert llm.engine.stats.num_draft_tokens > 0
-
-
-def test_compiled_bf16_speculation_equals_eager_and_builds_every_graph_at_start_up(gqa_dir):
-    """bfloat16, one numerics (model.compile): a speculating engine's compiled decode and verify graphs and a plain
-    engine's eager steps give the same tokens, with inductor's defaults (no emulated casts); and the warm-up builds
-    every graph a lone request needs, so once it is done no round stops to compile."""
-    # the eager reference before the compiling engine exists: an eager forward in this thread while the warm-up
-    # thread's first compile traces can fail inside torch (model/compile.py, _BUILD_LOCK, says how); not this test's
-    # subject, which is the numerics
-    expected = _ids(LLM(gqa_dir, dtype="bfloat16", compile=False, max_batch_size=1).generate(PROMPTS, GREEDY))
-    llm = LLM(gqa_dir, dtype="bfloat16", draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
-    assert llm.engine.wait_until_ready(timeout=600)
-    with torch._dynamo.config.patch(error_on_recompile=True):  # the speculating engine's graphs exist already
-        assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
     assert llm.engine.stats.num_draft_tokens > 0
 
 

@@ -149,11 +149,13 @@ def held_warmup(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_first_tokens_are_served_before_compiling_ends_and_match_at_every_stage(gqa_dir, held_warmup, dtype):
     """Greedy parity across the moments the graphs become ready: before any exists (every step eager), between
-    stages (some steps take a graph, others run eagerly), and after, with the same tokens as the eager engine. The
-    decoder drafts only once the verify steps are built."""
-    kw = dict(dtype=dtype, draft_model=gqa_dir, spec_length=3, max_batch_size=1)
+    stages (some steps take a graph, others run eagerly), and after, with the same tokens as a plain eager engine
+    (one numerics: a speculating engine's compiled decode and verify with inductor's defaults, no emulated casts,
+    give a plain engine's eager tokens in bfloat16 too). The decoder drafts only once the verify steps are built;
+    once all are, no request stops to compile, whatever its length."""
+    kw = dict(dtype=dtype, max_batch_size=1)
     expected = _ids(LLM(gqa_dir, compile=False, **kw).generate(PROMPTS, GREEDY))
-    llm = LLM(gqa_dir, compile=True, **kw)
+    llm = LLM(gqa_dir, compile=True, draft_model=gqa_dir, spec_length=3, **kw)
     engine = llm.engine
     assert engine.warmup is not None and not engine.warmup.ready
     held_warmup.wait_entered()  # the thread runs and waits at its first stage: nothing compiled yet
@@ -168,6 +170,9 @@ def test_first_tokens_are_served_before_compiling_ends_and_match_at_every_stage(
     assert sorted(engine.warmup.seconds) == sorted(what for what, _ in engine.warmup.stages)
     with torch._dynamo.config.patch(error_on_recompile=True):  # every graph a lone request needs was built
         assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
+        # other prompt and output lengths reuse them (the sizes that vary were made dynamic up front)
+        out = llm.generate(["x" * 7, "a b c d e f g h i j"], SamplingParams(temperature=0, max_tokens=40))
+    assert all(o.token_ids for o in out)
     assert engine.stats.num_draft_tokens > 0
 
 
