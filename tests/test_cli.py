@@ -87,9 +87,10 @@ def test_generate_and_chat_with_structured_output(gqa_dir, tmp_path, run_here):
     assert r.returncode == 2 and "invalid regex" in r.stderr and "Traceback" not in r.stderr
     r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--regex", "a", "--choice", "b")
     assert r.returncode == 2 and "exactly one" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
-                        "--max-tokens", "12", "--regex", "[0-9]{3}"], input="a number\n", capture_output=True,
-                       text=True, timeout=120)
+    # in this process too: `chat` takes sys.stdin / sys.stdout as they are when it runs (a default bound at import
+    # wrote to an earlier test's closed capture: "I/O operation on closed file")
+    r = run_here("chat", "--model", str(gqa_dir), "--temperature", "0", "--max-tokens", "12", "--regex", "[0-9]{3}",
+                 input="a number\n")
     assert r.returncode == 0, r.stderr
     import re
     assert re.search(r"\b[0-9]{3}\b", r.stdout), r.stdout

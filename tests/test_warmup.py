@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -336,8 +337,46 @@ def test_the_gate_never_stops_the_thread_inside_an_import(tmp_path, monkeypatch)
     gate._stop = True
     assert warmup._importing(infer_gate_probe.FRAME) and not warmup._importing(sys._getframe())
     assert gate._gate(infer_gate_probe.FRAME, "call", None) is None  # inside the import: not stopped
+    infer_frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=warmup.__file__), f_back=None)
     with pytest.raises(warmup._Stopped):
-        gate._gate(sys._getframe(), "call", None)  # after it: stopped
+        gate._gate(infer_frame, "call", None)  # at infer's next call after it: stopped
+
+
+def test_a_stop_never_lands_in_another_librarys_cleanup():
+    """A stop that arrives just before a library's cleanup call (logging's Handler.handle calls self.release() in
+    its `finally`) must let that call run: stopped there, the thread died holding the handler's lock and the next
+    logging call anywhere hung (a test session, in logging.shutdown). The thread stops at infer's next call."""
+    gate = warmup.Warmup.__new__(warmup.Warmup)
+    gate._stop, gate._open, gate._steps, gate._let_run = False, threading.Event(), 0, -1
+    gate._open.set()
+    lock, outcome = threading.Lock(), []
+
+    def release():  # this file is not infer's code: a library's, as far as the gate can tell
+        lock.release()
+
+    def work():
+        gate._stop = True  # Warmup.stop() comes now: the next call is the cleanup's
+
+    def run():
+        sys.settrace(gate._gate)
+        try:
+            lock.acquire()
+            try:
+                work()
+            finally:
+                release()
+            warmup._importing(sys._getframe())  # infer's code: stopped here
+            outcome.append("ran on")
+        except warmup._Stopped:
+            outcome.append("stopped")
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    assert outcome == ["stopped"]
+    assert lock.acquire(timeout=1), "the stopped thread kept the lock"
 
 
 def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them(gqa_dir):

@@ -12,8 +12,10 @@ import time
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
 
-def stream_reply(llm, messages: list[dict], params, out=sys.stdout) -> tuple[str, dict]:
-    """Stream the assistant's reply to ``messages`` onto ``out``; return its text and figures."""
+def stream_reply(llm, messages: list[dict], params, out=None) -> tuple[str, dict]:
+    """Stream the assistant's reply to ``messages`` onto ``out`` (default: sys.stdout as it is at the call, not at
+    import: a caller may have redirected it since); return its text and figures."""
+    out = out or sys.stdout
     ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     t0 = time.perf_counter()
     first = None
@@ -43,7 +45,8 @@ def format_stats(s: dict) -> str:
     return line + "]"
 
 
-def run_chat(llm, params, system: str | None = None, inp=sys.stdin, out=sys.stdout) -> int:
+def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
+    inp, out = inp or sys.stdin, out or sys.stdout  # the streams of the moment (stream_reply says why)
     if not llm.tokenizer.has_chat_template:
         raise ValueError(f"{llm.model_path}: the tokenizer has no chat template; use `infer generate` instead")
     base = [{"role": "system", "content": system}] if system else []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -100,7 +99,7 @@ def demo_prompts() -> list[dict]:
     return json.loads((DEMO_DIR / "prompts.json").read_text())
 
 
-def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), out=sys.stdout,
+def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), out=None,
                   t_start: float | None = None, **settings) -> dict:
     """SmolLM2 answering fixed prompts, greedy, streamed, with tokens/s per reply; speculating with its best shipped
     drafter unless ``settings`` say otherwise."""
@@ -130,7 +129,7 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
     return {"replies": replies}
 
 
-def run_demo(max_tokens: int = 128, num_prompts: int = 3, real: bool = True, out=sys.stdout, **settings) -> dict:
+def run_demo(max_tokens: int = 128, num_prompts: int = 3, real: bool = True, out=None, **settings) -> dict:
     """The real model's chat (when installed), then speculative decoding on the shipped pair. ``settings``: LLM
     keywords for the pair (spec_length, dtype, proposer, draft_vocab_size); none given, the library's defaults."""
     t_start = time.perf_counter()
@@ -148,7 +147,7 @@ def run_demo(max_tokens: int = 128, num_prompts: int = 3, real: bool = True, out
     return result
 
 
-def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=sys.stdout, **settings) -> dict:
+def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **settings) -> dict:
     """Speculative vs plain decoding through ``LLM`` (the path users run), greedy, each prompt timed A B A B."""
     import torch
 

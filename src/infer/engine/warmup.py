@@ -23,6 +23,7 @@ runs the same warm-up in the foreground instead.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -50,6 +51,12 @@ MAX_PARK_S = 1.0
 
 
 _RUNNING: weakref.WeakSet = weakref.WeakSet()  # warm-ups whose thread was started
+# The warm-up thread is stopped only at a call into infer's own code. Stopped at any call, it could be stopped at one
+# that another library's cleanup makes before releasing a lock (logging's Handler.handle calls self.release() in its
+# `finally`): the thread then died holding the lock, and the next logging call anywhere waited forever (a test
+# session hung in logging.shutdown). infer's code holds no lock across a call, and the thread reaches it often: the
+# kernels' shape functions while Dynamo traces, run_steps between graphs.
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def stop_all() -> None:
@@ -150,6 +157,11 @@ def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False,
         if k_max and draft:
             stages.append(("the drafter's batched steps", {"widths": wide, "draft": True, "batches": batches}))
     return stages
+
+
+def _stoppable(frame) -> bool:
+    """Whether the warm-up thread may be stopped at this call: infer's own code (_OWN_CODE), not inside an import."""
+    return frame.f_code.co_filename.startswith(_OWN_CODE) and not _importing(frame)
 
 
 def _importing(frame) -> bool:
@@ -266,17 +278,20 @@ class Warmup:
 
     def _gate(self, frame, event, arg):
         """sys.settrace hook of the warm-up thread, called at each Python call: parks while the engine works; stops
-        the thread once ``stop()`` was called. Never inside an import (``_importing``). Returns None: no per-line
-        tracing."""
+        the thread once ``stop()`` was called, at its next call into infer's code (``_stoppable``: never inside an
+        import or another library's code). Raising unsets the hook, so the unwinding's own calls run untraced.
+        Returns None: no per-line tracing."""
         if self._stop:
-            if _importing(frame):
-                return  # stopped at its first call after the import
+            if not _stoppable(frame):
+                return  # it runs on to infer's next call (a compile in progress ends first)
             raise _Stopped
         if self._open.is_set() or self._let_run == self._steps or _importing(frame):
             return
         parked = time.perf_counter()
         while not self._open.wait(IDLE_S):
             if self._stop:
+                if not _stoppable(frame):  # parked in another library's code: run on to infer's next call
+                    return
                 raise _Stopped
             with self._lock:
                 now = time.perf_counter()
