@@ -1,7 +1,7 @@
 """torch.compile'd decode/verify steps: same tokens as eager, on both KV backends and under speculation, with
 no recompilation once the step shapes have been seen; tiny models stay eager unless asked. (A lone request's
-compiled speculation, float32 and bfloat16, against a plain eager engine: test_warmup.py, which builds the same
-graphs stage by stage.)"""
+compiled speculation in bfloat16 against a plain eager engine: test_warmup.py, which builds the same graphs stage by
+stage; in float32: test_a_batched_engine_builds_every_graph_at_start_up, its last request.)"""
 
 import pytest
 import torch

@@ -76,23 +76,37 @@ def test_transformers_loads_the_distilled_drafter_and_agrees_with_ours():
     assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (a - b).abs().max()
 
 
+PARITY = dict(dtype="float32", compile=False, max_batch_size=2)  # the engines of the parity test below
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain():
+    """(prompt ids, plain greedy outputs) of SmolLM2 in float32 on two held-out prompts: one plain engine serves
+    every drafter's parity test (loading and decoding it again for each cost ~5 s a drafter)."""
+    from infer import LLM, SamplingParams
+
+    prompts = eval_prompts()
+    chats = [prompts["chat"][0]["prompt"], prompts["code"][0]["prompt"]]
+    plain = LLM(REAL, **PARITY)
+    ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    want = [o.token_ids for o in plain.generate(ids, SamplingParams(temperature=0, max_tokens=40))]
+    plain.close()
+    return ids, want
+
+
 @needs_real
 @pytest.mark.parametrize("kind,ks,floor", [("draft_model", (4, "auto"), 0.15), ("eagle", (4,), 0.15),
                                            ("eagle3", (4,), 0.15), ("medusa", (4,), 0.05)])
-def test_shipped_drafter_greedy_parity_on_smollm2_and_it_drafts_well(kind, ks, floor):
+def test_shipped_drafter_greedy_parity_on_smollm2_and_it_drafts_well(smollm2_plain, kind, ks, floor):
     """float32: the speculative output is the plain output token for token; and the shipped drafter is a trained
     one (a random drafter accepts ~0 of its drafts over a 49,152-token vocabulary). Accepted / drafted measured
     here at K = 4 on these 2 x 40 tokens: LM 0.28, EAGLE 0.25, Medusa 0.086 (its later heads guess blind)."""
     from infer import LLM, SamplingParams
 
     path = drafter_paths()[kind]
-    prompts = eval_prompts()
-    chats = [prompts["chat"][0]["prompt"], prompts["code"][0]["prompt"]]
-    common = dict(dtype="float32", compile=False, max_batch_size=2)
-    plain = LLM(REAL, **common)
-    ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    ids, want = smollm2_plain
+    common = PARITY
     params = SamplingParams(temperature=0, max_tokens=40)
-    want = [o.token_ids for o in plain.generate(ids, params)]
     for k in ks:
         spec = LLM(REAL, draft_model=path, spec_length=k, **common)
         outs = spec.generate(ids, params)
