@@ -95,15 +95,26 @@ def test_cost_model_interpolates_and_refreshes():
     c = CostModel.from_points(8, 4, {(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0}, {1: 0.1, 4: 0.2})
     assert c.verify_cost(1, 3) == pytest.approx(1.5) and c.verify_cost(2, 1) == pytest.approx(4 / 3)
     assert c.verify_cost(8, 1) == pytest.approx(10 / 3)  # extrapolated from the last segment
-    c.refresh_verify(1, 1, 100.0)  # an outlier moves the factor by at most OUTLIER x its value (times the EMA weight)
-    f = 1.0 + c.ema * (c.OUTLIER - 1.0)
-    assert c.verify_cost(1, 1) == pytest.approx(f)
-    assert c.verify_cost(1, 3) == pytest.approx(1.5 * f)  # one factor per batch size: every width of B moves
-    assert c.verify_cost(2, 1) == pytest.approx(4 / 3 * f)  # a batch size not measured yet takes the latest factor
-    for _ in range(40):  # B = 4 runs 1.5x its profile at every width: its factor converges there, B = 1's stays
+    c.refresh_verify(1, 1, 100.0)  # an outlier counts as at most OUTLIER x the price it had
+    assert c.verify_cost(1, 1) == pytest.approx(c.OUTLIER)
+    assert c.verify_cost(1, 3) == pytest.approx(1.5 * c.OUTLIER)  # one width measured: a factor for every width of B
+    assert c.verify_cost(2, 1) == pytest.approx(4 / 3 * c.OUTLIER)  # a batch size not measured yet: the latest level
+    for _ in range(40):  # B = 4 runs 1.5x its profile at every width: the line is that factor
         c.refresh_verify(4, 5, 9.0)
         c.refresh_verify(4, 1, 3.0)
-    assert c.verify_cost(4, 3) == pytest.approx(1.5 * 4.0, rel=1e-3) and c.verify_cost(1, 1) == pytest.approx(f)
+    a, b = c.line(4)
+    assert b == pytest.approx(1.5, rel=1e-6) and abs(a) < 1e-6
+    assert c.verify_cost(4, 3) == pytest.approx(1.5 * 4.0) and c.verify_cost(1, 1) == pytest.approx(2.0)
+    for _ in range(40):  # B = 1 at a long context: +0.5 s a forward at every width, the per-token part as profiled
+        c.refresh_verify(1, 5, 2.5)
+        c.refresh_verify(1, 1, 1.5)
+    a, b = c.line(1)  # the widths' spread fits the offset, where a factor would price the widths 1.5 : 2.5 as 1 : 2
+    assert a == pytest.approx(0.5, abs=0.05) and b == pytest.approx(1.0, abs=0.05)
+    assert c.verify_cost(1, 3) == pytest.approx(2.0, rel=0.01)
+    for _ in range(100):  # a line falling below the floor (faster than profiled by more than the offset) stays > 0
+        c.refresh_verify(1, 5, 0.01)
+        c.refresh_verify(1, 1, 0.5)
+    assert c.verify_cost(1, 5) >= 0.25 * 2.0
 
 
 def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):

@@ -16,11 +16,18 @@ class CostModel:
     """Seconds per target forward over B rows x T tokens (``verify_cost(B, T)``, T = 1 is a plain decode step) and
     per k draft steps over B rows (``draft_cost(B, k)``), for B = 1..max_batch and T = 1..k_max + 1.
 
-    The shape over (B, T) comes from a start-up profile at a few points, interpolated in between (``verify``). Its
-    level is refreshed by every target forward the engine runs: ``scale[B]``, an EMA of measured / profiled. One
-    factor per batch size, for all T, because the profile's error is a factor: it runs at short contexts, and at a
-    real context (~300 tokens, demo pair) every width T measured 1.3-1.6x its profile, whereas a per-cell EMA would
-    leave the widths a batch rarely runs (and the plain step, once a batch speculates) at their profiled values.
+    The shape over (B, T) comes from a start-up profile at a few points, interpolated in between (``verify``). Every
+    target forward the engine runs then refits, per batch size, a line from profiled to measured seconds: measured ~
+    a_B + b_B x profiled, least squares over the forwards of B (their statistics decayed by FIT_DECAY a forward), with
+    a pseudo-forward at the origin (weight RIDGE) that pulls the offset toward 0. While a batch size runs one width
+    only, the line is therefore one factor (measured / profiled), the refresh this replaced; forwards of several
+    widths fit the offset and the slope apart. Why: the profile runs at a short context (32 tokens) and on a quieter
+    moment; at real contexts the gap was a factor for the demo pair (every width 1.3-1.6x its profile), but for SmolLM2
+    on AVX2 mostly an offset plus a flatter slope than profiled (a 9-token verify 2.5 decode steps where the profile
+    said 2.9), and one factor priced wide verifies too high, so auto K drafted shorter than paid (docs/benchmarks.md,
+    suffix decoding). One line per batch size, not a price per cell: a per-cell EMA left the widths a batch rarely
+    runs (and its plain step, once it speculates) at their profiled values. A batch size not measured yet takes the
+    latest fitted level as a factor (``last_scale``).
 
     A round's first draft step is priced apart from the others (``draft_first``): it also pays the round's set-up
     (the drafter's per-round bookkeeping, the draft vocabulary of the batch) and feeds what the drafter has not seen
@@ -34,8 +41,9 @@ class CostModel:
     draft: list[float] = field(default_factory=list)  # [max_batch + 1] a draft step after a round's first
     draft_first: list[float] = field(default_factory=list)  # [max_batch + 1] a round's first draft step (see above)
     ema: float = 0.2
-    scale: dict[int, float] = field(default_factory=dict)  # B -> measured / profiled (EMA)
-    last_scale: float = 1.0  # the latest factor of any B: the guess for a batch size not yet measured
+    # B -> decayed sums over its measured forwards [w, sum x, sum y, sum x^2, sum x y], x profiled and y measured s
+    fit: dict[int, list[float]] = field(default_factory=dict)
+    last_scale: float = 1.0  # the latest fitted level (mean y / mean x) of any B: the guess for a B not yet measured
     catch_up: float = 0.0  # seconds per token of the drafter's lazy prefill (a row fed alone), EMA
 
     def __post_init__(self):
@@ -71,8 +79,27 @@ class CostModel:
     def _cell(self, B: int, T: int) -> float:
         return self.verify[min(B, self.max_batch)][min(T, self.k_max + 1)]
 
+    FIT_DECAY = 0.9  # per forward of a batch size: its line follows the last ~10 of them
+    RIDGE = 0.1  # the weight, in forwards, of the pseudo-forward at the origin (0 s profiled takes 0 s)
+    SLOPE = (0.25, 4.0)  # bounds of a fitted slope: a price still grows with T, and a few noisy forwards stay sane
+
+    def line(self, B: int) -> tuple[float, float] | None:
+        """(a, b): B's measured seconds ~ a + b x profiled seconds, fitted over its forwards; None before any."""
+        s = self.fit.get(min(B, self.max_batch))
+        if not s or s[0] <= 0:
+            return None
+        w, sx, sy, sxx, sxy = s
+        w += self.RIDGE  # the pseudo-forward at (0, 0) adds weight and nothing to the sums
+        det = w * sxx - sx * sx  # >= RIDGE * sxx > 0: one width measured still gives a unique line, the factor
+        b = min(max((w * sxy - sx * sy) / det, self.SLOPE[0]), self.SLOPE[1])
+        return (sy - b * sx) / w, b
+
     def verify_cost(self, B: int, T: int) -> float:
-        return self._cell(B, T) * self.scale.get(min(B, self.max_batch), self.last_scale)
+        x = self._cell(B, T)
+        ab = self.line(B)
+        if ab is None:
+            return x * self.last_scale
+        return max(ab[0] + ab[1] * x, 0.25 * x)  # the floor: an offset fitted below zero never prices a forward ~free
 
     def draft_cost(self, B: int, k: int = 1) -> float:
         """Seconds of a round's k draft steps over B rows: the first step, then k - 1 more."""
@@ -89,10 +116,16 @@ class CostModel:
         return old + self.ema * (min(seconds, self.OUTLIER * old) - old) if old > 0 else seconds
 
     def refresh_verify(self, B: int, T: int, seconds: float) -> None:
-        """One target forward over B x T tokens took ``seconds``: move B's factor toward measured / profiled."""
-        if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1 and self._cell(B, T) > 0:
-            old = self.scale.get(B, self.last_scale)
-            self.scale[B] = self.last_scale = self._update(old, seconds / self._cell(B, T))
+        """One target forward over B x T tokens took ``seconds``: add it to B's line (at most OUTLIER x its price)."""
+        x = self._cell(B, T) if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1 else 0.0
+        if x <= 0:
+            return
+        y = min(seconds, self.OUTLIER * self.verify_cost(B, T))
+        s = [self.FIT_DECAY * v for v in self.fit.get(B, [0.0] * 5)]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] += v
+        self.fit[B] = s
+        self.last_scale = s[2] / s[1]
 
     def refresh_draft(self, B: int, first_s: float, step_s: float | None = None) -> None:
         """A round's draft steps over B rows: its first took ``first_s``, the later ones ``step_s`` each (None: the

@@ -29,7 +29,7 @@ import torch
 from ..cachedir import cache_dir, write_atomic
 from .cost_model import CostModel
 
-FORMAT = 2  # bumped when the file's layout or the meaning of its numbers changes
+FORMAT = 3  # bumped when the file's layout or the meaning of its numbers changes
 
 
 def default_dir() -> Path:
@@ -110,7 +110,7 @@ class ProfileStore:
 def _to_json(c: CostModel) -> dict:
     return {"max_batch": c.max_batch, "k_max": c.k_max, "verify": c.verify, "draft": c.draft,
             "draft_first": c.draft_first,
-            "scale": {str(b): s for b, s in c.scale.items()}, "last_scale": c.last_scale, "catch_up": c.catch_up}
+            "fit": {str(b): s for b, s in c.fit.items()}, "last_scale": c.last_scale, "catch_up": c.catch_up}
 
 
 def _from_json(d: dict) -> CostModel:
@@ -124,6 +124,9 @@ def _from_json(d: dict) -> CostModel:
         raise ValueError(f"tables do not match max_batch={mb}, k_max={km}")
     if any(x <= 0 or x != x for r in verify[1:] for x in r[1:]) or any(x < 0 or x != x for x in draft + first):
         raise ValueError("a cost is not a positive number")
-    scale = {int(b): float(s) for b, s in d.get("scale", {}).items()}
-    return CostModel(mb, km, verify, draft, first, scale=scale, last_scale=float(d.get("last_scale", 1.0)),
+    fit = {int(b): [float(x) for x in s] for b, s in d.get("fit", {}).items()}
+    if any(not 1 <= b <= mb or len(s) != 5 or s[0] <= 0 or s[1] <= 0 or any(x != x or abs(x) == float("inf")
+                                                                              for x in s) for b, s in fit.items()):
+        raise ValueError("a fitted line is not five finite sums of a batch size with forwards")
+    return CostModel(mb, km, verify, draft, first, fit=fit, last_scale=float(d.get("last_scale", 1.0)),
                      catch_up=float(d.get("catch_up", 0.0)))

@@ -15,7 +15,7 @@ how many of the most promising rows draft (the rest take k = 0 inside the same v
 first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up). k = 0
 is plain decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns,
 K falls to 0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
-refreshes its batch size's level (measured / profiled, an EMA). Also counted: each step's bookkeeping outside the
+refits its batch size's line from profiled to measured seconds (an offset and a slope). Also counted: each step's bookkeeping outside the
 forwards, and a row's one-time catch-up (the drafter's lazy prefill, ``Proposer.pending``) amortised over the rounds
 it will draft. A k > 0 must beat plain decoding by MARGIN.
 
