@@ -333,6 +333,40 @@ def test_pointwise_kernels_reject_bad_input():
         torch.ops.infer.silu_mul(torch.randn(2, 7))
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 49152), (2, 5, 8192), (3, 7), (5, 1), (2, 64), (2, 65), (3, 200)])
+def test_argmax_is_torchs_first_maximum(dt, shape):
+    """infer::argmax answers what torch.argmax does: the first maximum on ties (many of them, or a maximum in several
+    blocks of 64), the first NaN where a row holds one, 0 for a row of -inf; any length (vector blocks and a tail)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    rows = [torch.randn(*shape, generator=g), torch.randn(*shape, generator=g).mul(2).round(),
+            (torch.randn(*shape, generator=g) > 1.0).float(), torch.full(shape, float("-inf")),
+            torch.zeros(shape).index_fill_(-1, torch.tensor([0, shape[-1] - 1]), -0.0), torch.full(shape, float("inf"))]
+    late = torch.randn(*shape, generator=g)
+    late[..., -1] = 10.0  # the maximum in the tail, after every block
+    nan = torch.randn(*shape, generator=g)
+    nan.view(-1)[nan.numel() // 2] = float("nan")
+    for x in [*rows, late, nan]:
+        x = x.to(dt)
+        assert torch.equal(torch.ops.infer.argmax(x), x.argmax(-1)), x
+    wide = torch.randn(shape[0], 2 * shape[-1], generator=g).to(dt)[:, ::2]  # not contiguous
+    assert torch.equal(torch.ops.infer.argmax(wide), wide.argmax(-1))
+
+
+def test_argmax_is_what_greedy_decoding_calls_and_rejects_bad_input():
+    from infer.sampling import argmax
+
+    x = torch.randn(3, 49152)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x.half()), x.half().argmax(-1))  # no kernel for float16: ATen's answer
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infer.argmax(x.double())
+    with pytest.raises(RuntimeError, match="last dimension is empty"):
+        torch.ops.infer.argmax(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="needs a last dimension"):
+        torch.ops.infer.argmax(torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", [None, "int8", "q4_1"])
 @pytest.mark.parametrize("B,T", [(8, 3), (3, 9), (20, 1)])  # B x T past MAX_ROWS; 20: a decode wider than it
