@@ -146,3 +146,55 @@ def test_randomness_only_from_the_generator():
     torch.manual_seed(123)  # the global RNG must not matter
     outs.append(rejection_sample(d, q, p, [torch.Generator().manual_seed(3)]).output_tokens)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_the_cpu_kernel_draws_what_the_torch_rule_draws(monkeypatch, with_q):
+    """On CPU the exact rule runs in C++ (infer::rejection_sample, kernels/sample.cpp). With the same generators it
+    accepts exactly the drafts the torch rule accepts (the same uniforms, the same comparison) and draws the same
+    final tokens but where a uniform falls within rounding of a boundary (the residual is summed in another order):
+    rows with fewer drafts than K, truncated supports, bonus and recovered tokens alike. Never a zero-probability
+    token."""
+    from infer import kernels
+    from infer.spec_decode import verify as vmod
+
+    if not kernels.available():
+        pytest.skip("no C++ toolchain to build infer's kernels")
+    B, K, V = 3000, 3, 50
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(B, K + 1, V, generator=g) ** 4
+    p[..., V // 2:] *= (torch.rand(B, K + 1, 1, generator=g) < 0.5)  # half the rows' p truncated (top-k'd)
+    p /= p.sum(-1, keepdim=True)
+    q = torch.softmax(3 * torch.randn(B, K, V, generator=g), -1)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    nd = torch.randint(1, K + 1, (B,), generator=g)
+
+    def run():
+        gens = [torch.Generator().manual_seed(100 + b) for b in range(B)]
+        return rejection_sample(drafts, q if with_q else None, p, gens, nd, diagnostics=False)
+
+    fast = run()
+    monkeypatch.setattr(vmod, "_kernel_applies", lambda *a: False)
+    ref = run()
+    assert torch.equal(fast.num_accepted, ref.num_accepted) and torch.equal(fast.is_bonus, ref.is_bonus)
+    assert 0 < int(fast.is_bonus.sum()) < B  # both kinds of final token were drawn
+    same = (fast.output_tokens == ref.output_tokens).all(1).float().mean()
+    assert same > 0.995, same
+    final = fast.output_tokens.gather(1, fast.num_accepted[:, None])[:, 0]
+    p_final = p[torch.arange(B), fast.num_accepted, final]
+    assert (p_final > 0).all()  # a recovered token comes from max(0, p - q) <= p: never outside p's support
+
+
+def test_the_cpu_kernel_rejects_bad_input():
+    from infer import kernels
+
+    if not kernels.available():
+        pytest.skip("no C++ toolchain to build infer's kernels")
+    p, d, nd = torch.rand(1, 3, 5), torch.tensor([[0, 9]]), torch.tensor([2])
+    u, uf = torch.zeros(1, 2), torch.zeros(1, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        torch.ops.infer.rejection_sample(p, d, None, nd, u, uf)
+    with pytest.raises(RuntimeError, match="u_final must be float64"):
+        torch.ops.infer.rejection_sample(p, d.clamp(max=4), None, nd, u, uf.float())
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        torch.ops.infer.rejection_sample(p, d.clamp(max=4), torch.rand(1, 2, 4), nd, u, uf)

@@ -12,6 +12,8 @@ background (engine.warmup) and gives plain and speculating engines one numerics.
 
 ``infer::argmax`` (argmax.cpp) is greedy decoding's and greedy verification's reduction over the vocabulary: ATen's
 index-returning reductions are not vectorised on CPU (~130 us a row over SmolLM2's 49,152 logits, ~10 us here).
+``infer::rejection_sample`` (sample.cpp) is a sampled verify's acceptance and final draw, row by row (the torch rule
+is a dozen passes over the vocabulary).
 
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
@@ -40,7 +42,7 @@ from ..cachedir import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp",
-           HERE / "pointwise.cpp", HERE / "argmax.cpp"]
+           HERE / "pointwise.cpp", HERE / "argmax.cpp", HERE / "sample.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 
@@ -125,6 +127,10 @@ def _build() -> None:
     @torch.library.register_fake("infer::argmax")
     def _(x):  # [..., n] -> [...] int64
         return x.new_empty(x.shape[:-1], dtype=torch.long)
+
+    @torch.library.register_fake("infer::rejection_sample")
+    def _(p, drafts, q, nd, u, u_final):  # -> accepted drafts [B], tokens [B, K+1] (accepted, final, -1 padded)
+        return drafts.new_empty(drafts.shape[0]), drafts.new_empty(drafts.shape[0], drafts.shape[1] + 1)
 
     @torch.library.register_fake("infer::attention")
     def _(q, k, v, mask=None, rows=None):  # [B, H, T, D], stored as [B, T, H, D]

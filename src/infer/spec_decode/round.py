@@ -180,7 +180,8 @@ class SpeculativeDecoder:
                 grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
                 p_seen = torch.cat([seen[:, None], seen[:, None] | grow], 1).view(B * (K + 1), V)
             p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
-            res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance)
+            res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance,
+                         diagnostics=self.on_round is not None)  # E[accept] etc.: the debug view's alone
         n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
         t2 = time.perf_counter()
         self.spec_length.timed(B, K + 1, t2 - t1)
