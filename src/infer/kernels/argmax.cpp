@@ -13,32 +13,17 @@
 
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec8.h"
 
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using infer_kernels::load8;  // 8 float32 or bfloat16 entries widened to float32 (exact)
 
-#if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 -> float32: the bits shifted into the high half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#endif
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
 // The first index of row x's maximum (module comment for NaN and ties). One pass over blocks of 64: a block's
 // maximum (8 vectors, a tree of maxes) is compared with the running one, and only a block that raises it is
@@ -51,7 +36,7 @@ int64_t argmax_row(const T* x, int64_t n) {
   int64_t at = 0, block = -1;  // the answer from the scalar tail, or the block holding the maximum
   int64_t i = 0;
   bool nan = false;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)  // vec8.h's load8 is AVX2's there
   constexpr int64_t kBlock = 64;
   __m256 running = _mm256_set1_ps(best), unordered = _mm256_setzero_ps();
   for (; i + kBlock <= n; i += kBlock) {
