@@ -198,3 +198,17 @@ def test_the_cpu_kernel_rejects_bad_input():
         torch.ops.infer.rejection_sample(p, d.clamp(max=4), None, nd, u, uf.float())
     with pytest.raises(RuntimeError, match="q must be float32"):
         torch.ops.infer.rejection_sample(p, d.clamp(max=4), torch.rand(1, 2, 4), nd, u, uf)
+
+
+def test_float64_uniforms_take_the_kernel_too():
+    """Under a float64 default dtype the acceptance uniforms are float64: the kernel compares in their precision."""
+    p = torch.tensor([[[0.3, 0.7], [0.5, 0.5]]])
+    d = torch.tensor([[1]])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        outs = [rejection_sample(d, None, p, [torch.Generator().manual_seed(s)]).output_tokens for s in range(200)]
+    finally:
+        torch.set_default_dtype(old)
+    accepted = sum(int(o[0, 0] == 1 and o[0, 1] >= 0) for o in outs)
+    assert 100 < accepted < 180  # accepted with probability p(1) = 0.7

@@ -78,8 +78,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
               "infer::rejection_sample: drafts must be int64 [", B, ", ", K, "], got ", drafts.sizes());
   TORCH_CHECK(nd.dim() == 1 && nd.size(0) == B && nd.scalar_type() == at::kLong,
               "infer::rejection_sample: nd must be int64 [", B, "]");
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == B && u.size(1) == K && u.scalar_type() == at::kFloat,
-              "infer::rejection_sample: u must be float32 [", B, ", ", K, "]");
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == B && u.size(1) == K &&
+              (u.scalar_type() == at::kFloat || u.scalar_type() == at::kDouble),
+              "infer::rejection_sample: u must be float32 or float64 [", B, ", ", K, "]");
   TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
               "infer::rejection_sample: u_final must be float64 [", B, "]");
   const bool has_q = q.has_value() && q->defined();
@@ -100,7 +101,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
   const float* Q = has_q ? qc.data_ptr<float>() : nullptr;
   const int64_t* D = dc.data_ptr<int64_t>();
   const int64_t* ND = nc.data_ptr<int64_t>();
-  const float* U = uc.data_ptr<float>();
+  // u q(t) < p(t) in u's precision, as torch promotes it (float32 uniforms by default; float64 under a float64
+  // default dtype)
+  const bool u64 = uc.scalar_type() == at::kDouble;
+  const float* U = u64 ? nullptr : uc.data_ptr<float>();
+  const double* U64 = u64 ? uc.data_ptr<double>() : nullptr;
   const double* UF = fc.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nb = std::min<int64_t>(std::max<int64_t>(ND[b], 0), K);
@@ -110,7 +115,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
       TORCH_CHECK(t >= 0 && t < V, "infer::rejection_sample: draft ", t, " outside the vocabulary of ", V);
       const float p_t = P[(b * (K + 1) + n) * V + t];
       const float q_t = has_q ? Q[(b * K + n) * V + t] : 1.0f;
-      if (!(U[b * K + n] * q_t < p_t)) break;
+      const bool accept = u64 ? U64[b * K + n] * static_cast<double>(q_t) < static_cast<double>(p_t)
+                              : U[b * K + n] * q_t < p_t;
+      if (!accept) break;
     }
     const float* pn = P + (b * (K + 1) + n) * V;
     int64_t tok;
