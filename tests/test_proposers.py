@@ -302,3 +302,55 @@ def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
                                          {(1, 1): 1.0, (1, policy.costs.k_max + 1): 1.2}, {1: 1000.0})
     out = eng.run([eng.add_request([0, 5, 6], params)])[0]
     assert out.output_ids == plain.token_ids and out.num_accepted_tokens > 0
+
+
+class _FixedModel:
+    """A model proposer stand-in: drafts [9, 8, ...] for each row asked, with a q of its own (or None)."""
+
+    uses_draft_model = uses_features = False
+
+    def __init__(self, with_q: bool):
+        self.with_q, self.asked = with_q, []
+
+    def propose(self, batch):
+        import torch
+
+        from infer.proposers.base import Proposal
+        self.asked.append([r.prompt_ids for r in batch.reqs])
+        K, V = batch.K, batch.vocab_size
+        drafts = torch.tensor([[9, 8, 7, 6][:K]] * len(batch.reqs))
+        q = torch.softmax(torch.randn(len(batch.reqs), K, V), -1) if self.with_q else None
+        return Proposal(drafts, list(batch.ks), q)
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_hybrid_q_is_one_hot_on_copies_and_the_models_elsewhere(with_q):
+    """At a temperature the hybrid hands verification q only where it needs one: none where every draft is a copy
+    or deterministic (verify's rule for q = None, the same law as a one-hot q), the model's own where every row is
+    the model's, and for rows of both kinds one q with one-hot rows on the copies and the model's rows as drawn."""
+    import torch
+
+    from infer.proposers.base import DraftBatch
+    from infer.proposers.ngram import HybridProposer
+    from infer.sampling import SamplingBatch
+
+    V = 32
+    copying, fresh = _req([1, 2, 3, 1, 2]), _req([4, 5, 6])  # (1, 2) repeats: prompt lookup drafts 3, 1, 2
+    hyb = HybridProposer(NgramProposer(1, 3), model := _FixedModel(with_q))
+
+    def batch(reqs, ks):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * len(reqs), V, "cpu")
+        return DraftBatch(reqs, ks, sb, None, [torch.Generator()] * len(reqs), V, torch.device("cpu"))
+
+    only_copies = hyb.propose(batch([copying], [3]))
+    assert only_copies.drafts[0].tolist() == [3, 1, 2] and only_copies.q is None and model.asked == []
+    only_model = hyb.propose(batch([fresh], [3]))
+    assert only_model.drafts[0].tolist() == [9, 8, 7] and only_model.free == [False]
+    assert (only_model.q is None) == (not with_q)
+    both = hyb.propose(batch([copying, fresh], [3, 3]))
+    assert both.drafts.tolist() == [[3, 1, 2], [9, 8, 7]] and both.num_draft == [3, 3]
+    if with_q:
+        assert torch.equal(both.q[0], torch.nn.functional.one_hot(torch.tensor([3, 1, 2]), V).float())
+        assert torch.allclose(both.q[1].sum(-1), torch.ones(3)) and (both.q[1] < 1).all()  # the model's q
+    else:
+        assert both.q is None

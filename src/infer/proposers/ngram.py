@@ -165,11 +165,32 @@ class HybridProposer(Proposer):
     def propose(self, batch: DraftBatch) -> Proposal:
         found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
-        out = _proposal(found, batch)
-        if batch.sampling is not None or batch.keep_logits:
-            out.q = one_hot_q(out.drafts, batch.vocab_size)  # [B, K, V], replaced for model rows
+        out = _proposal(found, batch)  # q None: copies are deterministic drafts (verified as prompt lookup's)
         if not rest:
             return out
+        mp = self.model.propose(_sub_batch(batch, rest))
+        out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
+        out.model_rows, out.model_steps, out.first_s, out.steps_s = mp.model_rows, mp.model_steps, mp.first_s, mp.steps_s
+        rows = torch.tensor(rest, device=batch.device)
+        out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts
+        for i, b in enumerate(rest):
+            out.num_draft[b] = mp.num_draft[i]
+        copied = [b for b, f in enumerate(found) if f]
+        if batch.keep_logits or (mp.q is not None and (copied or len(rest) < len(found))):
+            # rows of both kinds (or EGAG's logits): one q [B, K, V], one-hot on the copies (the same law as
+            # deterministic drafts: accept t with probability p(t), else draw from p without t)
+            out.q = one_hot_q(out.drafts, batch.vocab_size)
+            if mp.q is not None:
+                out.q[rows] = 0.0
+                out.q[rows, :mp.q.shape[1]] = mp.q
+            else:  # the model's drafts are deterministic too (a drafter of another vocabulary)
+                out.q[rows] = one_hot_q(out.drafts[rows], batch.vocab_size)
+        else:  # every row the model's (its q as it is) or every draft deterministic (None)
+            out.q = mp.q
+        if batch.keep_logits and mp.logits is not None:
+            out.logits = torch.zeros_like(out.q)
+            out.logits[rows, :mp.logits.shape[1]] = mp.logits
+        return out
         mp = self.model.propose(_sub_batch(batch, rest))
         out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
         out.model_rows, out.model_steps, out.first_s, out.steps_s = mp.model_rows, mp.model_steps, mp.first_s, mp.steps_s
