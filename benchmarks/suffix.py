@@ -19,12 +19,14 @@ plain, same KV cache" compares them with plain decoding with the prefix cache, t
 everywhere. The suffix tree and the prefix cache are emptied before every pass, so a pass learns from its own
 earlier inputs only, as a fresh agent loop would (passes repeat the same inputs: a tree kept across them would
 replay the answers, a prefix cache would hold the whole prompts). Greedy, the target at its served setting
-(REAL_MODEL_SETTINGS), interleaved (A B C D A B C D ...; pass 0 a warm-up, not recorded); per variant the median
-pass; tokens/s = generated tokens / pass time (prefill included); "by pass" is each pass's time over plain's in the
-same pass, median and quartiles (a pair of passes run back to back shares the machine's hour, so this ratio spreads
-less than the medians' ratio); one request at a time also the decode speed alone
-(tokens after the first / time after the first token: what speculation can change; the prompts' prefill is the same
-work in every variant at equal KV cache).
+(REAL_MODEL_SETTINGS), interleaved: one request at a time, the variants take each input in turn (A B C D, then D C
+B A for the next input), so that a variant's pass is the sum of its own requests and the host's slow minutes fall
+on every variant alike; 8 at a time, pass by pass (A B C D A B C D ...); pass 0 a warm-up, not recorded. Per
+variant the median pass; tokens/s = generated tokens / pass time (prefill included); "by pass" is each pass's time
+over plain's in the same pass, median and quartiles (it spreads less than the medians' ratio); one request at a
+time also the decode speed alone (tokens after the first / time after the first token: what speculation can change;
+the prompts' prefill is the same work in every variant at equal KV cache), with its per-pass ratios' median and
+quartiles.
 
 The ceiling (one request at a time): plain decoding's own outputs replayed through SuffixProposer.lookup in the
 loop's order (the tree as the engine's would hold it), priced with the suffix engine's measured verify costs
@@ -223,28 +225,44 @@ def run(a) -> dict:
             ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
             times = {n: [] for n in llms}
             tokens, drafted, accepted, decode_s, outputs = {}, {}, {}, {n: [] for n in llms}, None
+
+            def record(rep: int, name: str, outs: list, dt: float) -> None:
+                nonlocal outputs
+                if rep:
+                    times[name].append(dt)
+                    # after the first token (a lone request's intervals do not overlap; a batch's do)
+                    decode_s[name].append(sum(o.metrics["finish_time"] - o.metrics["first_token_time"] for o in outs))
+                if name == "plain":
+                    outputs = [list(o.token_ids) for o in outs]
+                tokens[name] = sum(len(o.token_ids) for o in outs)
+                drafted[name] = sum(o.num_draft_tokens for o in outs)
+                accepted[name] = sum(o.num_accepted_tokens for o in outs)
+
             for rep in range(a.repeats + 1):
-                for name, llm in llms.items():
+                for llm in llms.values():
                     proposer = llm.engine.decoder.proposer if llm.engine.decoder is not None else None
                     if hasattr(proposer, "clear"):
                         proposer.clear()  # a fresh agent loop: the tree learns from this pass's inputs only
                     llm.reset_prefix_cache()  # and the prefix cache too (a pass repeats the last pass's prompts)
-                    t0 = time.perf_counter()
-                    if conc == 1:
-                        outs = [llm.generate([x], params)[0] for x in ids]  # one request after another
-                    else:
+                if conc == 1:
+                    # one request after another, the variants interleaved request by request (the order reversed
+                    # every other input): each variant's pass is its own requests' time, and the variants of one
+                    # input run within a second or two of each other, so the host's slow minutes fall on all alike
+                    outs = {n: [] for n in llms}
+                    dt = dict.fromkeys(llms, 0.0)
+                    order = list(llms.items())
+                    for i, x in enumerate(ids):
+                        for name, llm in (order if i % 2 == 0 else order[::-1]):
+                            t0 = time.perf_counter()
+                            outs[name].append(llm.generate([x], params)[0])
+                            dt[name] += time.perf_counter() - t0
+                    for name in llms:
+                        record(rep, name, outs[name], dt[name])
+                else:
+                    for name, llm in llms.items():
+                        t0 = time.perf_counter()
                         outs = llm.generate(ids, params)  # all queued, 8 running at a time
-                    dt = time.perf_counter() - t0
-                    if rep:
-                        times[name].append(dt)
-                        # after the first token (a lone request's intervals do not overlap; a batch's do)
-                        decode_s[name].append(sum(o.metrics["finish_time"] - o.metrics["first_token_time"]
-                                                  for o in outs))
-                    if name == "plain":
-                        outputs = [list(o.token_ids) for o in outs]
-                    tokens[name] = sum(len(o.token_ids) for o in outs)
-                    drafted[name] = sum(o.num_draft_tokens for o in outs)
-                    accepted[name] = sum(o.num_accepted_tokens for o in outs)
+                        record(rep, name, outs, time.perf_counter() - t0)
             speed = {n: tokens[n] / statistics.median(times[n]) for n in llms}
             base = speed["plain"]
             # per pass: plain's time over the variant's, both in the same pass (speed ratio at equal tokens' worth)
@@ -262,6 +280,10 @@ def run(a) -> dict:
                     rows[wname][n]["decode_tokens_per_s"] = after_first[n]
                     rows[wname][n]["decode_over_plain"] = after_first[n] / after_first["plain"]
                     rows[wname][n]["decode_s"] = decode_s[n]
+                    # per pass: plain's decode time over the variant's, at equal tokens' worth
+                    rows[wname][n]["decode_by_pass"] = quartiles(sorted(
+                        dp / dn * (tokens[n] - len(ids)) / (tokens["plain"] - len(ids))
+                        for dp, dn in zip(decode_s["plain"], decode_s[n])))
                 if "suffix" in llms:  # the ceiling prices the suffix engine's own verify costs
                     costs = llms["suffix"].engine.decoder.spec_length.costs
                     k_max = llms["suffix"].engine.config.spec_length_max
@@ -298,6 +320,9 @@ def render(res: dict, tag: str = "suffix") -> None:
             for n, r in row.items():
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 dec = f"{r['decode_over_plain']:.2f}x" if "decode_over_plain" in r else "-"
+                if "decode_by_pass" in r:
+                    d = r["decode_by_pass"]
+                    dec += f" (by pass {d[1]:.2f}x, {d[0]:.2f}-{d[2]:.2f})"
                 same = f"{r['over_same_cache']:.2f}x" if "over_same_cache" in r else "-"
                 q = r.get("by_pass")
                 bp = f"{q[1]:.3f}x ({q[0]:.3f}-{q[2]:.3f})" if q else "-"
