@@ -24,7 +24,8 @@ its n-gram lookup (llama-lookup), plus llama-bench's token generation for each G
 (--llama-gguf: the fastest plain llama.cpp configuration). llama.cpp's times are its own (encode + decode).
 Speeds: end to end (prefill included) and the decode phase alone (first token to last; llama.cpp's "decoded"
 time), which is what llama-bench's tg measures.
-Writes benchmarks/results/drafters.json, the "drafters" section of docs/benchmarks.md and drafters.png.
+Writes benchmarks/results/<tag>.json, the "<tag>" section of docs/benchmarks.md and <tag>.png (``--tag``, default
+"drafters"; another machine's run keeps its own: ``--tag drafters-avx2``).
 """
 
 from __future__ import annotations
@@ -80,14 +81,16 @@ def main() -> None:
     ap.add_argument("--llama-gguf", type=Path, nargs="*", default=[],
                     help="more GGUF files of the target for llama-bench (e.g. its Q8_0; the shipped Q4_1 always)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--tag", default="drafters", help="results/<tag>.json, docs/benchmarks.md's <tag> section and "
+                    "results/<tag>.png")
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from the last results")
     a = ap.parse_args()
     if a.render:
         import json
 
-        res = json.loads((RESULTS / "drafters.json").read_text())
-        update_doc_section("drafters", render(res))
-        plot(res)
+        res = json.loads((RESULTS / f"{a.tag}.json").read_text())
+        update_doc_section(a.tag, render(res, a.tag))
+        plot(res, a.tag)
         return
     torch.manual_seed(0)
     path, drafters = real_model_path(), drafter_paths()
@@ -244,13 +247,13 @@ def main() -> None:
            "prompts": [{"kind": k, "source": p["source"]} for k, p in chosen], "new_tokens": a.new_tokens,
            "repeats": a.repeats, "results": results,
            "transformers_dtype": None if a.no_hf else "float32 (its fastest for this GGUF)"}
-    write_json("drafters", res)
-    update_doc_section("drafters", render(res))
-    plot(res)
-    print(render(res))
+    write_json(a.tag, res)
+    update_doc_section(a.tag, render(res, a.tag))
+    plot(res, a.tag)
+    print(render(res, a.tag))
 
 
-def render(res: dict) -> str:
+def render(res: dict, tag: str = "drafters") -> str:
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     llama = res.get("llama_cpp") or {}
     md = ["## SmolLM2-135M-Instruct with trained drafters (issues 16, 33)", "",
@@ -295,7 +298,7 @@ def render(res: dict) -> str:
     if tg:
         md += ["llama.cpp plain decoding, `llama-bench -p 0 -n N` (tg): " + ", ".join(
             f"{name} {v:.1f} tok/s" for name, v in tg.items()) + ".", ""]
-    md.append("![drafters](../benchmarks/results/drafters.png)")
+    md.append(f"![{tag}](../benchmarks/results/{tag}.png)")
     return "\n".join(md)
 
 
@@ -308,7 +311,7 @@ def _hf_version() -> str:
         return "(not installed)"
 
 
-def plot(res: dict) -> None:
+def plot(res: dict, tag: str = "drafters") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,7 +330,7 @@ def plot(res: dict) -> None:
         ax.set_xlabel("tokens/s vs ours AR (same dtype and quantization)")
         ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(RESULTS / "drafters.png", dpi=110)
+    fig.savefig(RESULTS / f"{tag}.png", dpi=110)
 
 
 if __name__ == "__main__":
