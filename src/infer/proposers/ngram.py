@@ -191,19 +191,3 @@ class HybridProposer(Proposer):
             out.logits = torch.zeros_like(out.q)
             out.logits[rows, :mp.logits.shape[1]] = mp.logits
         return out
-        mp = self.model.propose(_sub_batch(batch, rest))
-        out.catch_up, out.catch_up_tokens, out.catch_up_s = mp.catch_up, mp.catch_up_tokens, mp.catch_up_s
-        out.model_rows, out.model_steps, out.first_s, out.steps_s = mp.model_rows, mp.model_steps, mp.first_s, mp.steps_s
-        rows = torch.tensor(rest, device=batch.device)
-        out.drafts[rows, :mp.drafts.shape[1]] = mp.drafts
-        for i, b in enumerate(rest):
-            out.num_draft[b] = mp.num_draft[i]
-        if mp.q is not None:
-            out.q[rows] = 0.0
-            out.q[rows, :mp.q.shape[1]] = mp.q
-        elif out.q is not None:  # the model's drafts are deterministic too (a drafter of another vocabulary)
-            out.q[rows] = one_hot_q(out.drafts[rows], batch.vocab_size)
-        if batch.keep_logits and mp.logits is not None:
-            out.logits = torch.zeros_like(out.q)
-            out.logits[rows, :mp.logits.shape[1]] = mp.logits
-        return out
