@@ -290,6 +290,27 @@ def test_confident_free_drafts_are_priced_by_their_confidence_as_calibrated():
     assert policy.calibration(0.55) < 0.55
 
 
+def test_confidence_groups_are_calibrated_apart():
+    """Confidences in different groups (Proposer.confidence_group: a suffix tree's short and long matches) learn
+    their acceptance apart: the same 0.95 from a group whose drafts keep failing is priced short, from a group whose
+    drafts hold it is priced long."""
+    costs = CostModel.from_points(1, 8, {(1, 1): 1.0, (1, 9): 2.6}, {})  # a verify costs 1 + 0.2 per draft
+    policy = GoodputSpecLength(8, costs)
+    short, long_ = _req([1, 2]), _req([3, 4])
+    policy.free = lambda req, k: min(k, 8)
+    policy.confidence = lambda req, k: [0.95] * k
+    policy.group = lambda req, k: 0 if req is short else 3
+    assert policy.choose([short], [8]) == policy.choose([long_], [8]) == [8]  # one prior for both
+    for _ in range(60):  # short matches' drafts: the first right, the second wrong; long ones: all right
+        policy.choose([short], [8])
+        policy.observe(short, 8, 1, free=True)
+        policy.choose([long_], [8])
+        policy.observe(long_, 8, 8, free=True)
+    assert set(policy.calibrations) == {0, 3} and policy.calibration is policy.calibrations[0]
+    assert policy.calibrations[0](0.95) < 0.6 < 0.95 < policy.calibrations[3](0.95) + 0.01
+    assert policy.choose([short], [8])[0] < 8 and policy.choose([long_], [8]) == [8]
+
+
 def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
     """Through the engine: the hybrid's model steps priced at 1000 s, n-gram copies still drafted and accepted, the
     output the plain one."""

@@ -126,6 +126,10 @@ def test_confidence_is_each_draft_given_the_ones_before_and_the_priced_drafts_ar
     assert p.free_drafts(r, 3) == 3 and p.lookup(r, 3) == [5, 6, 7]
     assert p.draft_confidence(r, 3) == pytest.approx([1.0, 3 / 4, 2 / 3])  # 4 of 4, then 3 of 4, then 2 of 3
     assert p.draft_confidence(r, 2) == pytest.approx([1.0, 3 / 4])
+    assert p.confidence_group(r, 3) == 2  # the drafts continue a match of 3 tokens (1, 2, 3): groups 0-3 for 1-4+
+    one = _req([40, 41, 3])  # only its last token, 3, occurred before
+    assert p.lookup(one, 1) == [5] and p.confidence_group(one, 1) == 0
+    assert p.confidence_group(_req([40, 41, 42]), 2) == 0  # no match, no drafts
     for _ in range(2):  # text that changes the draft, entering the tree mid-round (other rows')
         p.lookup(_req([1, 2, 3, 5, 6, 8, 8]), 1)
     assert p.lookup(_req([40, 1, 2, 3]), 3) == [5, 6, 8]

@@ -105,6 +105,12 @@ class Proposer(ABC):
         which one acceptance rate per row cannot tell)."""
         return None
 
+    def confidence_group(self, req: Request, k: int) -> int:
+        """Which group the confidences of ``draft_confidence(req, k)`` belong to: auto K calibrates each group apart
+        (the same probability may mean more from one kind of evidence than another: a suffix tree's long match
+        against a one-token one). A small int; 0 where the proposer does not tell its confidences apart."""
+        return 0
+
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two
         (a draft model's lazy prefill of the prompt, or of the text decoded while the row sat at K = 0): a one-time

@@ -112,7 +112,8 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         costs = costs or cache.get(key) or store.load()
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
         decoder.spec_length.pending, decoder.spec_length.free = proposer.pending, proposer.free_drafts
-        decoder.spec_length.confidence = proposer.draft_confidence
+        decoder.spec_length.confidence, decoder.spec_length.group = proposer.draft_confidence, \
+            proposer.confidence_group
 
         def profile_now() -> None:
             with progress.stage("profiling what a speculative round costs (first start with these settings)"):

@@ -36,7 +36,9 @@ the acceptance measured for drafts of that probability (``Calibration``: ten bin
 from every judged draft, starting from the bin's own probability). Copies inside a long repeated template are
 priced as the long runs they are, and a draft that trails off into a rare branch is cut where it stops paying
 (replayed on the JSON loop of benchmarks/suffix.py: 2.21x -> 2.26x over plain at K up to 8, code edit 1.66x ->
-1.71x, against one rate per row).
+1.71x, against one rate per row). The proposer may also file its drafts in groups calibrated apart
+(``Proposer.confidence_group``: a suffix tree's matched context, 1, 2, 3 or 4+ tokens: a share of the counts after
+a one-token match says less than the same share after a long one; replayed figures in proposers/suffix.py).
 
 Exploration. The price of a draft step is only measured by rounds that draft; a price set too high (a stall while
 it was measured, a profile stored on a busy machine) would keep every row at k = 0 for good. After EXPLORE_EVERY
@@ -68,7 +70,7 @@ EXPLORE_MAX = 1024  # doubled after each exploration up to this; reset when a ro
 class Calibration:
     """The acceptance of a draft the proposer gave probability p (given the drafts before it), by bin of p: each bin
     an acceptance rate, counts decayed by ``decay`` per judged draft, starting as the bin's centre worth ``weight``
-    drafts (a fresh engine trusts the proposer's counts until drafts are judged)."""
+    drafts (a fresh engine trusts the proposer's counts until drafts are judged). One per confidence group."""
 
     def __init__(self, bins: int = 10, weight: float = 4.0, decay: float = 0.995):
         self.bins, self.decay = bins, decay
@@ -161,6 +163,7 @@ class _Acceptance:
     rounds_at_zero: int = 0
     probe_every: int = PROBE_EVERY
     confidence: list[float] | None = None  # this round's free drafts' confidences, if the proposer gave them
+    group: int = 0  # and their confidence group (Proposer.confidence_group)
 
 
 class GoodputSpecLength:
@@ -177,7 +180,9 @@ class GoodputSpecLength:
         self.global_free_accepted, self.global_free_judged = 6.0, 10.0  # the same prior for free drafts
         self.free = lambda req, k: None  # the proposer's Proposer.free_drafts
         self.confidence = lambda req, k: None  # the proposer's Proposer.draft_confidence
-        self.calibration = Calibration()
+        self.group = lambda req, k: 0  # the proposer's Proposer.confidence_group
+        self.calibration = Calibration()  # group 0's
+        self.calibrations = {0: self.calibration}  # confidence group -> its Calibration
         # rounds since a model draft step was last timed, and after how many an exploration round drafts anyway
         self.unpriced, self.explore_every = 0, EXPLORE_EVERY
         self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
@@ -189,6 +194,12 @@ class GoodputSpecLength:
         # seconds a step spends outside the timed forwards (sampling set-up, verification, rollback, emission), per
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
+
+    def _calibration(self, group: int) -> Calibration:
+        cal = self.calibrations.get(group)
+        if cal is None:
+            cal = self.calibrations[group] = Calibration()
+        return cal
 
     def alpha(self, req, free: bool = False) -> float:
         s = self.state.get(req) or _Acceptance()
@@ -252,7 +263,8 @@ class GoodputSpecLength:
         is_free = [f is not None for f in free]
         alphas = [self.alpha(r, f) for r, f in zip(reqs, is_free)]
         confidence = [self.confidence(r, c) if f else None for r, c, f in zip(reqs, caps, free)]
-        curves = [None if p is None else self.calibration.curve(p, self.k_max) for p in confidence]
+        groups = [0 if p is None else self.group(r, c) for r, c, p in zip(reqs, caps, confidence)]
+        curves = [None if p is None else self._calibration(g).curve(p, self.k_max) for p, g in zip(confidence, groups)]
         setup = [(0.0 if f else self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids))
                  for r, f in zip(reqs, is_free)]
         if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
@@ -272,7 +284,7 @@ class GoodputSpecLength:
         probe_pays = None  # whether a probe could pay at all at this batch size (asked once, when a probe is due)
         for b, r in enumerate(reqs):
             s = self.state.setdefault(r, _Acceptance())
-            s.confidence = confidence[b]
+            s.confidence, s.group = confidence[b], groups[b]
             if ks[b] == 0 and caps[b] > 0:
                 s.rounds_at_zero += 1
                 if s.rounds_at_zero >= s.probe_every:
@@ -307,8 +319,9 @@ class GoodputSpecLength:
         s = self.state.setdefault(req, _Acceptance())
         judged = min(n + 1, k)
         if free and s.confidence is not None:  # drafts 0..judged-1 were judged: all accepted but a rejected last
+            cal = self._calibration(s.group)
             for j, p in enumerate(s.confidence[:judged]):
-                self.calibration.observe(p, j < n)
+                cal.observe(p, j < n)
         if free:
             s.free_accepted, s.free_judged = DECAY * s.free_accepted + n, DECAY * s.free_judged + judged
             self.global_free_accepted = 0.99 * self.global_free_accepted + n
