@@ -16,7 +16,7 @@ match shorter than ``min_match`` tokens drafts nothing. Auto K prices the drafts
 learnt them to hold (spec_decode.spec_length, "Confident free drafts"), apart for matches of 1, 2, 3 and 4+ tokens:
 in a replay of plain decoding's outputs this chose K better than one calibration for all (the JSON loop 1.950x ->
 1.972x over plain, code edit 1.556x -> 1.570x, held-out chat 1.186x -> 1.202x, code 1.501x -> 1.562x), and the
-engines read 1.000-1.024x a pass (benchmarks/suffix_calibration.py, docs/benchmarks.md).
+engines read 1.000-1.033x a pass (benchmarks/suffix_calibration.py, docs/benchmarks.md).
 
 The defaults (a one-token match drafts, at most as many tokens as the match is long, while the continuation's
 probability stays >= 0.3) come from replaying plain decoding's outputs through the tree and pricing each round with
