@@ -15,9 +15,8 @@ sum of its prefixes' probabilities; SuffixDecoding's and arctic-inference's rule
 match shorter than ``min_match`` tokens drafts nothing. Auto K prices the drafts by these probabilities as it has
 learnt them to hold (spec_decode.spec_length, "Confident free drafts"), apart for matches of 1, 2, 3 and 4+ tokens:
 in a replay of plain decoding's outputs this chose K better than one calibration for all (the JSON loop 1.950x ->
-1.972x over plain, code edit 1.556x -> 1.570x, the chat control 1.183x -> 1.200x; held-out code
-1.501x -> 1.562x in a replay apart), and the
-engines read 1.000-1.033x a pass (benchmarks/suffix_calibration.py, docs/benchmarks.md).
+1.972x over plain, code edit 1.556x -> 1.570x, the chat control 1.183x -> 1.200x; held-out code 1.501x -> 1.562x
+in a replay apart), and the engines read 1.000-1.033x a pass (benchmarks/suffix_calibration.py, docs/benchmarks.md).
 
 The defaults (a one-token match drafts, at most as many tokens as the match is long, while the continuation's
 probability stays >= 0.3) come from replaying plain decoding's outputs through the tree and pricing each round with
