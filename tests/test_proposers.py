@@ -195,6 +195,35 @@ def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair
     assert [a.output_ids, b.output_ids] == [o.token_ids for o in plain]
 
 
+def test_a_draft_price_a_stall_set_falls_to_the_first_fast_measurement():
+    """A profile taken while the machine was busy (another engine compiling) priced a draft step 400x its cost; an
+    EMA from there needed ~30 drafting rounds, which a priced-out drafter only gets from rare explorations: a
+    measurement under half the price replaces it, one above moves it by the usual EMA (at most to twice the price)."""
+    c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.365})
+    c.refresh_draft(1, 0.0008, 0.0008)
+    assert c.draft_first[1] == c.draft[1] == pytest.approx(0.0008)
+    c.refresh_draft(1, 0.001, 0.1)  # slower: an EMA step each, the stall's sample capped at twice the price
+    assert c.draft_first[1] == pytest.approx(0.0008 + 0.2 * 0.0002)
+    assert c.draft[1] == pytest.approx(0.0008 + 0.2 * 0.0008)
+    c.refresh_catch_up(10, 10 * 0.5)
+    c.refresh_catch_up(10, 10 * 0.01)
+    assert c.catch_up == pytest.approx(0.01)
+
+
+def test_a_profile_point_above_a_wider_or_larger_one_is_cut_to_it():
+    """Profiling's best-of-N still read a 1-token forward of the demo pair at 7.5 ms and a 2-token one at 3.6 (the
+    machine busy at that moment): more tokens or rows never cost less, so such a point takes its wider neighbour's."""
+    from infer.spec_decode.cost_model import profile_costs
+
+    def run_verify(b, t):  # 3 + 0.5 t a row, but one row's 1-token forward slowed to 7.5 and 4-token one to 11
+        return {(1, 1): 7.5, (1, 4): 11.0}.get((b, t), b * (3.0 + 0.5 * t))
+
+    c = profile_costs(run_verify, lambda b: 0.1, profile_batch=2, k_max=3, max_batch=2, repeats=1)
+    assert c.verify[1][4] == pytest.approx(10.0)  # cut to 2 rows' 4-token forward
+    assert c.verify[1][2] == pytest.approx(4.0) and c.verify[1][1] == pytest.approx(4.0)  # cut to 2 tokens'
+    assert [c.verify[2][t] for t in (1, 2, 4)] == pytest.approx([7.0, 8.0, 10.0])  # untouched
+
+
 def test_a_round_first_draft_step_is_priced_apart_from_the_later_ones():
     """The trap it fixes: rounds of k = 1-2, whose first step carries the round's set-up, priced every step at the
     first's cost, and auto K stopped drafting on a drafter that pays at k = 4."""

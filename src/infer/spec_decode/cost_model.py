@@ -109,11 +109,16 @@ class CostModel:
         return self.draft_first[b] + (k - 1) * self.draft[b]
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
-    # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own.
+    # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own. For the
+    # same reason a sample under 1 / OUTLIER of the price replaces it: the price was a stall's (a profile taken while
+    # another engine compiled priced the demo pair's draft step at 365 ms against 0.8; an EMA from there took ~30
+    # exploration rounds, which come ever more rarely, and the engine never drafted again).
     OUTLIER = 2.0
 
     def _update(self, old: float, seconds: float) -> float:
-        return old + self.ema * (min(seconds, self.OUTLIER * old) - old) if old > 0 else seconds
+        if old <= 0 or seconds * self.OUTLIER < old:
+            return seconds
+        return old + self.ema * (min(seconds, self.OUTLIER * old) - old)
 
     def refresh_verify(self, B: int, T: int, seconds: float) -> None:
         """One target forward over B x T tokens took ``seconds``: add it to B's line (at most OUTLIER x its price)."""
@@ -154,6 +159,14 @@ def profile_costs(run_verify, run_draft, profile_batch: int, k_max: int, max_bat
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= profile_batch} | {profile_batch})
     tokens = profile_widths(k_max)
     verify = {(b, t): min(run_verify(b, t) for _ in range(repeats)) for b in batches for t in tokens}
+    # more tokens never cost less: a point above a wider one's (or a larger batch's) was slowed by something else
+    # (a profile of the demo pair read a 1-token forward at 7.5 ms and a 2-token one at 3.6)
+    for j in range(len(batches) - 1, -1, -1):
+        for i in range(len(tokens) - 1, -1, -1):
+            b, t = batches[j], tokens[i]
+            wider = [verify[b, tokens[i + 1]]] if i + 1 < len(tokens) else []
+            larger = [verify[batches[j + 1], t]] if j + 1 < len(batches) else []
+            verify[b, t] = min([verify[b, t], *wider, *larger])
     draft = {b: min(run_draft(b) for _ in range(repeats)) for b in batches} if run_draft is not None else {}
     return CostModel.from_points(max_batch, k_max, verify, draft)
 

@@ -29,7 +29,7 @@ import torch
 from ..cachedir import cache_dir, write_atomic
 from .cost_model import CostModel
 
-FORMAT = 3  # bumped when the file's layout or the meaning of its numbers changes
+FORMAT = 4  # bumped when the file's layout or the meaning of its numbers changes (4: verify points cut, profile_costs)
 
 
 def default_dir() -> Path:
