@@ -56,6 +56,7 @@ from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
 from infer.proposers.suffix import SuffixProposer  # noqa: E402
+from infer.spec_decode.spec_length import MARGIN, Calibration  # noqa: E402
 
 FUNCTIONS = [
     "def area(w, h):\n    return w * h",
@@ -169,26 +170,50 @@ class _Replayed:
         return (self.prompt_ids + self.output_ids)[start:end]
 
 
-def ceiling(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int) -> dict:
-    """Decode speed over plain predicted for the suffix tree's drafts on these outputs (module docstring). ``v(k)``:
-    a verify of k drafts in decode steps (v(0) = 1)."""
-    prop, cost, acc, drafted = SuffixProposer(), {"suffix": 0.0, "oracle": 0.0}, 0, 0
-    tokens = sum(len(o) for o in outputs)
+def replay(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int, rule: str) -> dict:
+    """Plain decoding's outputs replayed through a fresh SuffixProposer in the loop's order, each round's K by
+    ``rule`` and priced with ``v(k)`` (a verify of k drafts in decode steps, v(0) = 1) -> {"speed": the decode speed
+    over plain predicted, "accepted", "drafted": drafts in all}. Rules: "K 8" (whatever the tree offers up to
+    k_max), "oracle K" (each draft cut to its accepted prefix), "one calibration" / "groups" (auto K's choice for a
+    lone request: the row's expected tokens over the verify's cost, k = 0 unless a draft beats plain decoding by
+    spec_length.MARGIN, a fresh calibration learning from what was judged; "groups": one per match-length group, as
+    the engine, Proposer.confidence_group)."""
+    prop, cals, cost, acc, drafted = SuffixProposer(), {}, 0.0, 0, 0
     for prompt, out in zip(prompts, outputs):
         req, i = _Replayed(prompt), 0
         while i < len(out):
-            d = prop.lookup(req, k_max)
+            d, conf = prop.lookup(req, k_max), prop.draft_confidence(req, k_max)
             a = next((j for j, (x, y) in enumerate(zip(d, out[i:])) if x != y), min(len(d), len(out) - i))
-            cost["suffix"] += v(len(d))
-            cost["oracle"] += v(a)
-            acc, drafted = acc + a, drafted + len(d)
-            n = min(a + 1, len(out) - i)  # the accepted drafts and the target's own token
+            if rule == "K 8":
+                k = len(d)
+            elif rule == "oracle K":
+                k = a
+            else:
+                cal = cals.setdefault(prop.confidence_group(req, k_max) if rule == "groups" else 0, Calibration())
+                best, k, e = (1.0 + MARGIN) / v(0), 0, cal.curve(conf, len(conf))
+                for j in range(1, len(conf) + 1):
+                    if e[j] / v(j) > best:
+                        best, k = e[j] / v(j), j
+                for j in range(min(a + 1, k)):  # what the target judged: drafts up to the first rejection
+                    cal.observe(conf[j], j < a)
+            cost += v(k)
+            acc, drafted = acc + min(a, k), drafted + k
+            n = min(min(a, k) + 1, len(out) - i)  # the accepted drafts and the target's own token
             req.output_ids += out[i:i + n]
             i += n
         prop.finished(req)
+    return {"speed": sum(len(o) for o in outputs) / cost, "accepted": acc, "drafted": drafted}
+
+
+def ceiling(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int) -> dict:
+    """Decode speed over plain predicted for the suffix tree's drafts on these outputs (module docstring). ``v(k)``:
+    a verify of k drafts in decode steps (v(0) = 1)."""
+    every = replay(prompts, outputs, v, k_max, "K 8")
     best = max((k + 1) / v(k) for k in range(k_max + 1))
-    return {"suffix, K %d" % k_max: tokens / cost["suffix"], "suffix, oracle K": tokens / cost["oracle"],
-            "every draft right": best, "acceptance at K %d" % k_max: acc / drafted if drafted else None}
+    return {"suffix, K %d" % k_max: every["speed"],
+            "suffix, oracle K": replay(prompts, outputs, v, k_max, "oracle K")["speed"],
+            "every draft right": best,
+            "acceptance at K %d" % k_max: every["accepted"] / every["drafted"] if every["drafted"] else None}
 
 
 def quartiles(xs: list[float]) -> list[float]:

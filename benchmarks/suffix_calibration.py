@@ -16,11 +16,10 @@ Workloads: benchmarks/suffix.py's loops, and "chat": its control, 12 held-out ch
   order reversed every other input); each pass empties both trees first (as benchmarks/suffix.py). Per pass, each
   suffix engine's decode speed (tokens after the first / time after the first token) over plain's, and whether the
   three engines' tokens were the same (drafts are proposals: they must be).
-- **replay**: plain decoding's outputs from the same run replayed through a fresh SuffixProposer in the loop's order,
-  each round's K chosen as auto K chooses it for a lone request (the row's expected tokens over the verify's cost,
-  k = 0 unless a draft beats plain decoding by spec_length.MARGIN; a fresh calibration learning from the drafts it
-  judged), priced with the suffix engine's measured verify costs: "K 8" (whatever the tree offers), one calibration,
-  groups, and the oracle K (each draft cut to its accepted prefix). Deterministic: no timing noise.
+- **replay** (suffix.replay): plain decoding's outputs from the same run replayed through a fresh SuffixProposer in
+  the loop's order, each round's K chosen as auto K chooses it for a lone request, priced with the suffix engine's
+  measured verify costs: "K 8" (whatever the tree offers), one calibration, groups, and the oracle K (each draft cut
+  to its accepted prefix). Deterministic: no timing noise.
 
 Writes benchmarks/results/suffix_calibration.json (a run replaces its workloads' entries and keeps the others') and
 the "suffix-calibration" section of docs/benchmarks.md.
@@ -35,44 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
-from suffix import WORKLOADS, _Replayed, quartiles  # noqa: E402
+from suffix import WORKLOADS, quartiles, replay  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
-from infer.proposers.suffix import SuffixProposer  # noqa: E402
-from infer.spec_decode.spec_length import MARGIN, Calibration  # noqa: E402
 
 SIDES = ("groups", "one calibration")
-
-
-def replay(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int, rule: str) -> float:
-    """Decode speed over plain predicted for one K rule (module docstring) on plain decoding's outputs."""
-    prop, cals, cost = SuffixProposer(), {}, 0.0
-    for prompt, out in zip(prompts, outputs):
-        req, i = _Replayed(prompt), 0
-        while i < len(out):
-            d, conf = prop.lookup(req, k_max), prop.draft_confidence(req, k_max)
-            a = next((j for j, (x, y) in enumerate(zip(d, out[i:])) if x != y), min(len(d), len(out) - i))
-            if rule == "K 8":
-                k = len(d)
-            elif rule == "oracle K":
-                k = a
-            else:
-                group = prop.confidence_group(req, k_max) if rule == "groups" else 0
-                cal = cals.setdefault(group, Calibration())
-                best, k, e = (1.0 + MARGIN) / v(0), 0, cal.curve(conf, len(conf))
-                for j in range(1, len(conf) + 1):
-                    if e[j] / v(j) > best:
-                        best, k = e[j] / v(j), j
-                for j in range(min(a + 1, k)):  # what the target judged: drafts up to the first rejection
-                    cal.observe(conf[j], j < a)
-            cost += v(k)
-            n = min(min(a, k) + 1, len(out) - i)  # the accepted drafts and the target's own token
-            req.output_ids += out[i:i + n]
-            i += n
-        prop.finished(req)
-    return sum(len(o) for o in outputs) / cost
 
 
 def run(a) -> dict:
@@ -116,7 +84,7 @@ def run(a) -> dict:
             "machine": res["machine"], "inputs": len(ids), "decode_over_plain": over, "same_outputs": same,
             "plain_step_ms": plain_ms,
             "groups_over_one": [g / o for g, o in zip(over["groups"], over["one calibration"])],
-            "replay": {r: replay(ids, outs["plain"], v, k_max, r)
+            "replay": {r: replay(ids, outs["plain"], v, k_max, r)["speed"]
                        for r in ("K 8", "one calibration", "groups", "oracle K")},
             "verify": [v(k) for k in range(k_max + 1)]}
     for llm in llms.values():
