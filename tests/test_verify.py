@@ -212,3 +212,25 @@ def test_float64_uniforms_take_the_kernel_too():
         torch.set_default_dtype(old)
     accepted = sum(int(o[0, 0] == 1 and o[0, 1] >= 0) for o in outs)
     assert 100 < accepted < 180  # accepted with probability p(1) = 0.7
+
+
+def test_greedy_accept_on_the_host_agrees_with_greedy_verify():
+    """The round's greedy path compares on the host (greedy_accept): the same accepted counts, output tokens and
+    bonus flags as the batched tensor rule, over random drafts that agree with the argmax for a random prefix, rows
+    of fewer drafts (padding that happens to match included) and rows of none."""
+    from infer.spec_decode.verify import greedy_accept
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B, K = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        top = torch.randint(0, 4, (B, K + 1), generator=g)  # a small vocabulary: chance matches past a miss
+        drafts = top[:, :K].clone()
+        miss = torch.rand(B, K, generator=g) < 0.3
+        drafts[miss] = (drafts[miss] + 1) % 4
+        nd = torch.randint(0, K + 1, (B,), generator=g)
+        ref = greedy_verify(drafts, top, nd)
+        n, out, bonus = greedy_accept(drafts.tolist(), nd.tolist(), top.tolist())
+        assert n == ref.num_accepted.tolist()
+        assert bonus == ref.is_bonus.tolist()
+        assert out == [row[:m + 1] for row, m in zip(ref.output_tokens.tolist(), n)]
+        assert all(PAD not in row for row in out)

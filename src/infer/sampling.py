@@ -191,7 +191,7 @@ def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tens
         thresh = batch.min_p[:, None] * probs.max(-1, keepdim=True).values
         probs = torch.where(probs < thresh, 0.0, probs)
         probs = probs / probs.sum(-1, keepdim=True)
-    if batch.greedy.any():
+    if any(r.greedy for r in batch.rows) if batch.rows else batch.greedy.any():  # the host's flags: no sync
         probs = torch.where(batch.greedy[:, None], _one_hot_argmax(logits), probs)
     return probs
 

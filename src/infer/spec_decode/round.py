@@ -10,7 +10,8 @@ last token g_b is unfed):
            has left: K_b <= max_tokens left - 1 and L_b + K_b <= max_seq_len. All K_b = 0: a plain decode step.
   propose  the proposer's drafts t_b1 .. t_bn_b, n_b <= K_b, with q [B, K, V] or None (deterministic drafts)
   verify   one target forward over [g_b, t_b1 .. t_bn_b], padded to [B, K+1], at positions L_b - 1 ..  -> p
-  accept   verify() (pure, batched): a_b accepted drafts + one recovered or bonus token per row
+  accept   verify() (pure, batched; a greedy batch: greedy_accept on the host, where the drafts and the argmax
+           already are): a_b accepted drafts + one recovered or bonus token per row
   rollback the KV manager truncates the target to L_b + a_b and the drafter to at most that (lengths only)
   emit     tokens one by one through Request.append: stop conditions act on accepted tokens only
 
@@ -33,7 +34,7 @@ from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
 from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
-from .verify import greedy_verify, verify
+from .verify import greedy_accept, verify
 
 
 # spec_tree="auto": the shape a lone request gets without a cost model, and the lookahead "auto" reserves
@@ -167,14 +168,12 @@ class SpeculativeDecoder:
         if grammar is not None:  # p' = the target restricted to what the grammar allows, at each position
             grammar.apply(reqs, logits)
             grammar.release()  # the matchers follow the emitted tokens from here (Request.append)
-        nd_t = torch.tensor(nd, device=dev)
-        if fast_greedy:
-            top = argmax(logits)  # [B, K+1]
-            res = greedy_verify(drafts, top, nd_t)
-            valid = torch.arange(K, device=dev)[None, :] < nd_t[:, None]
-            res.expected_accept = (top[:, :K] == drafts).float().masked_fill(~valid, float("nan"))
-            res.p_draft, res.q_draft = res.expected_accept, torch.ones_like(res.expected_accept)
+        if fast_greedy:  # the drafts and the target's argmax meet on the host (verify.greedy_accept)
+            top = argmax(logits).tolist()  # [B][K+1]: the round's one host sync
+            n_acc, out_tokens, is_bonus = greedy_accept(host, nd, top)
+            res = None
         else:
+            nd_t = torch.tensor(nd, device=dev)
             p_seen = None
             if seen is not None:  # position j sees the context plus t_1 .. t_j
                 grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
@@ -182,7 +181,8 @@ class SpeculativeDecoder:
             p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
             res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance,
                          diagnostics=self.on_round is not None)  # E[accept] etc.: the debug view's alone
-        n_acc, out_tokens = res.num_accepted.tolist(), res.output_tokens.tolist()  # the round's one host sync
+            # the round's one host sync
+            n_acc, out_tokens, is_bonus = res.num_accepted.tolist(), res.output_tokens.tolist(), res.is_bonus.tolist()
         t2 = time.perf_counter()
         self.spec_length.timed(B, K + 1, t2 - t1)
         # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that brought more than
@@ -200,14 +200,17 @@ class SpeculativeDecoder:
             k, n = nd[b], n_acc[b]
             # keep g and the n accepted drafts; token j was judged by the target's p_j
             emitted = self.settle(r, lens[b], k, n, out_tokens[b], hidden[b, :n + 1], logits[b], range(n + 1),
-                                  res.is_bonus[b], outputs)
+                                  is_bonus[b], outputs)
             h = self.spec_length.observe(r, k, n, None if prop.logits is None or b in forced else prop.logits[b, :k],
                                          free=bool(prop.free and prop.free[b]))
             if k and self.on_round is not None:
-                rec = RoundRecord(k, host[b][:k], n, emitted, bool(res.is_bonus[b]),
-                                  res.expected_accept[b, :k].tolist(), h_norm=h)
+                # greedy: p(t_j) is 1 where the argmax is the draft, else 0, and a draft's q is 1
+                expected = [float(top[b][j] == host[b][j]) for j in range(k)] if res is None else \
+                    res.expected_accept[b, :k].tolist()
+                rec = RoundRecord(k, host[b][:k], n, emitted, is_bonus[b], expected, h_norm=h)
                 if n < k:
-                    rec.p_rejected, rec.q_rejected = float(res.p_draft[b, n]), float(res.q_draft[b, n])
+                    rec.p_rejected, rec.q_rejected = (expected[n], 1.0) if res is None else \
+                        (float(res.p_draft[b, n]), float(res.q_draft[b, n]))
                 self.on_round(rec, r)
         if usual:  # a lazy prefill's round says nothing about a round's bookkeeping
             self.spec_length.round_overhead(B, True, time.perf_counter() - t_in - forwards_s)
