@@ -170,15 +170,15 @@ class _Replayed:
         return (self.prompt_ids + self.output_ids)[start:end]
 
 
-def replay(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int, rule: str) -> dict:
+def replay(prompts: list[list[int]], outputs: list[list[int]], v, k_max: int, rule: str, make=None) -> dict:
     """Plain decoding's outputs replayed through a fresh SuffixProposer in the loop's order, each round's K by
     ``rule`` and priced with ``v(k)`` (a verify of k drafts in decode steps, v(0) = 1) -> {"speed": the decode speed
     over plain predicted, "accepted", "drafted": drafts in all}. Rules: "K 8" (whatever the tree offers up to
     k_max), "oracle K" (each draft cut to its accepted prefix), "one calibration" / "groups" (auto K's choice for a
     lone request: the row's expected tokens over the verify's cost, k = 0 unless a draft beats plain decoding by
     spec_length.MARGIN, a fresh calibration learning from what was judged; "groups": one per match-length group, as
-    the engine, Proposer.confidence_group)."""
-    prop, cals, cost, acc, drafted = SuffixProposer(), {}, 0.0, 0, 0
+    the engine, Proposer.confidence_group). ``make``: the proposer replayed (default: SuffixProposer's defaults)."""
+    prop, cals, cost, acc, drafted = (make or SuffixProposer)(), {}, 0.0, 0, 0
     for prompt, out in zip(prompts, outputs):
         req, i = _Replayed(prompt), 0
         while i < len(out):

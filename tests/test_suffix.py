@@ -10,7 +10,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig
 from infer.generate import autoregressive_generate
-from infer.proposers.suffix import SuffixProposer, suffix_tree_module
+from infer.proposers.suffix import MATCH_GROUPS, SuffixProposer, suffix_tree_module
 from infer.request import Request
 from infer.sampling import SamplingParams
 from infer.testing import random_llama
@@ -137,6 +137,31 @@ def test_confidence_is_each_draft_given_the_ones_before_and_the_priced_drafts_ar
     r.append(5)
     assert p.lookup(r, 2)[0] == 6  # a new length: a new lookup
 
+
+
+def test_a_requests_own_tree_drafts_what_its_own_text_holds():
+    """The shared tree weighs a continuation among every request's; the request's own tree among its own text alone.
+    After 7 8 six earlier requests wrote six different values (1/7 each in the shared tree: under min_prob, no draft)
+    and this request wrote 50 51 once: its own tree drafts that, up to own_length_factor x the match's 2 tokens, in
+    groups of their own (4-7), and forgets it when the request finishes."""
+    p = SuffixProposer(max_depth=8, min_prob=0.3, length_factor=1.0, own_length_factor=2.0)
+    for i in range(6):
+        r = _req([7, 8, 100 + i, 9])
+        p.lookup(r, 1)
+        p.finished(r)
+    r = _req([1, 2, 7, 8, 50, 51, 9, 3, 7, 8])
+    assert p.lookup(r, 6) == [50, 51, 9, 3] and p.draft_confidence(r, 6) == pytest.approx([1.0] * 4)
+    assert p.confidence_group(r, 6) == MATCH_GROUPS + 1  # a match of 2 tokens, in the request's own tree
+    p.finished(r)
+    assert r not in p._own
+    shared = SuffixProposer(max_depth=8, min_prob=0.3, length_factor=1.0, own_length_factor=None)
+    for i in range(6):
+        q = _req([7, 8, 100 + i, 9])
+        shared.lookup(q, 1)
+        shared.finished(q)
+    assert shared.lookup(_req([1, 2, 7, 8, 50, 51, 9, 3, 7, 8]), 6) == []
+    with pytest.raises(ValueError, match="own_length_factor"):
+        SuffixProposer(own_length_factor=0)
 
 # -- losslessness through the engine ------------------------------------------------------------------------------
 def _engine(target, **cfg):

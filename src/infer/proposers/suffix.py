@@ -2,7 +2,8 @@
 are the peers): drafts from a suffix tree over the prompts and outputs of this engine's earlier requests and of the
 running ones, the request's own context included. No model: a lookup costs microseconds.
 
-    SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.3, length_factor=1.0, min_match=1)
+    SuffixProposer(max_depth=24, max_tokens=1_000_000, min_prob=0.3, length_factor=1.0, min_match=1,
+                   own_length_factor=2.0)
 
 The tree (suffix_tree.cpp, built on first use like infer's kernels) holds every substring of up to ``max_depth``
 tokens of every sequence, with counts, and each node's most frequent child. A round tries every suffix of a
@@ -17,6 +18,15 @@ learnt them to hold (spec_decode.spec_length, "Confident free drafts"), apart fo
 in a replay of plain decoding's outputs this chose K better than one calibration for all (the JSON loop 1.950x ->
 1.972x over plain, code edit 1.556x -> 1.570x, the chat control 1.183x -> 1.200x; held-out code 1.501x -> 1.562x
 in a replay apart), and the engines read 1.000-1.033x a pass (benchmarks/suffix_calibration.py, docs/benchmarks.md).
+
+Each running request also has a tree of its own text alone (its prompt and output; arctic-inference keeps one per
+prompt too), looked up the same way with up to ``own_length_factor`` x the match's length (None: no own tree); its
+draft wins where it expects more accepted tokens than the shared tree's (the shared one at a tie). Why: a value the
+request's record holds once (a name, a number to copy into the JSON) is certain in its own tree and one guess among
+every earlier record's in the shared one, under min_prob there. Its drafts are calibrated in groups of their own
+(4-7 by match length). Replayed over plain decoding's outputs (suffix.replay, auto K's rule with groups): the JSON
+loop 1.972x -> 2.090x over plain, code edit 1.570x -> 1.599x; held out, chat 1.200x -> 1.194x and code 1.576x ->
+1.577x (own_length_factor 1.0: 2.029x / 1.566x / 1.204x / 1.601x; 3.0: 2.081x / 1.616x / 1.195x / 1.573x).
 
 The defaults (a one-token match drafts, at most as many tokens as the match is long, while the continuation's
 probability stays >= 0.3) come from replaying plain decoding's outputs through the tree and pricing each round with
@@ -47,6 +57,7 @@ from .ngram import _proposal
 
 _module = None
 MATCH_GROUPS = 4  # auto K calibrates the confidences of matches of 1, 2, 3 and 4+ tokens apart (confidence_group)
+# (in each tree: groups 0-3 the shared tree's, 4-7 the request's own)
 
 
 SOURCE = Path(__file__).with_name("suffix_tree.cpp")
@@ -87,7 +98,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_depth: int = 24, max_tokens: int = 1_000_000, min_prob: float = 0.3,
-                 length_factor: float = 1.0, min_match: int = 1):
+                 length_factor: float = 1.0, min_match: int = 1, own_length_factor: float | None = 2.0):
         if max_depth < 2:
             raise ValueError(f"suffix max_depth must be >= 2, got {max_depth}")
         if max_tokens < 1:
@@ -96,10 +107,14 @@ class SuffixProposer(Proposer):
             raise ValueError(f"suffix min_prob must be in (0, 1], got {min_prob}")
         if not length_factor > 0.0:  # the C++ side reads <= 0 as "no cap"
             raise ValueError(f"suffix length_factor must be > 0, got {length_factor}")
+        if own_length_factor is not None and not own_length_factor > 0.0:
+            raise ValueError(f"suffix own_length_factor must be > 0 (or None: no own tree), got {own_length_factor}")
         self.max_depth, self.max_tokens, self.min_prob, self.length_factor = max_depth, max_tokens, min_prob, \
             length_factor
-        self.min_match = min_match
+        self.min_match, self.own_length_factor = min_match, own_length_factor
         self.tree = suffix_tree_module().SuffixTree(max_depth)
+        # Request -> [its own tree (its prompt and output alone), tokens fed]: while it runs (module docstring)
+        self._own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._seq: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> sequence id in the tree
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> its tokens in the tree
         self._done: OrderedDict[int, None] = OrderedDict()  # finished sequences, oldest first: what eviction takes
@@ -118,8 +133,21 @@ class SuffixProposer(Proposer):
             self.tree.extend(self._seq[req], req.token_slice(fed))
             self._fed[req] = req.num_tokens
 
+    def _own_tree(self, req: Request):
+        """``req``'s own tree, grown to its current length (None without one)."""
+        if self.own_length_factor is None:
+            return None
+        own = self._own.get(req)
+        if own is None:
+            own = self._own[req] = [suffix_tree_module().SuffixTree(self.max_depth), 0]
+        if own[1] < req.num_tokens:
+            own[0].extend(0, req.token_slice(own[1]))
+            own[1] = req.num_tokens
+        return own[0]
+
     def finished(self, req: Request) -> None:
         """``req`` will not grow again: its text stays in the tree, evictable oldest first."""
+        self._own.pop(req, None)
         seq = self._seq.get(req)
         if seq is not None:
             self._sync(req)
@@ -138,6 +166,7 @@ class SuffixProposer(Proposer):
         self._fed = weakref.WeakKeyDictionary()
         self._seq = weakref.WeakKeyDictionary()
         self._memo = weakref.WeakKeyDictionary()
+        self._own = weakref.WeakKeyDictionary()
         self._done.clear()
 
     def lookup(self, req: Request, k: int) -> list[int]:
@@ -149,10 +178,11 @@ class SuffixProposer(Proposer):
         (auto K's count and confidence at the row's cap, then the proposal at the K chosen): the answer is kept per
         request and length, and a smaller k takes its first k, so the drafts proposed are the drafts priced, even
         where other rows' text entered the tree in between."""
-        return self._lookup_matched(req, k)[:2]
+        return self._lookup_grouped(req, k)[:2]
 
-    def _lookup_matched(self, req: Request, k: int) -> tuple[list[int], list[float], int]:
-        """``_lookup``'s (drafts, confidences) and the length of the context's match they continue (0: none)."""
+    def _lookup_grouped(self, req: Request, k: int) -> tuple[list[int], list[float], int]:
+        """``_lookup``'s (drafts, confidences) and their confidence group: the length of the context's match they
+        continue, 1, 2, 3 or 4+ tokens -> 0-3 in the shared tree, 4-7 in the request's own."""
         if k <= 0:
             return [], [], 0
         memo = self._memo.get(req)
@@ -161,10 +191,17 @@ class SuffixProposer(Proposer):
         self._sync(req)  # its own text is in the tree: its open suffixes there are the context's matches
         drafts, match, _, probs = self.tree.speculate_stored(self._seq[req], k, self.min_prob, self.min_match,
                                                              length_factor=self.length_factor)
+        group = max(0, min(match, MATCH_GROUPS) - 1)
+        own = self._own_tree(req)
+        if own is not None:  # the request's own text alone: the more expected accepted tokens wins, the shared at a tie
+            d, m, _, p = own.speculate_stored(0, k, self.min_prob, self.min_match,
+                                              length_factor=self.own_length_factor)
+            if sum(p) > sum(probs):
+                drafts, probs, group = d, p, MATCH_GROUPS + max(0, min(m, MATCH_GROUPS) - 1)
         # the tree gives each prefix's probability; draft j's, given the drafts before it, is the ratio of two
         cond = [p / (probs[j - 1] if j else 1.0) for j, p in enumerate(probs)]
-        self._memo[req] = (req.num_tokens, k, list(drafts), cond, match)
-        return list(drafts), cond, match
+        self._memo[req] = (req.num_tokens, k, list(drafts), cond, group)
+        return list(drafts), cond, group
 
     # -- the proposer seam ------------------------------------------------------------------------------------
     def free_drafts(self, req: Request, k: int) -> int:
@@ -174,9 +211,10 @@ class SuffixProposer(Proposer):
         return self._lookup(req, k)[1]
 
     def confidence_group(self, req: Request, k: int) -> int:
-        """The matched context's length, 1, 2, 3 or 4+ tokens (groups 0-3): after a one-token match a continuation's
-        share of the counts is a weaker guess than the same share after a longer one (replayed: module docstring)."""
-        return max(0, min(self._lookup_matched(req, k)[2], MATCH_GROUPS) - 1)
+        """The matched context's length, 1, 2, 3 or 4+ tokens (groups 0-3; 4-7 where the request's own tree drafted):
+        after a one-token match a continuation's share of the counts is a weaker guess than the same share after a
+        longer one, and a share among one request's few occurrences another guess again (module docstring)."""
+        return self._lookup_grouped(req, k)[2]
 
     def propose(self, batch: DraftBatch) -> Proposal:
         return _proposal([self.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)], batch)
