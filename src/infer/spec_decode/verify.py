@@ -83,7 +83,6 @@ def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, num_d
     return VerifyResult(_assemble(draft_tokens, n, final), n, n == nd)
 
 
-
 def greedy_accept(drafts: list[list[int]], num_draft: list[int], target_argmax: list[list[int]]
                   ) -> tuple[list[int], list[list[int]], list[bool]]:
     """greedy_verify's rule on the host: drafts [B][>= n_b], target_argmax [B][K+1] -> (accepted [B], output tokens
