@@ -49,6 +49,7 @@ tokens whatever the price, which re-measures both the first and a later draft st
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 
 from .adaptive import EntropyAdaptiveGamma
@@ -181,8 +182,8 @@ class GoodputSpecLength:
         self.free = lambda req, k: None  # the proposer's Proposer.free_drafts
         self.confidence = lambda req, k: None  # the proposer's Proposer.draft_confidence
         self.group = lambda req, k: 0  # the proposer's Proposer.confidence_group
-        self.calibration = Calibration()  # group 0's
-        self.calibrations = {0: self.calibration}  # confidence group -> its Calibration
+        self.calibrations: defaultdict[int, Calibration] = defaultdict(Calibration)  # confidence group -> its own
+        self.calibration = self.calibrations[0]  # group 0's
         # rounds since a model draft step was last timed, and after how many an exploration round drafts anyway
         self.unpriced, self.explore_every = 0, EXPLORE_EVERY
         self.last_choice: tuple[int, int] | None = None  # (k, rows drafting) of the last round, for tests and stats
@@ -194,12 +195,6 @@ class GoodputSpecLength:
         # seconds a step spends outside the timed forwards (sampling set-up, verification, rollback, emission), per
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
-
-    def _calibration(self, group: int) -> Calibration:
-        cal = self.calibrations.get(group)
-        if cal is None:
-            cal = self.calibrations[group] = Calibration()
-        return cal
 
     def alpha(self, req, free: bool = False) -> float:
         s = self.state.get(req) or _Acceptance()
@@ -264,7 +259,7 @@ class GoodputSpecLength:
         alphas = [self.alpha(r, f) for r, f in zip(reqs, is_free)]
         confidence = [self.confidence(r, c) if f else None for r, c, f in zip(reqs, caps, free)]
         groups = [0 if p is None else self.group(r, c) for r, c, p in zip(reqs, caps, confidence)]
-        curves = [None if p is None else self._calibration(g).curve(p, self.k_max) for p, g in zip(confidence, groups)]
+        curves = [None if p is None else self.calibrations[g].curve(p, self.k_max) for p, g in zip(confidence, groups)]
         setup = [(0.0 if f else self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids))
                  for r, f in zip(reqs, is_free)]
         if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
@@ -319,7 +314,7 @@ class GoodputSpecLength:
         s = self.state.setdefault(req, _Acceptance())
         judged = min(n + 1, k)
         if free and s.confidence is not None:  # drafts 0..judged-1 were judged: all accepted but a rejected last
-            cal = self._calibration(s.group)
+            cal = self.calibrations[s.group]
             for j, p in enumerate(s.confidence[:judged]):
                 cal.observe(p, j < n)
         if free:
