@@ -163,6 +163,32 @@ def test_a_requests_own_tree_drafts_what_its_own_text_holds():
     with pytest.raises(ValueError, match="own_length_factor"):
         SuffixProposer(own_length_factor=0)
 
+
+def test_engine_options_reach_the_proposer_and_bad_ones_are_named():
+    """EngineConfig's suffix_* fields (the CLI's and server's --suffix-* flags) are the proposer's arguments, with the
+    proposer's own defaults; a bad value, or a suffix_* option without proposer='suffix', is one clear error."""
+    import inspect
+
+    from infer.cli_args import SPEC_FIELDS
+    from infer.engine.config import SUFFIX_DEFAULTS
+
+    sig = inspect.signature(SuffixProposer)
+    assert SUFFIX_DEFAULTS == {k: v.default for k, v in sig.parameters.items()}
+    assert all("suffix_" + k in SPEC_FIELDS for k in SUFFIX_DEFAULTS)
+    target = random_llama(64, seed=0)
+    p = _engine(target, suffix_max_depth=6, suffix_min_prob=0.5, suffix_length_factor=1.5, suffix_min_match=2,
+                suffix_own_length_factor=None, suffix_max_tokens=100).decoder.proposer
+    assert (p.max_depth, p.min_prob, p.length_factor, p.min_match, p.own_length_factor, p.max_tokens) == \
+        (6, 0.5, 1.5, 2, None, 100)
+    for bad, match in ((dict(suffix_min_prob=0.0), "suffix_min_prob must be in"),
+                       (dict(suffix_max_depth=1), "suffix_max_depth must be an integer >= 2"),
+                       (dict(suffix_min_match=0), "suffix_min_match"),
+                       (dict(suffix_own_length_factor=-1.0), "suffix_own_length_factor must be > 0")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model="m", proposer="suffix", **bad)
+    with pytest.raises(ValueError, match="suffix_min_prob: options of the suffix proposer.*proposer='ngram'"):
+        EngineConfig(model="m", proposer="ngram", suffix_min_prob=0.5)
+
 # -- losslessness through the engine ------------------------------------------------------------------------------
 def _engine(target, **cfg):
     return Engine(EngineConfig(model="target", proposer="suffix", spec_length=3, block_size=4, **cfg), model=target)

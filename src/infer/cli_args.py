@@ -37,6 +37,13 @@ HELP = {
     "spec_max_batch_size": "speculate only while the decode batch is at most this large",
     "prompt_lookup_min": "smallest n-gram the prompt-lookup proposer matches",
     "prompt_lookup_max": "largest n-gram the prompt-lookup proposer matches",
+    "suffix_max_depth": "suffix proposer: the longest substring (tokens) its tree holds",
+    "suffix_max_tokens": "suffix proposer: tokens its tree keeps before evicting the oldest finished requests",
+    "suffix_min_prob": "suffix proposer: the least estimated probability a drafted continuation keeps",
+    "suffix_length_factor": "suffix proposer: at most this many drafts per token of the context's match",
+    "suffix_min_match": "suffix proposer: the shortest match (tokens) that drafts",
+    "suffix_own_length_factor": "suffix proposer: drafts per matched token from each request's tree of its own "
+                                "text; none: no such tree",
     "acceptance": "verification of sampled rows: exact (lossless) | typical | lenient (LOSSY opt-ins)",
     "lenience": "lenient acceptance's l in (0, 1] (LOSSY below 1)",
     "draft_vocab_size": "drafter scores only its N most frequent tokens (auto: the size the ranking beside the "
@@ -71,7 +78,9 @@ FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' nam
 MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_in_background",
                 "tensor_parallel_size")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
-               "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "acceptance", "lenience",
+               "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth",
+               "suffix_max_tokens", "suffix_min_prob", "suffix_length_factor", "suffix_min_match",
+               "suffix_own_length_factor", "acceptance", "lenience",
                "draft_vocab_size", "draft_quantization", "cross_tokenizer")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")

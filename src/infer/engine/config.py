@@ -9,6 +9,10 @@ BACKENDS = ("contiguous", "paged")
 PROPOSERS = ("draft", "ngram", "hybrid", "suffix")
 SPEC_LENGTHS = ("auto", "egag")
 COMPILE_AUTO_MIN_PARAMS = 50_000_000
+# SuffixProposer's arguments and defaults, as the suffix_* fields below hold them (tests/test_suffix.py checks
+# they match the proposer's own)
+SUFFIX_DEFAULTS = {"max_depth": 24, "max_tokens": 1_000_000, "min_prob": 0.3, "length_factor": 1.0, "min_match": 1,
+                   "own_length_factor": 2.0}
 
 
 @dataclass
@@ -39,6 +43,16 @@ class EngineConfig:
     spec_tree: str | None = None
     prompt_lookup_min: int = 2  # n-gram sizes the "ngram" / "hybrid" proposers match, longest first
     prompt_lookup_max: int = 4
+    # The "suffix" proposer (proposers/suffix.py; vLLM's suffix_decoding_* options): the longest substring the tree
+    # holds (max_tree_depth), the tokens kept before the oldest finished requests are evicted, the least probability
+    # a drafted continuation keeps (min_token_prob), the drafts per matched token (max_spec_factor), the shortest
+    # match that drafts, and the request's own tree's drafts per matched token (None: no tree of its own text).
+    suffix_max_depth: int = SUFFIX_DEFAULTS["max_depth"]
+    suffix_max_tokens: int = SUFFIX_DEFAULTS["max_tokens"]
+    suffix_min_prob: float = SUFFIX_DEFAULTS["min_prob"]
+    suffix_length_factor: float = SUFFIX_DEFAULTS["length_factor"]
+    suffix_min_match: int = SUFFIX_DEFAULTS["min_match"]
+    suffix_own_length_factor: float | None = SUFFIX_DEFAULTS["own_length_factor"]
     # Verification of sampled rows: "exact" (lossless). "typical" and "lenient" are LOSSY opt-ins that accept more
     # drafts at the price of the output distribution (spec_decode.acceptance).
     acceptance: str = "exact"
@@ -119,6 +133,19 @@ class EngineConfig:
             bad(f"egag_ema_beta must be in [0, 1), got {self.egag_ema_beta!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        suffix = self.suffix_options
+        if self.proposer == "suffix":
+            from ..proposers.suffix import check_options
+
+            try:
+                check_options(**suffix, name="suffix_{}")
+            except ValueError as e:
+                bad(str(e))
+        else:
+            changed = [f"suffix_{k}" for k, v in suffix.items() if v != SUFFIX_DEFAULTS[k]]
+            if changed:
+                bad(f"{', '.join(changed)}: options of the suffix proposer, which is not on "
+                    f"(proposer={self.proposer!r}); set proposer='suffix' or drop them")
         if self.spec_tree is not None:
             from ..spec_decode.tree import TreeShape
 
@@ -194,6 +221,11 @@ class EngineConfig:
             self.compile = False
         if self.max_seq_len is not None and self.use_speculative_decoding and self.max_seq_len < 2:
             bad("max_seq_len must be >= 2 with speculative decoding")
+
+    @property
+    def suffix_options(self) -> dict:
+        """The suffix_* fields as SuffixProposer's keyword arguments."""
+        return {k: getattr(self, "suffix_" + k) for k in SUFFIX_DEFAULTS}
 
     @property
     def max_spec_length(self) -> int:

@@ -94,21 +94,37 @@ def suffix_tree_module():
     return _module
 
 
+def check_options(max_depth, max_tokens, min_prob, length_factor, min_match, own_length_factor,
+                  name: str = "suffix {}") -> None:
+    """Raise ValueError naming the first bad option, as ``name`` spells it (SuffixProposer's arguments; EngineConfig's
+    suffix_* fields)."""
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def real(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not whole(max_depth) or max_depth < 2:
+        raise ValueError(f"{name.format('max_depth')} must be an integer >= 2, got {max_depth!r}")
+    if not whole(max_tokens) or max_tokens < 1:
+        raise ValueError(f"{name.format('max_tokens')} must be an integer >= 1, got {max_tokens!r}")
+    if not real(min_prob) or not 0.0 < min_prob <= 1.0:
+        raise ValueError(f"{name.format('min_prob')} must be in (0, 1], got {min_prob!r}")
+    if not real(length_factor) or not length_factor > 0.0:  # the C++ side reads <= 0 as "no cap"
+        raise ValueError(f"{name.format('length_factor')} must be > 0, got {length_factor!r}")
+    if not whole(min_match) or min_match < 1:
+        raise ValueError(f"{name.format('min_match')} must be an integer >= 1, got {min_match!r}")
+    if own_length_factor is not None and (not real(own_length_factor) or not own_length_factor > 0.0):
+        raise ValueError(f"{name.format('own_length_factor')} must be > 0 (or None: no own tree), "
+                         f"got {own_length_factor!r}")
+
+
 class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_depth: int = 24, max_tokens: int = 1_000_000, min_prob: float = 0.3,
                  length_factor: float = 1.0, min_match: int = 1, own_length_factor: float | None = 2.0):
-        if max_depth < 2:
-            raise ValueError(f"suffix max_depth must be >= 2, got {max_depth}")
-        if max_tokens < 1:
-            raise ValueError(f"suffix max_tokens must be >= 1, got {max_tokens}")
-        if not 0.0 < min_prob <= 1.0:
-            raise ValueError(f"suffix min_prob must be in (0, 1], got {min_prob}")
-        if not length_factor > 0.0:  # the C++ side reads <= 0 as "no cap"
-            raise ValueError(f"suffix length_factor must be > 0, got {length_factor}")
-        if own_length_factor is not None and not own_length_factor > 0.0:
-            raise ValueError(f"suffix own_length_factor must be > 0 (or None: no own tree), got {own_length_factor}")
+        check_options(max_depth, max_tokens, min_prob, length_factor, min_match, own_length_factor)
         self.max_depth, self.max_tokens, self.min_prob, self.length_factor = max_depth, max_tokens, min_prob, \
             length_factor
         self.min_match, self.own_length_factor = min_match, own_length_factor

@@ -84,7 +84,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
     elif cfg.proposer == "suffix":
         from ..proposers.suffix import SuffixProposer
 
-        proposer = SuffixProposer()
+        proposer = SuffixProposer(**cfg.suffix_options)
     else:
         proposer = model_proposer(drafter, kv, runner, draft_vocab, cross, cfg.cross_tokenizer)
         if cfg.proposer == "hybrid":
