@@ -115,6 +115,8 @@ def test_cost_model_interpolates_and_refreshes():
         c.refresh_verify(1, 5, 0.01)
         c.refresh_verify(1, 1, 0.5)
     assert c.verify_cost(1, 5) >= 0.25 * 2.0
+    for B in (1, 2, 4, 8):  # the prices of every width at once (auto K's) are the prices one at a time
+        assert c.verify_costs(B, 5) == [0.0] + [c.verify_cost(B, T) for T in range(1, 6)]
 
 
 def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):

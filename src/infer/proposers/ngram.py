@@ -111,12 +111,9 @@ def _sub_batch(batch: DraftBatch, rows: list[int]) -> DraftBatch:
 
 
 def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:
-    K = max(1, batch.K)
-    drafts = torch.zeros(len(found), K, dtype=torch.long)
-    for b, f in enumerate(found):
-        drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+    K = max(1, batch.K, *map(len, found))
+    drafts = torch.tensor([f + [0] * (K - len(f)) for f in found], dtype=torch.long, device=batch.device)  # [B, K]
     nd = [len(f) for f in found]
-    drafts = drafts.to(batch.device)
     return Proposal(drafts, nd, None, None, free=[bool(f) for f in found])
 
 

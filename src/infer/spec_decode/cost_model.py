@@ -94,12 +94,19 @@ class CostModel:
         b = min(max((w * sxy - sx * sy) / det, self.SLOPE[0]), self.SLOPE[1])
         return (sy - b * sx) / w, b
 
-    def verify_cost(self, B: int, T: int) -> float:
-        x = self._cell(B, T)
-        ab = self.line(B)
+    def _price(self, x: float, ab: tuple[float, float] | None) -> float:
+        """Seconds of a forward profiled at ``x`` seconds, on its batch size's fitted line ``ab`` (None: none yet)."""
         if ab is None:
             return x * self.last_scale
         return max(ab[0] + ab[1] * x, 0.25 * x)  # the floor: an offset fitted below zero never prices a forward ~free
+
+    def verify_cost(self, B: int, T: int) -> float:
+        return self._price(self._cell(B, T), self.line(B))
+
+    def verify_costs(self, B: int, t_max: int) -> list[float]:
+        """[verify_cost(B, T) for T = 0..t_max] (T = 0: 0.0), B's fitted line read once (a round prices every K)."""
+        ab = self.line(B)
+        return [0.0] + [self._price(self._cell(B, T), ab) for T in range(1, t_max + 1)]
 
     def draft_cost(self, B: int, k: int = 1) -> float:
         """Seconds of a round's k draft steps over B rows: the first step, then k - 1 more."""

@@ -218,7 +218,9 @@ class GoodputSpecLength:
         row whose batch has just shrunk and may grow back (its neighbour's replacement prefilling for a step)."""
         B = len(alphas)
         plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
-        best = (B / (self.costs.verify_cost(B, 1) + plain_o) * (1.0 + MARGIN), 0, 0)
+        k_top = min(self.k_max, max(caps, default=0))
+        verify = self.costs.verify_costs(B, k_top + 1)  # [T = 0 .. k_top + 1]
+        best = (B / (verify[1] + plain_o) * (1.0 + MARGIN), 0, 0)
         order = self._order(alphas, caps)
         # per row that can draft, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds
         # and tokens left, whether its drafts are free. A row of cap 0 adds no token and no cost at any k: it never
@@ -228,8 +230,8 @@ class GoodputSpecLength:
                    *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
                   for b in order if caps[b]]
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
-        for k in range(1, min(self.k_max, max(caps, default=0)) + 1):
-            fixed = self.costs.verify_cost(B, k + 1) + spec_o
+        for k in range(1, k_top + 1):
+            fixed = verify[k + 1] + spec_o
             total, setup_s, models = float(B), 0.0, 0
             draft_s = {}  # k steps over n model rows, priced when first needed
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
