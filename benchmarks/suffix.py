@@ -166,6 +166,10 @@ class _Replayed:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
     def token_slice(self, start: int, end: int | None = None) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
 

@@ -10,6 +10,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig
 from infer.generate import autoregressive_generate
+from infer.proposers.base import DraftBatch
 from infer.proposers.suffix import MATCH_GROUPS, SuffixProposer, suffix_tree_module
 from infer.request import Request
 from infer.sampling import SamplingParams
@@ -189,6 +190,36 @@ def test_engine_options_reach_the_proposer_and_bad_ones_are_named():
     with pytest.raises(ValueError, match="suffix_min_prob: options of the suffix proposer.*proposer='ngram'"):
         EngineConfig(model="m", proposer="ngram", suffix_min_prob=0.5)
 
+
+def test_token_trees_grow_best_first_under_the_counts():
+    """speculate_tree_stored: from the chain's match, each node's `width` most frequent children best first by the
+    path's probability (the context's own suffix left out of the match's count), >= min_prob, within the chain's cap;
+    parents precede children. The proposer's tree holds the chain as its best path."""
+    t = suffix_tree_module().SuffixTree(8)
+    for i, seq in enumerate([[1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 7], [1, 2, 3, 5]]):
+        t.extend(i, seq)
+    t.extend(9, [8, 1, 2])  # the context: after 1 2 come 3 (3 of 4) then 5 (2 of 3) or 6, or 4 (1 of 4) then 7
+    toks, parents, probs = t.speculate_tree_stored(9, 3, 2, 10, 0.1)
+    assert toks == [3, 5, 4, 6, 7] and parents == [-1, 0, -1, 0, 2]  # at a tie, the node found first
+    assert probs == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
+    assert t.speculate_tree_stored(9, 3, 1, 10, 0.1)[0] == [3, 5]  # width 1: the chain
+    assert t.speculate_tree_stored(9, 3, 2, 3, 0.1)[0] == [3, 5, 4]  # a node budget
+    assert t.speculate_tree_stored(9, 3, 2, 10, 0.3)[0] == [3, 5]  # min_prob on the path's probability
+    assert t.speculate_tree_stored(9, 1, 2, 10, 0.1)[0] == [3, 4]  # depth 1
+    assert t.speculate_tree_stored(9, 3, 2, 10, 0.1, length_factor=0.5)[0] == [3, 4]  # the cap: 0.5 x a match of 2
+    assert t.speculate_tree_stored(77, 3, 2, 10, 0.1) == ([], [], [])  # no such sequence
+    p = SuffixProposer(max_depth=8, min_prob=0.2, own_length_factor=None)
+    for seq in ([1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 4, 7], [1, 2, 3, 5]):
+        r = _req(seq)
+        p.lookup(r, 1)
+        p.finished(r)
+    r = _req([8, 1, 2])
+    (tree,) = p.propose_tree(DraftBatch([r], [2], None, None, [None], 64, torch.device("cpu")), 2)
+    chain = p.lookup(r, 2)
+    assert chain == [3, 5]  # the tree's best path; its budget: depth x width nodes
+    assert tree.tokens == [2, 3, 5, 4, 6] and tree.parents == [-1, 0, 1, 0, 1]
+    assert tree.scores[1:] == pytest.approx([0.75, 0.5, 0.25, 0.25])
+
 # -- losslessness through the engine ------------------------------------------------------------------------------
 def _engine(target, **cfg):
     return Engine(EngineConfig(model="target", proposer="suffix", spec_length=3, block_size=4, **cfg), model=target)
@@ -247,6 +278,7 @@ def _pvalue(backend, **cfg):
     for r in reqs:
         counts[r.output_ids[1], r.output_ids[2]] += 1
     assert eng.stats.num_draft_tokens > N // 2  # the tree drafted (the prompt, then earlier requests' outputs)
+    assert eng.stats.tree_rounds > 0 if cfg.get("spec_tree") else eng.stats.tree_rounds == 0
     return chi2_pvalue(counts, exact_joint(target, LATER, first=2, prompt=PROMPT))
 
 
@@ -257,3 +289,20 @@ def test_joint_law_is_exact(backend):
 
 def test_lossy_rule_is_caught():
     assert _pvalue("paged", acceptance="skip_adjustment") < 1e-4
+
+
+def test_joint_law_is_exact_over_token_trees():
+    """Tree rounds (depth 2, two children a node, deterministic siblings from the tree's counts): still the target's
+    law; keeping p for every sibling instead of the residual (the shortcut tree_verify documents) is caught."""
+    assert _pvalue("paged", spec_tree="2x2") > 0.001
+
+
+def test_lossy_tree_rule_is_caught(monkeypatch):
+    import functools
+
+    from infer.spec_decode import tree_round as tree_round_module
+    from infer.spec_decode.tree_verify import tree_verify
+
+    monkeypatch.setattr(tree_round_module, "tree_verify", functools.partial(tree_verify,
+                                                                            wrong_independent_acceptance=True))
+    assert _pvalue("paged", spec_tree="2x2") < 1e-4

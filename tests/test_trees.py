@@ -113,8 +113,8 @@ def test_grow_keeps_the_best_paths_per_depth():
 def _drafters(target, kind):
     if kind in ("eagle", "medusa"):
         return random_heads(target, kind, seed=3), "draft"
-    if kind == "ngram":
-        return None, "ngram"
+    if kind in ("ngram", "suffix"):
+        return None, kind
     # a drafter close to the target: long accepted paths, often off the first child (compaction moves entries)
     return random_llama(target.config.vocab_size, seed=1, noise_from=0, noise=0.15), \
         "hybrid" if kind == "hybrid" else "draft"
@@ -139,7 +139,7 @@ class _Moves:
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
-@pytest.mark.parametrize("kind", ["draft", "eagle", "medusa", "ngram", "hybrid"])
+@pytest.mark.parametrize("kind", ["draft", "eagle", "medusa", "ngram", "hybrid", "suffix"])
 def test_greedy_parity(kind, backend):
     target = random_llama(64, seed=0)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_greedy_parity(kind, backend):
             assert moves.n > 0 and sum(eng.stats.accepted_per_position[1:]) > 0  # paths of 2+ off the first child
 
 
-@pytest.mark.parametrize("kind", ["draft", "eagle"])
+@pytest.mark.parametrize("kind", ["draft", "eagle", "suffix"])
 def test_batched_greedy_parity_with_preemption(kind):
     target = random_llama(64, seed=0)
     eng = _engine(target, kind, spec_length=3, spec_tree="3x3:8", max_batch_size=6, num_kv_blocks=24, block_size=4)

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <queue>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
@@ -132,6 +133,71 @@ class SuffixTree {
         return best.result();
     }
 
+    using TreeDraft = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>>;
+
+    // A token tree where the chain has one path (SpecInfer-style trees of deterministic drafts): from the match the
+    // chain would start at (speculate_stored's), nodes grown best first by their path's probability under the counts
+    // (each a node's share of its parent's), each node's `width` most frequent children, while a path's probability
+    // stays >= min_prob, no deeper than the chain's cap (max_spec, length_factor x the match), at most max_nodes.
+    // -> (tokens, parents: the index in this output of each node's parent, -1 below the root, and path
+    // probabilities). Best first: a parent precedes its children, and scores at least as much.
+    TreeDraft speculate_tree_stored(int64_t seq, int max_spec, int width, int max_nodes, double min_prob,
+                                    int min_match, double length_factor) const {
+        TreeDraft out;
+        auto it = seqs_.find(seq);
+        if (it == seqs_.end() || width < 1 || max_nodes < 1) return out;
+        const std::vector<int32_t>& open = it->second.open;
+        Best best;
+        for (int m = static_cast<int>(open.size()); m >= std::max(1, min_match); --m)
+            draft_from(open[m - 1], m, max_spec, min_prob, true, length_factor, best);
+        if (best.drafts.empty()) return out;
+        int cap = max_spec;
+        if (length_factor > 0.0) cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * best.m))));
+        struct Item {
+            double p;
+            int32_t node, parent, depth;
+            int64_t order;  // at equal probability the node pushed first pops first: the same tree every time
+            bool operator<(const Item& o) const { return p < o.p || (p == o.p && order > o.order); }
+        };
+        std::priority_queue<Item> heap;  // a max-heap on the path's probability
+        std::vector<int32_t> top;
+        int64_t pushed = 0;
+        auto push_children = [&](int32_t u, double p_u, int32_t at, int32_t depth, int64_t own) {
+            if (depth >= cap || nodes_[u].depth >= max_depth_) return;
+            top.clear();  // u's `width` most frequent children, its best (the chain's) first
+            const size_t fixed = nodes_[u].best >= 0 ? 1 : 0;
+            if (fixed) top.push_back(nodes_[u].best);
+            for (int32_t c = nodes_[u].first_child; c >= 0; c = nodes_[c].next_sibling) {
+                if (c == nodes_[u].best) continue;
+                if (static_cast<int>(top.size()) < width) {
+                    top.push_back(c);
+                } else if (nodes_[c].count > nodes_[top.back()].count) {
+                    top.back() = c;
+                } else {
+                    continue;
+                }
+                for (size_t i = top.size() - 1; i > fixed && nodes_[top[i]].count > nodes_[top[i - 1]].count; --i)
+                    std::swap(top[i], top[i - 1]);  // sorted by count after the best
+            }
+            const double total = static_cast<double>(nodes_[u].count - own);
+            for (int32_t c : top) {
+                const double p = p_u * static_cast<double>(nodes_[c].count) / total;
+                if (p >= min_prob) heap.push({p, c, at, depth + 1, pushed++});
+            }
+        };
+        push_children(best.start, 1.0, -1, 0, 1);  // the context's own suffix ends at the match: left out of its count
+        auto& [tokens, parents, probs] = out;
+        while (!heap.empty() && static_cast<int>(tokens.size()) < max_nodes) {
+            const Item item = heap.top();
+            heap.pop();
+            tokens.push_back(nodes_[item.node].token);
+            parents.push_back(item.parent);
+            probs.push_back(item.p);
+            push_children(item.node, item.p, static_cast<int32_t>(tokens.size()) - 1, item.depth, 0);
+        }
+        return out;
+    }
+
     int64_t num_tokens() const { return num_tokens_; }
     int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size() - free_.size()) - 1; }
     int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }
@@ -172,6 +238,7 @@ class SuffixTree {
         std::vector<int32_t> drafts, cand;
         std::vector<double> probs, cand_probs;
         int m = 0;
+        int32_t start = -1;  // the matched node the best draft starts from
         double prob = 0.0, score = 0.0;
         Draft result() { return {drafts, m, prob, probs}; }
     };
@@ -183,6 +250,7 @@ class SuffixTree {
         if (length_factor > 0.0) cap = std::min(cap, std::max(1, static_cast<int>(std::floor(length_factor * m))));
         best.cand.clear();
         best.cand_probs.clear();
+        const int32_t start = u;
         double prob = 1.0, score = 0.0;
         int64_t own = stored ? 1 : 0;  // the context's own suffix, counted at the matched node only
         while (static_cast<int>(best.cand.size()) < cap && nodes_[u].depth < max_depth_) {
@@ -201,6 +269,7 @@ class SuffixTree {
             best.drafts.swap(best.cand);
             best.probs.swap(best.cand_probs);
             best.m = m;
+            best.start = start;
             best.prob = prob;
             best.score = score;
         }
@@ -271,6 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("min_match") = 1, py::arg("stored") = false, py::arg("length_factor") = 0.0)
         .def("speculate_stored", &SuffixTree::speculate_stored, py::arg("seq"), py::arg("max_spec"),
              py::arg("min_prob"), py::arg("min_match") = 1, py::arg("length_factor") = 0.0)
+        .def("speculate_tree_stored", &SuffixTree::speculate_tree_stored, py::arg("seq"), py::arg("max_spec"),
+             py::arg("width"), py::arg("max_nodes"), py::arg("min_prob"), py::arg("min_match") = 1,
+             py::arg("length_factor") = 0.0)
         .def("num_tokens", &SuffixTree::num_tokens)
         .def("num_nodes", &SuffixTree::num_nodes)
         .def("num_sequences", &SuffixTree::num_sequences)

@@ -92,6 +92,9 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     runner.stats.tree_nodes += sum(num_nodes) - B
 
     outputs, depth_of = [], depth.max(1).values.tolist()  # a tree's depth: the round's K for its row
+    # rows whose drafts were copies (n-gram, suffix tree; asked before the rows grow): auto K counts their acceptance
+    # apart and calibrates their confidences, as after a chain round
+    free = [d > 0 and dec.proposer.free_drafts(r, d) is not None for r, d in zip(reqs, depths)]
     for b, r in enumerate(reqs):
         n, k = n_acc[b], depth_of[b]
         path = paths[b][:n]
@@ -100,7 +103,7 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
         # token j was judged at the path's node j - 1 (the root first)
         emitted = dec.settle(r, lens[b], k, n, out_tokens[b], hidden[b, [0] + path], logits[b], [0] + path,
                              res.is_bonus[b], outputs)
-        dec.spec_length.observe(r, k, n, None)
+        dec.spec_length.observe(r, k, n, None, free=free[b])
         if k and dec.on_round is not None:
             dec.on_round(RoundRecord(k, [trees[b].tokens[i] for i in path], n, emitted, bool(res.is_bonus[b]),
                                      [], nodes=len(trees[b]) - 1), r)  # no E[accept] for a tree
