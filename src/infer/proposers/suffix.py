@@ -32,10 +32,10 @@ With ``spec_tree`` (docs/design.md, token trees) it drafts trees: from the match
 the ``width`` most frequent children of a node, grown best first while the path's probability stays >= ``min_prob``,
 the two trees merged and scored by those probabilities (SuffixDecoding's speculation trees). Replayed over plain
 decoding's outputs where extra verify rows are nearly free (v(n) = 1 + 0.02 n, a GPU's verify; depth 8, width 3, 15
-nodes against the chain of up to 8): accepted tokens +2.2% on the JSON loop (3.60x -> 3.73x predicted), +1.8% code
-edit, +5.6% chat, +3.5% held-out code. At the chain's width (what ``spec_tree="auto"`` gives a lone request on this
-CPU, where a verify row costs ~0.2 of a step) the tree of the k best nodes accepts 0.1-0.6% fewer than the chain:
-chains stay the default.
+nodes against the chain of up to 8): accepted drafts +2.3% on the JSON loop (3.60x -> 3.73x predicted), +1.8% code
+edit, +5.6% chat. At the chain's width (what ``spec_tree="auto"`` gives a lone request on this CPU, where a verify
+row costs ~0.2 of a step) the tree of the k best nodes accepts 0.6% fewer on the JSON loop and as many elsewhere
+(benchmarks/suffix_trees.py): chains stay the default.
 
 The defaults (a one-token match drafts, at most as many tokens as the match is long, while the continuation's
 probability stays >= 0.3) come from replaying plain decoding's outputs through the tree and pricing each round with
