@@ -77,6 +77,15 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def results_of(name: str, render_only: bool, run) -> dict:
+    """``--render``: the stored results/<name>.json; else ``run()``'s results, stored there."""
+    if render_only:
+        return json.loads((RESULTS / f"{name}.json").read_text())
+    res = run()
+    write_json(name, res)
+    return res
+
+
 def update_doc_section(section: str, markdown: str) -> None:
     """Replace (or append) the block between <!-- BEGIN section --> and <!-- END section --> in docs/benchmarks.md."""
     DOC.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from common import ROOT, machine, results_of, update_doc_section  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import DEMO_DIR, REAL_MODEL_SETTINGS, real_model_path  # noqa: E402
@@ -183,9 +183,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="leave out transformers' assisted generation")
     p.add_argument("--render", action="store_true", help="only re-render the docs from the last results")
     a = p.parse_args()
-    res = json.loads((RESULTS / "cross_tokenizer.json").read_text()) if a.render else run(a)
-    if not a.render:
-        write_json("cross_tokenizer", res)
+    res = results_of("cross_tokenizer", a.render, lambda: run(a))
     render(res)
 
 

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from common import ROOT, machine, results_of, update_doc_section  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
@@ -416,9 +416,7 @@ def main() -> None:
             p.error(f"unknown {what}(s) {unknown}; known: {list(known)}")
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
-    res = json.loads((RESULTS / f"{a.tag}.json").read_text()) if a.render else run(a)
-    if not a.render:
-        write_json(a.tag, res)
+    res = results_of(a.tag, a.render, lambda: run(a))
     render(res, a.tag)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from common import RESULTS, machine, results_of, update_doc_section  # noqa: E402
 from suffix import WORKLOADS, _Replayed  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
@@ -135,9 +135,7 @@ def main() -> None:
     a = ap.parse_args()
     if not 1 <= a.inputs <= 48:
         ap.error(f"--inputs must be 1..48, got {a.inputs}")
-    res = json.loads((RESULTS / "suffix_trees.json").read_text()) if a.render else run(a)
-    if not a.render:
-        write_json("suffix_trees", res)
+    res = results_of("suffix_trees", a.render, lambda: run(a))
     render(res)
 
 
