@@ -102,7 +102,8 @@ def run(a) -> dict:
         def v_free(n):
             return 1.0 + FREE_ROWS * n
         res["workloads"][name] = {
-            "cpu": {"chain": tree_replay(ids, outs, v_cpu, False, True), "tree": tree_replay(ids, outs, v_cpu, True, True)},
+            "cpu": {"chain": tree_replay(ids, outs, v_cpu, False, True),
+                    "tree": tree_replay(ids, outs, v_cpu, True, True)},
             "free rows": {"chain": tree_replay(ids, outs, v_free, False, False),
                           "tree": tree_replay(ids, outs, v_free, True, False)}}
         print(name, json.dumps(res["workloads"][name]), flush=True)
@@ -114,8 +115,8 @@ def render(res: dict) -> None:
     m = res["machine"]
     d, w, n = res["tree"]
     lines = [f"`python benchmarks/suffix_trees.py` ({m['cpu']}, {m['date']}): plain decoding's greedy outputs "
-             f"(SmolLM2-135M-Instruct Q4_1, up to 160 tokens; the loops' first {res['inputs']} inputs, 12 held-out chat "
-             "prompts) replayed through a fresh suffix proposer; predicted decode speed over plain, accepted drafts / "
+             f"(SmolLM2-135M-Instruct Q4_1, up to 160 tokens; the loops' first {res['inputs']} inputs, 12 held-out "
+             "chat prompts) replayed through a fresh suffix proposer; predicted decode speed over plain, accepted drafts / "
              "drafts verified. \"this CPU\": auto K's chain of k against the tree of the k best nodes, priced with the "
              "suffix engine's measured verify costs; \"nearly free rows\": v(n) = 1 + "
              f"{res['free_row']} n, the chain of up to {d} against a tree of depth {d}, width {w}, {n} nodes.", "",
