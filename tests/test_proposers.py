@@ -172,6 +172,44 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
     assert probes == [sl.PROBE_EVERY, 3 * sl.PROBE_EVERY, 7 * sl.PROBE_EVERY]
 
 
+
+def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
+    """_best (with its pruning of k's where nothing can pay) against the rate of every (k, m) computed out: the m most
+    promising rows draft k, priced by verify, draft and set-up costs (the policy's docstring)."""
+    import random
+
+    from infer.spec_decode import spec_length as sl
+
+    rnd = random.Random(0)
+    costs = CostModel.from_points(8, 6, {(1, 1): 1.0, (1, 7): 2.5, (8, 1): 2.0, (8, 7): 12.0}, {1: 0.1, 8: 0.3})
+    policy = GoodputSpecLength(6, costs)
+    for _ in range(300):
+        B = rnd.randint(1, 8)
+        alphas = [rnd.random() for _ in range(B)]
+        caps = [rnd.choice([0, 1, 3, 6]) for _ in range(B)]
+        free = [rnd.random() < 0.5 for _ in range(B)]
+        curves = [policy.calibration.curve([rnd.random() for _ in range(6)], 6) if f and rnd.random() < 0.5 else None
+                  for f in free]
+        setup = [(rnd.choice([0.0, 0.05]), rnd.randint(1, 50)) for _ in range(B)]
+        got = policy._best(alphas, caps, setup, 1 << 30, free, curves)
+        order = policy._order(alphas, caps)
+        want = (B / costs.verify_cost(B, 1) * (1 + sl.MARGIN), 0, 0)
+        rows = [b for b in order if caps[b]]
+        for k in range(1, min(6, max(caps)) + 1):
+            for m in range(1, len(rows) + 1):
+                total, setup_s, models = float(B), 0.0, 0
+                for b in rows[:m]:
+                    e = curves[b] if curves[b] is not None else [sl.expected_tokens(alphas[b], j) for j in range(7)]
+                    x = e[min(k, caps[b])]
+                    total += x - 1.0
+                    models += not free[b]
+                    if setup[b][0] and not free[b]:
+                        setup_s += setup[b][0] * max(x / max(x, setup[b][1]), 1.0 / (1 << 30))
+                rate = total / (costs.verify_cost(B, k + 1) + costs.draft_cost(models, k) + setup_s)
+                if rate > want[0]:
+                    want = (rate, k, m)
+        assert got[1:] == want[1:] and got[0] == pytest.approx(want[0])
+
 def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair, gqa_dir):
     """A request that joins a drafting batch brings its whole prompt to the drafter: fed alone, not padded into the
     batched draft step (which would cost B prompts). Speculation does not shrink the prefill budget."""
