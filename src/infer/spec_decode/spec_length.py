@@ -232,10 +232,6 @@ class GoodputSpecLength:
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
         for k in range(1, k_top + 1):
             fixed = verify[k + 1] + spec_o
-            # no m beats the best so far if every row drafting at no draft or set-up cost would not: each row adds
-            # e - 1 >= 0 tokens and only cost (exact pruning: a batch where nothing pays costs one sum a k)
-            if (B + sum(e[min(k, cap)] for e, cap, *_ in e_rows) - len(e_rows)) / fixed <= best[0]:
-                continue
             total, setup_s, models = float(B), 0.0, 0
             draft_s = {}  # k steps over n model rows, priced when first needed
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
