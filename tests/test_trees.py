@@ -155,6 +155,21 @@ def test_greedy_parity(kind, backend):
             assert moves.n > 0 and sum(eng.stats.accepted_per_position[1:]) > 0  # paths of 2+ off the first child
 
 
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "draft"])
+def test_tree_rounds_report_copies_as_free_drafts(kind):
+    """Auto K counts copied drafts (n-gram, suffix tree) apart from a model's and calibrates their confidences: a tree
+    round says which its rows were, as a chain round does."""
+    target = random_llama(64, seed=0)
+    eng = _engine(target, kind, spec_length=3, spec_tree="3x2", max_batch_size=1)
+    seen = []
+    eng.decoder.spec_length.observe = lambda req, k, n, logits=None, free=False: seen.append((k, free))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng.run([eng.add_request([1, 2, 3, 1, 2, 3, 1, 2], params, eos_token_ids=[])])
+    judged = [free for k, free in seen if k]
+    assert eng.stats.tree_rounds > 0 and judged
+    assert all(judged) if kind != "draft" else not any(judged)
+
 @pytest.mark.parametrize("kind", ["draft", "eagle", "suffix"])
 def test_batched_greedy_parity_with_preemption(kind):
     target = random_llama(64, seed=0)
