@@ -217,8 +217,8 @@ def test_wide_batches_decode_through_the_kernel(gqa_dir, monkeypatch, backend):
     in_place: list[bool] = []  # whether each call read a paged pool's storage in place
     kernel = torch.ops.infer.attention
 
-    def recorded(q, k, v, mask=None, rows=None):
-        o = kernel(q, k, v, mask, rows)
+    def recorded(q, k, v, mask=None, rows=None, lens=None):
+        o = kernel(q, k, v, mask, rows, lens)
         calls.setdefault(q.shape[0], []).append(o)
         in_place.append(rows is not None)
         return o
@@ -423,3 +423,79 @@ def test_build_failure_warns_and_falls_back(monkeypatch):
     from infer.model.layers import few_rows_on_cpu
 
     assert not few_rows_on_cpu(torch.randn(1, 8))  # every product goes to ATen
+
+
+def test_pads_past_lens_are_skipped_and_the_real_rows_keep_their_bits():
+    """kernels/rows.h: with ``lens`` ([B]) a padded [B, T] call works on row b's tokens t < lens[b] alone (a verify
+    whose rows draft unequal K). The real rows' bits are the call's without lens, whatever the pads hold (NaN here:
+    a kernel that read them would spread it), and attention gives the pads zeros; bad lens are named."""
+    from infer.model.quant import BlockLinear, Int8Linear
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, K, N = 3, 5, 96, 72
+    lens = torch.tensor([5, 2, 1])
+    real = (torch.arange(T)[None, :] < lens[:, None]).reshape(-1)  # [B * T]
+    w = torch.randn(N, K, generator=gen)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(B * T, K, generator=gen).to(dt)
+        poisoned = x.clone()
+        poisoned[~real] = float("nan")
+        products = {"linear": lambda x, lens: torch.ops.infer.linear(x, w.to(dt), None, lens),
+                    "int8": lambda x, lens, m=Int8Linear(w, None, dt): m(x, lens)}
+        for fmt in ("q4_1", "q8_0", "q4_0"):
+            products[fmt] = lambda x, lens, m=BlockLinear.quantize(w, None, dt, fmt): m(x, lens)
+        for name, f in products.items():
+            full, part = f(x, None), f(poisoned, lens)
+            assert part.shape == full.shape and torch.equal(part[real], full[real]), (name, dt)
+        nw = (1 + torch.randn(K, generator=gen) / 10).to(dt)
+        full, part = torch.ops.infer.rms_norm(x, nw, 1e-5), torch.ops.infer.rms_norm(poisoned, nw, 1e-5, lens)
+        assert torch.equal(part[real], full[real])
+        gu = torch.randn(B * T, 2 * K, generator=gen).to(dt)
+        gp = gu.clone()
+        gp[~real] = float("nan")
+        assert torch.equal(torch.ops.infer.silu_mul(gp, lens)[real], torch.ops.infer.silu_mul(gu)[real])
+        cos, sin = (torch.randn(B * T, 16, generator=gen).to(dt) for _ in range(2))
+        assert torch.equal(torch.ops.infer.rope(poisoned, cos, sin, 4, 16, lens)[real],
+                           torch.ops.infer.rope(x, cos, sin, 4, 16)[real])
+        q, k, v = _qkv(dt, B=B, H=4, Hkv=2, T=T, L=12)
+        base = q.transpose(1, 2).clone()  # [B, T, H, D]
+        base.view(B * T, -1)[~real] = float("nan")
+        qp = base.transpose(1, 2)
+        mask = torch.ones(B, 1, T, 12, dtype=torch.bool)
+        full, part = torch.ops.infer.attention(q, k, v, mask), torch.ops.infer.attention(qp, k, v, mask, None, lens)
+        full, part = (o.transpose(1, 2).reshape(B * T, -1) for o in (full, part))
+        assert torch.equal(part[real], full[real]) and (part[~real] == 0).all()
+    with pytest.raises(RuntimeError, match="lens"):
+        torch.ops.infer.linear(x, w.to(x.dtype), None, torch.tensor([1, 2]))  # 2 rows do not divide 15
+    with pytest.raises(RuntimeError, match="lens"):
+        torch.ops.infer.rms_norm(x, nw, 1e-5, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_ragged_forward_gives_each_row_its_bits_and_zero_logits_at_the_pads(gqa_dir):
+    """A verify of rows with unequal tokens (attn_meta.lens, set by the pool for every forward of T > 1): each row's
+    hidden states and logits are bit-identical to its forward alone, and the logits of its pads are 0 (the kernels
+    leave them unwritten; a round's batched verification reads finite values)."""
+    from infer.cache.slotted import SlottedKVCache
+    from infer.model.loader import load_model
+
+    model = load_model(gqa_dir)
+    cfg = model.config
+    pool = SlottedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, 3, model.dtype)
+    prompts, rows = [[3, 5, 7], [4, 6], [9, 2, 8, 1]], [[11, 12, 13, 14], [15], [16, 17]]
+    slots = [pool.allocate(32) for _ in prompts]
+    with torch.inference_mode():
+        for s, p in zip(slots, prompts):
+            meta = pool.prepare([s], [len(p)])
+            model(torch.tensor([p]), meta.positions, pool, meta)
+        meta = pool.prepare(slots, [len(r) for r in rows])
+        assert meta.lens.tolist() == [4, 1, 2]
+        x = torch.tensor([r + [0] * (4 - len(r)) for r in rows])
+        hidden = model(x, meta.positions, pool, meta)
+        logits = model.compute_logits(hidden, meta.lens)
+        for i, (s, p, r) in enumerate(zip(slots, prompts, rows)):
+            pool.truncate_to(s, len(p))
+            alone = pool.prepare([s], [len(r)])
+            h = model(torch.tensor([r]), alone.positions, pool, alone)
+            assert torch.equal(hidden[i, :len(r)], h[0])
+            assert torch.equal(logits[i, :len(r)], model.compute_logits(h, alone.lens)[0])
+            assert (logits[i, len(r):] == 0).all()

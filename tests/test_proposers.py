@@ -117,6 +117,12 @@ def test_cost_model_interpolates_and_refreshes():
     assert c.verify_cost(1, 5) >= 0.25 * 2.0
     for B in (1, 2, 4, 8):  # the prices of every width at once (auto K's) are the prices one at a time
         assert c.verify_costs(B, 5) == [0.0] + [c.verify_cost(B, T) for T in range(1, 6)]
+    # a ragged forward (rows drafting unequal K, the pads skipped) is priced by its real tokens: 4 rows, one of them
+    # drafting 4, are 4 x 2 tokens, the profile at T = 2 (fractional T between the cells around it)
+    d = CostModel.from_points(4, 4, {(1, 1): 1.0, (1, 5): 2.0, (4, 1): 2.0, (4, 5): 6.0}, {1: 0.1})
+    assert d.verify_cost(4, 2.0) == pytest.approx(3.0) and d.verify_cost(4, 1.5) == pytest.approx(2.5)
+    d.refresh_verify(4, 1.5, 5.0)  # and refreshes its line there: 5 s against 2.5 profiled
+    assert d.verify_cost(4, 1.5) > 2.5 * 1.5
 
 
 def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):
@@ -174,8 +180,9 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
 
 
 def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
-    """_best (with its pruning of k's where nothing can pay) against the rate of every (k, m) computed out: the m most
-    promising rows draft k, priced by verify, draft and set-up costs (the policy's docstring)."""
+    """_best against the rate of every (k, m) computed out: the m most promising rows draft k, priced by verify (of
+    the rows' real tokens: B x (1 + their drafts / B), the pads skipped), draft and set-up costs (the policy's
+    docstring)."""
     import random
 
     from infer.spec_decode import spec_length as sl
@@ -197,15 +204,16 @@ def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
         rows = [b for b in order if caps[b]]
         for k in range(1, min(6, max(caps)) + 1):
             for m in range(1, len(rows) + 1):
-                total, setup_s, models = float(B), 0.0, 0
+                total, setup_s, models, drafts = float(B), 0.0, 0, 0
                 for b in rows[:m]:
                     e = curves[b] if curves[b] is not None else [sl.expected_tokens(alphas[b], j) for j in range(7)]
                     x = e[min(k, caps[b])]
                     total += x - 1.0
+                    drafts += min(k, caps[b])
                     models += not free[b]
                     if setup[b][0] and not free[b]:
                         setup_s += setup[b][0] * max(x / max(x, setup[b][1]), 1.0 / (1 << 30))
-                rate = total / (costs.verify_cost(B, k + 1) + costs.draft_cost(models, k) + setup_s)
+                rate = total / (costs.verify_cost(B, 1 + drafts / B) + costs.draft_cost(models, k) + setup_s)
                 if rate > want[0]:
                     want = (rate, k, m)
         assert got[1:] == want[1:] and got[0] == pytest.approx(want[0])

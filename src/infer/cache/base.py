@@ -50,6 +50,14 @@ class AttnMeta:
     is_causal: bool  # True when a plain causal mask over kv_len == T suffices (fresh single-row prefill)
     read_pos: torch.Tensor | None = None  # [B, kv_len] long, paged pools: storage row of each attended key
     row0: int | None = None  # paged, one row whose blocks are consecutive: storage row of position 0 (slices)
+    # [B] int64 on the CPU, num_new as a tensor, in every forward of T > 1 tokens a row (set here): the CPU kernels
+    # skip a row's pads past it (kernels/rows.h). A verify pads its rows to the longest's drafts; each pad cost what
+    # a real token does (~0.2 of a decode step on a 2-core CPU), so rows drafting unequal K paid for the longest.
+    lens: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.lens is None and self.positions.shape[-1] > 1:
+            self.lens = torch.tensor(self.num_new)
 
     @property
     def batch_size(self) -> int:

@@ -94,10 +94,10 @@ class TPDriver(nn.Module):
         except TensorParallelError as e:
             raise self.executor.diagnose(e) from e
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.executor.send(("logits", hidden.cpu()))
+    def compute_logits(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        self.executor.send(("logits", hidden.cpu(), lens))  # lens: the pads to skip, a CPU tensor (llama.py)
         try:
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden, lens)
         except TensorParallelError as e:
             raise self.executor.diagnose(e) from e
 
@@ -233,7 +233,7 @@ def _worker_main(rank: int, world: int, init: str, model_path: str, dtype: torch
                     model(ids.to(device), None if positions is None else positions.to(device), pools.get(key),
                           _meta_to(meta, device))
                 elif op == "logits":
-                    model.compute_logits(args[0].to(device))
+                    model.compute_logits(args[0].to(device), args[1])
                 elif op == "copy":
                     key, name, a = args
                     getattr(pools[key], name)(*a)

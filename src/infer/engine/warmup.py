@@ -97,14 +97,16 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
             runner.forward(model, pool, slots, [[1] * n for n in lens])  # the prompts: eager
             for t in widths:
                 hidden = runner.forward(model, pool, slots, [[1] * t] * rows)
-                model.compute_logits(hidden), model.compute_logits(hidden[:, -1:])  # verify, decode
+                # verify (its pads' lengths, as a round passes them), decode
+                model.compute_logits(hidden, torch.tensor([t] * rows) if t > 1 else None)
+                model.compute_logits(hidden[:, -1:])
                 for s, n in zip(slots, lens):
                     pool.truncate_to(s, n)
                 if tree and rows == 1 and t > 1:  # a star: every node a child of the root
                     parents = torch.tensor([[-1] + [0] * (t - 1)], device=runner.device)
                     attn = TreeAttn(ctx - 1 + tree_depths(parents), [ctx - 1], ancestor_mask(parents))
                     pool.truncate_to(slots[0], ctx - 1)
-                    model.compute_logits(runner.forward(model, pool, slots, [[1] * t], attn))
+                    model.compute_logits(runner.forward(model, pool, slots, [[1] * t], attn), torch.tensor([t]))
                     pool.truncate_to(slots[0], ctx)
             if rows > 1:  # one row alone on blocks interleaved with the others' (a request after a batch: gathers)
                 for t in widths:

@@ -105,23 +105,23 @@ def _build() -> None:
              build_directory=str(build_dir), is_python_module=False, verbose=False)
 
     @torch.library.register_fake("infer::linear")
-    def _(x, weight, scale=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
+    def _(x, weight, scale=None, lens=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("infer::qlinear")
-    def _(x, packed, format, out_features):  # [M, K] x GGML blocks packed by 8 rows -> [M, N] in x's dtype
+    def _(x, packed, format, out_features, lens=None):  # [M, K] x GGML blocks packed by 8 rows -> [M, N] in x's dtype
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("infer::rms_norm")
-    def _(x, weight, eps):  # [M, H] -> [M, H]
+    def _(x, weight, eps, lens=None):  # [M, H] -> [M, H]
         return torch.empty_like(x)
 
     @torch.library.register_fake("infer::rope")
-    def _(x, cos, sin, heads, head_dim):  # [M, W] -> [M, heads * head_dim]
+    def _(x, cos, sin, heads, head_dim, lens=None):  # [M, W] -> [M, heads * head_dim]
         return x.new_empty(x.shape[0], heads * head_dim)
 
     @torch.library.register_fake("infer::silu_mul")
-    def _(x):  # [M, 2n] -> [M, n]
+    def _(x, lens=None):  # [M, 2n] -> [M, n]
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("infer::argmax")
@@ -133,7 +133,7 @@ def _build() -> None:
         return drafts.new_empty(drafts.shape[0]), drafts.new_empty(drafts.shape[0], drafts.shape[1] + 1)
 
     @torch.library.register_fake("infer::attention")
-    def _(q, k, v, mask=None, rows=None):  # [B, H, T, D], stored as [B, T, H, D]
+    def _(q, k, v, mask=None, rows=None, lens=None):  # [B, H, T, D], stored as [B, T, H, D]
         B, H, T, D = q.shape
         return q.new_empty(B, T, H, D).transpose(1, 2)
 

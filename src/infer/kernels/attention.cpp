@@ -15,7 +15,8 @@
 // Batch invariance: a query attends to the keys before the last one its mask allows, in order; scores, the
 // softmax sums and the weighted sum of values are accumulated in the same order whatever L, T or B are. A token's
 // attention output is therefore the same alone (decode, L = its position + 1), among K+1 (verify, larger L,
-// later keys masked) and as a node of a tree (its siblings' keys masked between its ancestors').
+// later keys masked) and as a node of a tree (its siblings' keys masked between its ancestors'). With lens ([B]), a
+// row's queries from lens[b] on are pads (rows.h) and get zeros without being computed.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -409,7 +410,7 @@ constexpr bool kWide = false;
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-            std::array<int64_t, 3> mstride, const int64_t* rows, int64_t L, at::Tensor& out) {
+            std::array<int64_t, 3> mstride, const int64_t* rows, const int64_t* lens, int64_t L, at::Tensor& out) {
   // k, v: [B, Hkv, L, D], or with rows [B, L] a paged pool's storage [R, Hkv, D]
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), D8 = D & ~int64_t(7);
   const int64_t Hkv = k.size(1), G = H / Hkv;
@@ -441,9 +442,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         const bool* mrow = mask ? mask + b * mstride[0] + t * mstride[1] : nullptr;
         T* o = op + ((b * Tq + t) * H + h) * D;
         int64_t len = L;  // keys 0..len-1 are the ones this query may see
-        if (mrow)
+        if (lens && t >= lens[b]) len = 0;  // a pad of a shorter row (rows.h): its output is never read
+        else if (mrow)
           while (len > 0 && !mrow[(len - 1) * mstride[2]]) --len;
-        if (len == 0) {  // a query that may see nothing (never built by infer's pools): zeros, not NaN
+        if (len == 0) {  // a pad, or a query that may see nothing (never built by infer's pools): zeros, not NaN
           std::fill_n(o, D, static_cast<T>(0.0f));
           continue;
         }
@@ -478,7 +480,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
-                     const c10::optional<at::Tensor>& mask_in, const c10::optional<at::Tensor>& rows_in) {
+                     const c10::optional<at::Tensor>& mask_in, const c10::optional<at::Tensor>& rows_in,
+                     const c10::optional<at::Tensor>& lens_in) {
   const bool paged = rows_in.has_value();
   TORCH_CHECK(q.dim() == 4 && k_in.dim() == (paged ? 3 : 4) && v_in.dim() == k_in.dim(),
               paged ? "infer::attention: 4-d q and 3-d k, v storage [R, Hkv, D] expected with rows"
@@ -521,16 +524,23 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tens
     ms = {m.size(0) == 1 ? 0 : m.stride(0), m.stride(2), m.stride(3)};
   }
   const int64_t* rp = paged ? rows.data_ptr<int64_t>() : nullptr;
+  at::Tensor lens;  // [B] real queries a row (the rest pads: zeros), or None
+  if (lens_in.has_value() && lens_in->defined()) {
+    lens = lens_in->contiguous();
+    TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.size(0) == B && lens.device().is_cpu(),
+                "infer::attention: lens must be int64 [B] on the CPU, got ", lens.sizes(), " ", lens.scalar_type());
+  }
+  const int64_t* lp = lens.defined() ? lens.data_ptr<int64_t>() : nullptr;
   auto out = at::empty({B, Tq, H, D}, q.options());
-  if (q.scalar_type() == at::kFloat) attend<float>(qq, k, v, mask, ms, rp, L, out);
-  else attend<c10::BFloat16>(qq, k, v, mask, ms, rp, L, out);
+  if (q.scalar_type() == at::kFloat) attend<float>(qq, k, v, mask, ms, rp, lp, L, out);
+  else attend<c10::BFloat16>(qq, k, v, mask, ms, rp, lp, L, out);
   return out.transpose(1, 2);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "rows.h"
 #include "vec8.h"
 
 namespace {
@@ -160,7 +161,8 @@ void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, i
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(w, scale, n0, n1, K, xp, x, M, y, N); });
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale) {
+torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "infer::linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "infer::linear runs on the CPU");
@@ -203,8 +205,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const 
 
 }  // namespace
 
+// lens: [B] real tokens a row of a padded [B, T] forward (rows.h); None: every row
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale,
+                     const c10::optional<torch::Tensor>& lens) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "infer::linear: x [M, K] and weight [N, K] expected, got ", x.sizes(),
+              " and ", weight.sizes());
+  return infer_kernels::on_real_rows(x, lens, weight.size(0),
+                                     [&](const torch::Tensor& xs) { return linear_rows(xs, weight, scale); });
+}
+
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? scale=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? scale=None, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include "rows.h"
 
 namespace {
 
@@ -46,7 +47,8 @@ void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// lens: [B] real rows of a padded [B, T] forward (rows.h): the pads are skipped, their outputs left unwritten
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& lens) {
   TORCH_CHECK(x.dim() == 2, "infer::rms_norm: x must be [rows, hidden], got ", x.sizes());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "infer::rms_norm: weight must be [", x.size(1),
               "], got ", weight.sizes());
@@ -59,21 +61,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto y = at::empty_like(xc);
   const int64_t rows = xc.size(0), n = xc.size(1);
   const float e = static_cast<float>(eps);
-  if (xc.scalar_type() == at::kFloat) {
-    for (int64_t m = 0; m < rows; ++m)
-      norm_row(xc.data_ptr<float>() + m * n, wc.data_ptr<float>(), y.data_ptr<float>() + m * n, n, e);
-  } else {
-    using B = at::BFloat16;
-    for (int64_t m = 0; m < rows; ++m)
-      norm_row(xc.data_ptr<B>() + m * n, wc.data_ptr<B>(), y.data_ptr<B>() + m * n, n, e);
-  }
+  infer_kernels::for_row_runs(lens, rows, [&](int64_t first, int64_t count) {
+    if (xc.scalar_type() == at::kFloat) {
+      for (int64_t m = first; m < first + count; ++m)
+        norm_row(xc.data_ptr<float>() + m * n, wc.data_ptr<float>(), y.data_ptr<float>() + m * n, n, e);
+    } else {
+      using B = at::BFloat16;
+      for (int64_t m = first; m < first + count; ++m)
+        norm_row(xc.data_ptr<B>() + m * n, wc.data_ptr<B>(), y.data_ptr<B>() + m * n, n, e);
+    }
+  }, [](int64_t, int64_t) {});
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "rows.h"
+
 namespace {
 
 // bfloat16 <-> float32 without branches, so the loops vectorise (c10::BFloat16's constructor tests for NaN with a
@@ -170,7 +172,9 @@ void check_dtype(const char* op, const at::Tensor& t) {
 
 // x [M, W] (rows may be strided: a view of the fused qkv product), cos/sin [M, D] -> [M, heads * D]: the first
 // `heads` heads of each row rotated.
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+// lens: [B] real rows of a padded [B, T] forward (rows.h): the pads are skipped, their outputs left unwritten
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim,
+                const c10::optional<at::Tensor>& lens) {
   check_dtype("rope", x);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "infer::rope: x must be [rows, width] with unit column stride, got ",
               x.sizes(), " strides ", x.strides());
@@ -183,34 +187,39 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
               "infer::rope: cos/sin dtype must be x's (", x.scalar_type(), ")");
   const auto c = cos.contiguous(), s = sin.contiguous();
   auto y = at::empty({x.size(0), heads * head_dim}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    rope_rows(x.data_ptr<float>(), x.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr<float>(),
-              x.size(0), heads, head_dim);
-  else
-    rope_rows(x.data_ptr<at::BFloat16>(), x.stride(0), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
-              y.data_ptr<at::BFloat16>(), x.size(0), heads, head_dim);
+  const int64_t W = heads * head_dim, xs = x.stride(0);
+  infer_kernels::for_row_runs(lens, x.size(0), [&](int64_t r, int64_t n) {
+    if (x.scalar_type() == at::kFloat)
+      rope_rows(x.data_ptr<float>() + r * xs, xs, c.data_ptr<float>() + r * head_dim,
+                s.data_ptr<float>() + r * head_dim, y.data_ptr<float>() + r * W, n, heads, head_dim);
+    else
+      rope_rows(x.data_ptr<at::BFloat16>() + r * xs, xs, c.data_ptr<at::BFloat16>() + r * head_dim,
+                s.data_ptr<at::BFloat16>() + r * head_dim, y.data_ptr<at::BFloat16>() + r * W, n, heads, head_dim);
+  }, [](int64_t, int64_t) {});
   return y;
 }
 
 // x [M, 2n] (gate | up, as the fused gate_up product writes them) -> [M, n]
-at::Tensor silu_mul(const at::Tensor& x) {
+at::Tensor silu_mul(const at::Tensor& x, const c10::optional<at::Tensor>& lens) {  // lens: as rope's
   check_dtype("silu_mul", x);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "infer::silu_mul: x must be [rows, 2 * n], got ", x.sizes());
   const auto xc = x.contiguous();
   const int64_t n = xc.size(1) / 2;
   auto y = at::empty({xc.size(0), n}, xc.options());
-  if (xc.scalar_type() == at::kFloat)
-    silu_mul_rows(xc.data_ptr<float>(), y.data_ptr<float>(), xc.size(0), n);
-  else
-    silu_mul_rows(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), xc.size(0), n);
+  infer_kernels::for_row_runs(lens, xc.size(0), [&](int64_t r, int64_t m) {
+    if (xc.scalar_type() == at::kFloat)
+      silu_mul_rows(xc.data_ptr<float>() + r * 2 * n, y.data_ptr<float>() + r * n, m, n);
+    else
+      silu_mul_rows(xc.data_ptr<at::BFloat16>() + r * 2 * n, y.data_ptr<at::BFloat16>() + r * n, m, n);
+  }, [](int64_t, int64_t) {});
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, int head_dim) -> Tensor");
-  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, int head_dim, Tensor? lens=None) -> Tensor");
+  m.def("silu_mul(Tensor x, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

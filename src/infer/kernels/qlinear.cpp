@@ -43,6 +43,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "rows.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -125,8 +127,9 @@ inline void quantize32(const float* x, int8_t* q, uint8_t* a, float* d, int32_t*
 }
 
 // x [M, K] float32 or bfloat16 (widened exactly into a block's float32 buffer)
+// rows: x's rows to take, in order (nullptr: rows 0..M-1)
 template <typename X>
-void quantize_rows(const X* x, int64_t M, int64_t K, int64_t nb, QuantX& q) {
+void quantize_rows(const X* x, int64_t M, int64_t K, int64_t nb, QuantX& q, const int64_t* rows = nullptr) {
   const int64_t Kp = nb * 32;
   q.q.resize(M * Kp);
   q.a.resize(M * Kp);
@@ -135,7 +138,7 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t nb, QuantX& q) {
   q.ds.resize(M * nb);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      const X* xb = x + m * K + b * 32;
+      const X* xb = x + (rows ? rows[m] : m) * K + b * 32;
       const int64_t n = std::min<int64_t>(32, K - b * 32);
       alignas(32) float buf[32];
       const float* src = reinterpret_cast<const float*>(xb);
@@ -155,7 +158,9 @@ struct Out {
   void* p;
   bool bf16;
   int64_t N;
+  const int64_t* map = nullptr;  // the tiles' row m is the output's row map[m] (pads skipped: rows.h); nullptr: m
   void store(int64_t m, int64_t n, const float* v, int64_t rows) const {
+    if (map) m = map[m];
     if (bf16) {
       c10::BFloat16* y = static_cast<c10::BFloat16*>(p) + m * N + n;
       for (int64_t r = 0; r < rows; ++r) y[r] = c10::BFloat16(v[r]);
@@ -590,7 +595,9 @@ const char* format_name(int64_t f) {
   return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : f == kQ4_K ? "Q4_K" : nullptr;
 }
 
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out_features) {
+// lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out_features,
+                      const c10::optional<torch::Tensor>& lens) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "infer::qlinear runs on the CPU");
   TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
               " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");
@@ -612,16 +619,22 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64
   auto xc = x.contiguous();
   auto w = packed.contiguous();
   auto y = at::empty({M, N}, x.options());  // x's dtype: written by the kernel, no cast after
+  // the real rows alone (rows.h): quantized and multiplied as a call of those rows, written to their places
+  bool all_real;
+  const auto keep = infer_kernels::real_rows(lens, M, all_real);
+  const int64_t* map = all_real ? nullptr : keep.data();
+  const int64_t Mr = all_real ? M : static_cast<int64_t>(keep.size());
+  if (Mr == 0) return y;  // the pads' outputs are left unwritten (rows.h)
   thread_local QuantX q;  // the calling thread's, reused: a step's ~200 calls allocate nothing after the first
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16) quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, nb, q);
-  else quantize_rows(xc.data_ptr<float>(), M, K, nb, q);
+  if (bf16) quantize_rows(xc.data_ptr<c10::BFloat16>(), Mr, K, nb, q, map);
+  else quantize_rows(xc.data_ptr<float>(), Mr, K, nb, q, map);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const Out out{y.data_ptr(), bf16, N};
-  if (format == kQ8_0) run<kQ8_0>(wp, N, nb, q, M, out);
-  else if (format == kQ4_0) run<kQ4_0>(wp, N, nb, q, M, out);
-  else if (format == kQ4_1) run<kQ4_1>(wp, N, nb, q, M, out);
-  else run<kQ4_K>(wp, N, nb, q, M, out);
+  const Out out{y.data_ptr(), bf16, N, map};
+  if (format == kQ8_0) run<kQ8_0>(wp, N, nb, q, Mr, out);
+  else if (format == kQ4_0) run<kQ4_0>(wp, N, nb, q, Mr, out);
+  else if (format == kQ4_1) run<kQ4_1>(wp, N, nb, q, Mr, out);
+  else run<kQ4_K>(wp, N, nb, q, Mr, out);
   return y;
 }
 
@@ -639,7 +652,7 @@ bool qlinear_pairs(bool on) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("qlinear(Tensor x, Tensor packed, int format, int out_features) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None) -> Tensor");
   m.def("qlinear_pairs(bool on) -> bool", &qlinear_pairs);  // no tensors: one kernel for every dispatch key
 }
 

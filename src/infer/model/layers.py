@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        """``lens``: the pads the kernel skips (``linear``)"""
         if few_rows_on_cpu(x, self.weight):  # decode / verify: infer's kernel, eager = compiled (kernels/norm.cpp)
-            return torch.ops.infer.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return torch.ops.infer.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, lens).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same math
         # Reduced precision: normalise in float32, cast back, then scale (Hugging Face's order of rounding).
@@ -99,15 +100,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+               lens: torch.Tensor | None = None) -> torch.Tensor:
     """The first ``heads`` heads of each row of x ``[B, T, W]`` rotated -> ``[B, T, heads, head_dim]`` (cos, sin
     ``[B, T, 1, head_dim]``). A bfloat16 few-token CPU step takes infer's kernel (kernels/pointwise.cpp: float32
-    inside, one rounding, the same bits eager or compiled); float32 has no rounding for inductor to skip."""
+    inside, one rounding, the same bits eager or compiled; it skips the pads past ``lens``: ``linear``); float32 has
+    no rounding for inductor to skip."""
     B, T, W = x.shape
     if x.dtype == torch.bfloat16 and few_rows_on_cpu(x):
         # positions may be shared by the batch (cos [1, T, 1, D], a forward without a cache): one row of cos a row
         cos, sin = (t.expand(B, T, 1, head_dim).reshape(B * T, head_dim) for t in (cos, sin))
-        y = torch.ops.infer.rope(x.reshape(B * T, W), cos, sin, heads, head_dim)
+        y = torch.ops.infer.rope(x.reshape(B * T, W), cos, sin, heads, head_dim, lens)
         return y.view(B, T, heads, head_dim)
     return apply_rope(x[..., : heads * head_dim].view(B, T, heads, head_dim), cos, sin)
 
@@ -115,8 +118,10 @@ def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations infer::linear takes
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x ``[..., in]`` @ weight ``[out, in]``.T (+ bias).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           lens: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[..., in]`` @ weight ``[out, in]``.T (+ bias). ``lens`` ([B], x ``[B, T, in]``): row b's tokens from
+    lens[b] on are pads, which infer's kernels skip (output 0: kernels/rows.h); other paths compute them.
 
     Decoding streams every weight once per step, so its speed is memory bandwidth. A few-row product on the CPU
     (decode, speculative verify) goes to ``infer::linear`` (infer.kernels), which reads the weights at the
@@ -127,7 +132,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     converting both operands and using the float32 one (283 x 512 x 3072: 47 vs 7 ms here).
     """
     if few_rows_on_cpu(x, weight, bias):
-        y = torch.ops.infer.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        y = torch.ops.infer.linear(x.reshape(-1, x.shape[-1]), weight, None, lens).view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
         y = (weight @ x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
@@ -169,8 +174,8 @@ def few_tokens_on_cpu(x: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """nn.Linear whose one-row products take the matrix-vector form under torch.compile (see ``linear``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, lens)
 
 
 class GatedMLP(nn.Module):
@@ -182,10 +187,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        """``lens``: the pads to skip (``linear``)"""
+        gate_up = self.gate_up_proj(x, lens)
         if gate_up.dtype == torch.bfloat16 and few_rows_on_cpu(gate_up):  # one rounding, eager = compiled (rope_heads)
-            h = torch.ops.infer.silu_mul(gate_up.reshape(-1, 2 * self.intermediate))
-            return self.down_proj(h.view(*x.shape[:-1], self.intermediate))
+            h = torch.ops.infer.silu_mul(gate_up.reshape(-1, 2 * self.intermediate), lens)
+            return self.down_proj(h.view(*x.shape[:-1], self.intermediate), lens)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, lens)

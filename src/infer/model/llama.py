@@ -37,9 +37,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv: KVCachePool | None, meta: AttnMeta | None):
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x)
+        lens = meta.lens if meta is not None else None  # [B] real tokens a row: the pads past them are skipped
+        qkv = self.qkv_proj(x, lens)
         # Rotate q and k together: they share cos/sin per position. [B, T, H + Hkv, D]
-        qk = rope_heads(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim)
+        qk = rope_heads(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, lens)
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -57,10 +58,10 @@ class Attention(nn.Module):
             k, v = kv.update(self.layer_idx, k, v, meta)  # [B, Hkv, kv_len, D]
             mask, causal, rows = meta.mask, meta.is_causal, None
         if kernel and not causal:
-            o = torch.ops.infer.attention(q, k, v, mask, rows)
+            o = torch.ops.infer.attention(q, k, v, mask, rows, lens)
         else:
             o = sdpa(q, k, v, mask, causal, self.n_kv != self.n_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size))
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size), lens)
 
 
 class DecoderLayer(nn.Module):
@@ -72,8 +73,9 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        lens = meta.lens if meta is not None else None  # [B] real tokens a row: the kernels skip the pads past them
+        x = x + self.self_attn(self.input_layernorm(x, lens), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x, lens), lens)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, attn_meta)
             if i in self.aux_layers:
                 aux.append(x)
-        return torch.cat([self.norm(x), *aux], -1) if aux else self.norm(x)
+        lens = attn_meta.lens if attn_meta is not None else None
+        return torch.cat([self.norm(x, lens), *aux], -1) if aux else self.norm(x, lens)
 
     def capture_layers(self, layers: tuple[int, ...]) -> None:
         """Make the forward return ``[final state; outputs of layers...]`` ``[B, T, (1 + n) H]`` (compute_logits reads
@@ -156,15 +159,21 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.weight
         return self.lm_head.dequantized_weight() if hasattr(self.lm_head, "dequantized_weight") else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         """hidden ``[..., hidden]`` (or what ``forward`` returns with captured layers) -> float32 logits
-        ``[..., vocab]``."""
+        ``[..., vocab]``. ``lens`` ([B], hidden ``[B, T, ...]``): row b's positions from lens[b] on are pads, which
+        the CPU kernels skip (their logits 0; a verify of rows with fewer drafts than the longest: ``attn_meta.lens``)."""
         c = self.compiled
         if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1] and (step := c.steps()[1]) is not None:
-            return step(hidden)
-        return self._logits(hidden)
+            return step(hidden) if lens is None else step(hidden, lens)
+        return self._logits(hidden, lens)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         hidden = hidden[..., : self.config.hidden_size]  # the final state (layers captured for a drafter follow it)
-        head = linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        head = linear(hidden, self.embed_tokens.weight, None, lens) if self.lm_head is None else \
+            self.lm_head(hidden, lens)
+        if lens is not None:  # the pads' rows, which the kernels leave unwritten, as 0: finite for the round's
+            # batched verification. Their rows alone are written (a pass over every row cost ~2.5 ms at 8 x 9 x 49,152)
+            pads = (torch.arange(head.shape[-2], device=lens.device) >= lens[:, None]).view(-1).nonzero().view(-1)
+            head.view(-1, head.shape[-1]).index_fill_(0, pads.to(head.device), 0)
         return head.float()

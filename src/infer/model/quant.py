@@ -86,10 +86,11 @@ class Int8Linear(_WeightOnlyLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return (self.qweight.float() * self.scale[:, None]).to(self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         if few_rows_on_cpu(x):
-            # decode/verify: infer's kernel widens each int8 weight in registers and keeps x's dtype
-            y = torch.ops.infer.linear(x.reshape(-1, self.in_features), self.qweight, self.scale)
+            # decode/verify: infer's kernel widens each int8 weight in registers and keeps x's dtype (and skips
+            # the pads past ``lens``: layers.linear)
+            y = torch.ops.infer.linear(x.reshape(-1, self.in_features), self.qweight, self.scale, lens)
             return self._output(y, x)
         x2 = self._kernel_input(x, self.compute_dtype)
         if self.qweight.device.type == "cpu":
@@ -289,10 +290,10 @@ class BlockLinear(_WeightOnlyLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_blocks(self.blocks(), self.fmt, self.in_features).to(self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu" and kernels.available():
-            y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features)
+        if x2.device.type == "cpu" and kernels.available():  # pads past ``lens`` skipped (layers.linear)
+            y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features, lens)
         else:  # no integer kernel here (CUDA, a failed build): the weights dequantized once, kept beside the blocks
             if self._dequantized is None:
                 self._dequantized = self.dequantized_weight().t()

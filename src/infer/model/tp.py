@@ -66,8 +66,8 @@ class AllReduce(nn.Module):
         super().__init__()
         self.inner, self.group = inner, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.inner(x, lens)
         _collective(dist.all_reduce, y, group=self.group)
         return y
 
@@ -97,10 +97,10 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.vocab_size, self.group = vocab_size, group
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         from .layers import linear
 
-        part = linear(hidden, self.weight).contiguous()  # [..., ceil(V/n)]
+        part = linear(hidden, self.weight, None, lens).contiguous()  # [..., ceil(V/n)]
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
         _collective(dist.all_gather, parts, part, group=self.group)
         return torch.cat(parts, -1)[..., :self.vocab_size]  # the padding's columns never leave this layer

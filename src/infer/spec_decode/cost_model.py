@@ -76,8 +76,13 @@ class CostModel:
         draft = [0.0] + [interp(dbs, [draft_pts[b] for b in dbs], B) if dbs else 0.0 for B in range(1, max_batch + 1)]
         return cls(max_batch, k_max, verify, draft)
 
-    def _cell(self, B: int, T: int) -> float:
-        return self.verify[min(B, self.max_batch)][min(T, self.k_max + 1)]
+    def _cell(self, B: int, T: float) -> float:
+        """The profiled forward of B rows x T tokens. A fractional T is a ragged forward of B x T real tokens (rows
+        drafting unequal K: the kernels skip the pads, kernels/rows.h), between the cells around it."""
+        row = self.verify[min(B, self.max_batch)]
+        T = min(T, self.k_max + 1)
+        lo = int(T)
+        return row[lo] if lo == T else row[lo] + (T - lo) * (row[lo + 1] - row[lo])
 
     FIT_DECAY = 0.9  # per forward of a batch size: its line follows the last ~10 of them
     RIDGE = 0.1  # the weight, in forwards, of the pseudo-forward at the origin (0 s profiled takes 0 s)
@@ -100,7 +105,7 @@ class CostModel:
             return x * self.last_scale
         return max(ab[0] + ab[1] * x, 0.25 * x)  # the floor: an offset fitted below zero never prices a forward ~free
 
-    def verify_cost(self, B: int, T: int) -> float:
+    def verify_cost(self, B: int, T: float) -> float:
         return self._price(self._cell(B, T), self.line(B))
 
     def verify_costs(self, B: int, t_max: int) -> list[float]:
@@ -127,8 +132,9 @@ class CostModel:
             return seconds
         return old + self.ema * (min(seconds, self.OUTLIER * old) - old)
 
-    def refresh_verify(self, B: int, T: int, seconds: float) -> None:
-        """One target forward over B x T tokens took ``seconds``: add it to B's line (at most OUTLIER x its price)."""
+    def refresh_verify(self, B: int, T: float, seconds: float) -> None:
+        """One target forward over B x T tokens took ``seconds`` (T fractional: its rows' real tokens over B, the pads
+        skipped): add it to B's line (at most OUTLIER x its price)."""
         x = self._cell(B, T) if 1 <= B <= self.max_batch and 1 <= T <= self.k_max + 1 else 0.0
         if x <= 0:
             return

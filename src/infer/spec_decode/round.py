@@ -164,7 +164,7 @@ class SpeculativeDecoder:
         lens = [r.num_tokens for r in reqs]
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
         hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
-        logits = runner.model.compute_logits(hidden)  # [B, K+1, V]
+        logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0
         if grammar is not None:  # p' = the target restricted to what the grammar allows, at each position
             grammar.apply(reqs, logits)
             grammar.release()  # the matchers follow the emitted tokens from here (Request.append)
@@ -184,7 +184,7 @@ class SpeculativeDecoder:
             # the round's one host sync
             n_acc, out_tokens, is_bonus = res.num_accepted.tolist(), res.output_tokens.tolist(), res.is_bonus.tolist()
         t2 = time.perf_counter()
-        self.spec_length.timed(B, K + 1, t2 - t1)
+        self.spec_length.timed(B, sum(map(len, rows)) / B, t2 - t1)  # its real tokens a row: the pads are skipped
         # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that brought more than
         # a round's worth of tokens (after rounds at K = 0) says little about a round's first step
         usual = prop.catch_up <= self.kv.lookahead + 1

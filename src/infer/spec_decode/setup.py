@@ -237,7 +237,8 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
         def run_verify(b: int, t: int) -> float:
             t0 = time.perf_counter()
             hidden = runner.forward(runner.model, kv.pool, slots[:b], [[1] * t] * b)
-            runner.model.compute_logits(hidden).max(-1).indices.tolist()  # the host sync a round ends with
+            lens = torch.tensor([t] * b) if t > 1 else None  # as a round's verify (a plain step's: none)
+            runner.model.compute_logits(hidden, lens).max(-1).indices.tolist()  # the host sync a round ends with
             seconds = time.perf_counter() - t0
             for s in slots[:b]:
                 kv.pool.truncate_to(s, n_ctx)

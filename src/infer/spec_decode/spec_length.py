@@ -231,12 +231,17 @@ class GoodputSpecLength:
                   for b in order if caps[b]]
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
         for k in range(1, k_top + 1):
-            fixed = verify[k + 1] + spec_o
-            total, setup_s, models = float(B), 0.0, 0
+            total, setup_s, models, drafts = float(B), 0.0, 0, 0
             draft_s = {}  # k steps over n model rows, priced when first needed
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
                 x = e[min(k, cap)]
                 total += x - 1.0  # extra tokens of the m-th drafting row
+                # the verify: B rows and the m drafting rows' drafts, B x t real tokens (the other rows' pads are
+                # skipped: kernels/rows.h), between the profiled widths around t
+                drafts += min(k, cap)
+                t = 1.0 + drafts / B
+                lo = int(t)
+                fixed = (verify[lo] if lo == t else verify[lo] + (t - lo) * (verify[lo + 1] - verify[lo])) + spec_o
                 models += not is_free
                 if once and not is_free:  # its set-up seconds, amortised over min(its rounds left, horizon)
                     setup_s += once * max(x / max(x, left), 1.0 / horizon)
@@ -330,8 +335,9 @@ class GoodputSpecLength:
         return None
 
     # Without a cost model yet (the decoder is not ready: it decodes plainly meanwhile), nothing is refreshed.
-    def timed(self, B: int, T: int, verify_s: float) -> None:
-        """A target forward over B rows x T tokens took ``verify_s``."""
+    def timed(self, B: int, T: float, verify_s: float) -> None:
+        """A target forward over B rows x T tokens took ``verify_s`` (T: its real tokens over B, fractional where rows
+        drafted unequal K: the pads are skipped)."""
         if self.costs is not None:
             self.costs.refresh_verify(B, T, verify_s)
 

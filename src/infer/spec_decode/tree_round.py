@@ -69,7 +69,7 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     base = [n - 1 for n in lens]  # the root's column and position
     attn = TreeAttn(torch.tensor(base, device=dev)[:, None] + depth, base, ancestor_mask(parents))
     hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
-    logits = runner.model.compute_logits(hidden)  # [B, N, V]
+    logits = runner.model.compute_logits(hidden, torch.tensor([len(t.tokens) for t in trees]))  # [B, N, V], pads 0
     for b, m in masks.items():  # p' at every node: the target restricted to what the grammar allows after its path
         logits[b, :len(m)] += mask_bias(m, V).to(dev)
     if fast_greedy:
