@@ -78,8 +78,8 @@ class TextOnly(LlamaForCausalLM):
     """A model that never emits a token that is not whole UTF-8 text (``text_mask``: -inf there). A random model
     would emit stray bytes, text no tokenizer reads back, which real models do not."""
 
-    def compute_logits(self, hidden):
-        return super().compute_logits(hidden) + self.text_mask
+    def compute_logits(self, hidden, lens=None):
+        return super().compute_logits(hidden, lens) + self.text_mask
 
 
 def text_only(model: LlamaForCausalLM, token_bytes: list[bytes]) -> LlamaForCausalLM:
