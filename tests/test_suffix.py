@@ -66,6 +66,32 @@ def test_best_children_and_stored_lookups_survive_growth_and_eviction():
     assert t.speculate_stored(99, 4, 0.2) == ([], 0, 0.0, [])  # no such sequence: no draft
 
 
+def test_the_edge_table_grows_and_shrinks_with_the_tree():
+    """Thousands of nodes (the edge table rehashes several times), then most sequences removed (erasure shifts
+    entries back along their probe runs): every count and edge is still found (check()), and lookups agree with a
+    tree built from the survivors alone."""
+    rnd = random.Random(1)
+    t = suffix_tree_module().SuffixTree(8)
+    seqs = {s: [rnd.randrange(300) for _ in range(60)] for s in range(150)}
+    for s, toks in seqs.items():
+        t.extend(s, toks)
+    assert t.check() and t.num_nodes() > 20_000
+    for s in range(0, 150, 3):
+        t.extend(s, [1, 2, 3])
+        seqs[s] += [1, 2, 3]
+    for s in list(seqs):
+        if s % 5:
+            t.remove(s)
+            del seqs[s]
+    fresh = suffix_tree_module().SuffixTree(8)
+    for s, toks in seqs.items():
+        fresh.extend(s, toks)
+    assert t.check() and t.num_nodes() == fresh.num_nodes()
+    for toks in seqs.values():  # one draft: the match and its best child's share do not depend on ties' order
+        for m in (1, 2, 5):
+            assert t.speculate(toks[-m:], 1, 0.0)[1:3] == fresh.speculate(toks[-m:], 1, 0.0)[1:3]
+
+
 def test_min_prob_sets_the_draft_length():
     t = suffix_tree_module().SuffixTree(8)
     for s, tail in enumerate([[5, 6, 7], [5, 6, 8], [5, 9, 9]]):
@@ -154,7 +180,7 @@ def test_a_requests_own_tree_drafts_what_its_own_text_holds():
     assert p.lookup(r, 6) == [50, 51, 9, 3] and p.draft_confidence(r, 6) == pytest.approx([1.0] * 4)
     assert p.confidence_group(r, 6) == MATCH_GROUPS + 1  # a match of 2 tokens, in the request's own tree
     p.finished(r)
-    assert r not in p._own
+    assert p._rows[r].own is None  # its own tree went with it
     shared = SuffixProposer(max_depth=8, min_prob=0.3, length_factor=1.0, own_length_factor=None)
     for i in range(6):
         q = _req([7, 8, 100 + i, 9])
@@ -163,6 +189,46 @@ def test_a_requests_own_tree_drafts_what_its_own_text_holds():
     assert shared.lookup(_req([1, 2, 7, 8, 50, 51, 9, 3, 7, 8]), 6) == []
     with pytest.raises(ValueError, match="own_length_factor"):
         SuffixProposer(own_length_factor=0)
+
+
+def test_a_batchs_lookups_in_one_call_are_each_rows_lookup():
+    """Auto K asks every row every round through Proposer.offers, which the suffix proposer answers with one C++
+    call for the batch (lookup_rows). Its answers are what each row's own lookup in the shared and own trees gives
+    (the more expected accepted tokens wins, the shared at a tie), round after round as the rows grow."""
+    rnd = random.Random(2)
+    p = SuffixProposer(max_depth=6, min_prob=0.2, length_factor=1.0, own_length_factor=2.0)
+    ref = SuffixProposer(max_depth=6, min_prob=0.2, length_factor=1.0, own_length_factor=2.0)
+    for _ in range(20):  # earlier requests' text, in both
+        toks = [rnd.randrange(8) for _ in range(rnd.randint(5, 30))]
+        for q in (p, ref):
+            r = _req(toks)
+            q.lookup(r, 1)
+            q.finished(r)
+    rows = [[rnd.randrange(8) for _ in range(rnd.randint(2, 20))] for _ in range(6)]
+    mine, theirs = [_req(t) for t in rows], [_req(t) for t in rows]
+    drafted = 0
+    for step in range(12):
+        ks = [rnd.choice([0, 1, 3, 5]) for _ in rows]
+        got = p.offers(mine, ks)
+        for b, (r, k) in enumerate(zip(theirs, ks)):
+            if k == 0:
+                assert got[b] is None
+                continue
+            row = ref._sync(r)
+            d, m, _, probs = ref.tree.speculate_stored(row.seq, k, 0.2, 1, length_factor=1.0)
+            group = max(0, min(m, MATCH_GROUPS) - 1)
+            od, om, _, oprobs = row.own.speculate_stored(0, k, 0.2, 1, length_factor=2.0)
+            if sum(oprobs) > sum(probs):
+                d, probs, group = od, oprobs, MATCH_GROUPS + max(0, min(om, MATCH_GROUPS) - 1)
+            cond = [x / (probs[j - 1] if j else 1.0) for j, x in enumerate(probs)]
+            assert got[b][0] == len(d) and got[b][1] == pytest.approx(cond) and got[b][2] == group
+            assert p.lookup(mine[b], k) == d  # the proposal is the draft priced
+            drafted += len(d)
+        for a, c in zip(mine, theirs):  # each row grows by 1-3 tokens
+            for t in [rnd.randrange(8) for _ in range(rnd.randint(1, 3))]:
+                a.append(t)
+                c.append(t)
+    assert drafted > 20  # the rows did find drafts
 
 
 def test_engine_options_reach_the_proposer_and_bad_ones_are_named():

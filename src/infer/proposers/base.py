@@ -76,6 +76,18 @@ class Proposal:
     steps_s: float = 0.0
 
 
+Offer = tuple[int, "list[float] | None", int]  # (free drafts, their confidences, confidence group): Proposer.offers
+
+
+def row_offers(reqs, ks, free, confidence, group) -> list[Offer | None]:
+    """``Proposer.offers`` row by row from the three per-row answers (callables like the proposer's methods)."""
+    out: list[Offer | None] = []
+    for r, k in zip(reqs, ks):
+        n = free(r, k) if k > 0 else None
+        out.append(None if n is None else (n, confidence(r, n), group(r, n)))
+    return out
+
+
 class Proposer(ABC):
     """Guesses continuations; see the module docstring for the invariants."""
 
@@ -110,6 +122,12 @@ class Proposer(ABC):
         (the same probability may mean more from one kind of evidence than another: a suffix tree's long match
         against a one-token one). A small int; 0 where the proposer does not tell its confidences apart."""
         return 0
+
+    def offers(self, reqs: list[Request], ks: list[int]) -> list[Offer | None]:
+        """For each row with ``ks[b] > 0``: (``free_drafts``, ``draft_confidence`` of those, ``confidence_group``) at
+        ``ks[b]``; None where its drafts come from a model or ``ks[b]`` is 0. Auto K asks every row every round: a
+        proposer may answer for the batch at once (the suffix tree: one C++ call)."""
+        return row_offers(reqs, ks, self.free_drafts, self.draft_confidence, self.confidence_group)
 
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two

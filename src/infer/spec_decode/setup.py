@@ -111,9 +111,7 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         store = CostStore(cfg, runner.model, kv, max_batch, widest, cross is not None)
         costs = costs or cache.get(key) or store.load()
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
-        decoder.spec_length.pending, decoder.spec_length.free = proposer.pending, proposer.free_drafts
-        decoder.spec_length.confidence, decoder.spec_length.group = proposer.draft_confidence, \
-            proposer.confidence_group
+        decoder.spec_length.pending, decoder.spec_length.offers = proposer.pending, proposer.offers
 
         def profile_now() -> None:
             with progress.stage("profiling what a speculative round costs (first start with these settings)"):

@@ -52,6 +52,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..proposers.base import row_offers
 from .adaptive import EntropyAdaptiveGamma
 from .cost_model import CostModel
 
@@ -92,9 +93,10 @@ class Calibration:
 
     def curve(self, confidence: list[float], k_max: int) -> list[float]:
         """E[tokens a row emits] for k = 0..k_max drafts of these confidences (flat past the last draft)."""
-        e, alive = [1.0], 1.0
-        for p in confidence[:k_max]:
-            alive *= self(p)
+        e, alive, top = [1.0], 1.0, self.bins - 1
+        for p in confidence[:k_max]:  # self(p), inline: auto K prices every row every round
+            i = min(top, max(0, int(p * self.bins)))
+            alive *= self.accepted[i] / self.judged[i]
             e.append(e[-1] + alive)
         return e + [e[-1]] * (k_max + 1 - len(e))
 
@@ -182,6 +184,8 @@ class GoodputSpecLength:
         self.free = lambda req, k: None  # the proposer's Proposer.free_drafts
         self.confidence = lambda req, k: None  # the proposer's Proposer.draft_confidence
         self.group = lambda req, k: 0  # the proposer's Proposer.confidence_group
+        # the three for every row at once: the proposer's Proposer.offers (setup), else from the three above
+        self.offers = lambda reqs, caps: row_offers(reqs, caps, self.free, self.confidence, self.group)
         self.calibrations: defaultdict[int, Calibration] = defaultdict(Calibration)  # confidence group -> its own
         self.calibration = self.calibrations[0]  # group 0's
         # rounds since a model draft step was last timed, and after how many an exploration round drafts anyway
@@ -260,12 +264,12 @@ class GoodputSpecLength:
 
     def choose(self, reqs, caps):
         B = len(reqs)
-        free = [self.free(r, c) if c else None for r, c in zip(reqs, caps)]  # free drafts available, or None
-        caps = [c if f is None else min(c, f) for c, f in zip(caps, free)]
-        is_free = [f is not None for f in free]
+        offers = self.offers(reqs, caps)  # per row (free drafts available, their confidences, group), or None
+        caps = [c if o is None else min(c, o[0]) for c, o in zip(caps, offers)]
+        is_free = [o is not None for o in offers]
         alphas = [self.alpha(r, f) for r, f in zip(reqs, is_free)]
-        confidence = [self.confidence(r, c) if f else None for r, c, f in zip(reqs, caps, free)]
-        groups = [0 if p is None else self.group(r, c) for r, c, p in zip(reqs, caps, confidence)]
+        confidence = [o[1] if o is not None and o[0] else None for o in offers]
+        groups = [0 if p is None else o[2] for o, p in zip(offers, confidence)]
         curves = [None if p is None else self.calibrations[g].curve(p, self.k_max) for p, g in zip(confidence, groups)]
         setup = [(0.0 if f else self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids))
                  for r, f in zip(reqs, is_free)]
