@@ -137,7 +137,9 @@ def test_auto_k_on_measured_costs_in_a_batch_stays_exact(gqa_dir):
     got = eng.run([eng.add_request(p, params) for p in prompts])
     assert [r.output_ids for r in got] == [o.token_ids for o in plain]
     ratio = policy.costs.verify_cost(8, 9) / policy.costs.verify_cost(8, 1)
-    assert ratio > 1.0  # what the profile measured: 9 tokens per row cost more than 1
+    # the profile's prices never fall with width (a narrow forward slowed by the host is lowered to the wider one's:
+    # equal, on a tiny model whose forward is mostly fixed cost; `> 1` failed 1 run in ~6 on a busy host)
+    assert ratio >= 1.0
 
 
 def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
