@@ -51,6 +51,10 @@ deterministic (q = one-hot) and verified exactly like prompt lookup's, so what t
 included, can change only how fast a request runs, never what it outputs (tests/test_suffix.py shows a request's
 output equal with the tree empty and full). Requests of one engine share its proposer; the engine steps from one
 thread, so the tree needs no lock.
+
+Auto K asks every row every round (``offers``): the rows not yet looked up at their length are fed and looked up in
+both their trees by one C++ call for the batch (``lookup_rows``; row by row from Python it cost ~50 us a row, 3.5% of
+an 8-row step on the chat control; now ~10 us).
 """
 
 from __future__ import annotations
