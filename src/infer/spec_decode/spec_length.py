@@ -181,10 +181,11 @@ class GoodputSpecLength:
         # a single early rejection sent every request of a sampled workload to k = 0 for good)
         self.global_accepted, self.global_judged = 6.0, 10.0
         self.global_free_accepted, self.global_free_judged = 6.0, 10.0  # the same prior for free drafts
-        self.free = lambda req, k: None  # the proposer's Proposer.free_drafts
-        self.confidence = lambda req, k: None  # the proposer's Proposer.draft_confidence
-        self.group = lambda req, k: 0  # the proposer's Proposer.confidence_group
-        # the three for every row at once: the proposer's Proposer.offers (setup), else from the three above
+        # per-row answers as Proposer.free_drafts, draft_confidence and confidence_group give them (none by default)
+        self.free = lambda req, k: None
+        self.confidence = lambda req, k: None
+        self.group = lambda req, k: 0
+        # the three for every row at once: setup wires the proposer's Proposer.offers; else from the three above
         self.offers = lambda reqs, caps: row_offers(reqs, caps, self.free, self.confidence, self.group)
         self.calibrations: defaultdict[int, Calibration] = defaultdict(Calibration)  # confidence group -> its own
         self.calibration = self.calibrations[0]  # group 0's
