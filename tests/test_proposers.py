@@ -179,6 +179,53 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
     probes = [i for i in range(1, 130) if policy.choose([r], [6]) == [1]]
     assert probes == [sl.PROBE_EVERY, 3 * sl.PROBE_EVERY, 7 * sl.PROBE_EVERY]
 
+    # where no probe can pay (two rows, verifying dear), a due probe is skipped and asked about again a period later,
+    # not every round after (the price of a probe was half of choose's at 8 rows); it probes once it can pay
+    policy = GoodputSpecLength(6, CostModel.from_points(2, 6, {(1, 1): 1.0, (1, 7): 1.12, (2, 1): 1.0, (2, 7): 9.0},
+                                                         {1: 0.1, 2: 0.1}))
+    policy.explore_every = 1 << 20  # probes alone (no exploration round drafting 2 meanwhile)
+    a, b = _req([6]), _req([7])
+    for x in (a, b):
+        for _ in range(20):
+            policy.observe(x, 4, 0)
+    priced = []
+    best = policy._best
+    policy._best = lambda *args, **kw: priced.append(len(args[0])) or best(*args, **kw)
+    assert all(policy.choose([a, b], [6, 6]) == [0, 0] for _ in range(4 * sl.PROBE_EVERY))
+    assert priced.count(2) == 4 * sl.PROBE_EVERY + 4  # every round's choice, and a probe's price per period
+    assert any(policy.choose([a], [6]) == [1] for _ in range(sl.PROBE_EVERY))  # alone a probe pays
+
+
+
+def test_pricing_backs_off_where_its_answers_do_not_pay_for_it():
+    """Where choose's answers gain less than choose costs (a forward priced at microseconds: any Python costs more),
+    it prices one round in PRICE_EVERY_MAX and answers k = 0 meanwhile; an answer that drafts brings back pricing
+    every round."""
+    from infer.spec_decode import spec_length as sl
+
+    costs = CostModel.from_points(2, 6, {(1, 1): 1e-6, (1, 7): 1.1e-6, (2, 1): 1e-6, (2, 7): 2.2e-6},
+                                  {1: 1e-8, 2: 1e-8})
+    policy = GoodputSpecLength(6, costs)
+    policy.explore_every = 1 << 20
+    a, b = _req([6]), _req([7])
+    for x in (a, b):
+        for _ in range(20):
+            policy.observe(x, 4, 0)  # every draft rejected: k = 0 pays best
+    priced = []
+    offers = policy.offers
+    policy.offers = lambda reqs, caps: priced.append(len(reqs)) or offers(reqs, caps)
+    answers = [policy.choose([a, b], [6, 6]) for _ in range(64)]
+    assert len(priced) <= 64 // sl.PRICE_EVERY_MAX + 3  # 1, 2, then 4 rounds apart
+    assert sum(map(any, answers)) <= 1  # k = 0 (but a probe due)
+    for x in (a, b):
+        for _ in range(20):
+            policy.observe(x, 4, 4)  # now every draft is accepted: drafting pays
+    n = len(priced)
+    answers = [policy.choose([a, b], [6, 6]) for _ in range(24)]
+    first = next(i for i, ks in enumerate(answers) if any(ks))
+    assert first < sl.PRICE_EVERY_MAX  # found at the next priced round
+    assert all(min(ks) > 0 for ks in answers[first:])  # and from there every round is priced, and drafts
+    assert len(priced) - n == 1 + 24 - 1 - first
 
 
 def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():

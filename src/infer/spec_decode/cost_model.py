@@ -111,7 +111,8 @@ class CostModel:
     def verify_costs(self, B: int, t_max: int) -> list[float]:
         """[verify_cost(B, T) for T = 0..t_max] (T = 0: 0.0), B's fitted line read once (a round prices every K)."""
         ab = self.line(B)
-        return [0.0] + [self._price(self._cell(B, T), ab) for T in range(1, t_max + 1)]
+        row = self.verify[min(B, self.max_batch)]  # integer widths: the profiled cells themselves (_cell, inline)
+        return [0.0] + [self._price(row[min(T, self.k_max + 1)], ab) for T in range(1, t_max + 1)]
 
     def draft_cost(self, B: int, k: int = 1) -> float:
         """Seconds of a round's k draft steps over B rows: the first step, then k - 1 more."""

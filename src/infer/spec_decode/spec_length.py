@@ -48,6 +48,7 @@ tokens whatever the price, which re-measures both the first and a later draft st
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -65,6 +66,12 @@ ALPHA_CAP = 0.98  # E(a, k) is bounded by k + 1 anyway; this keeps 1 - a away fr
 # within the cost model's error (its estimates of a round's parts are within a few percent, demo pair, 8 rows), and
 # a loss there is a loss for every row of the batch. One request gains 15-50%; a full batch of the demo pair ~0-5%.
 MARGIN = 0.08
+# Pricing pays for itself: per batch size, an EMA (weight PRICE_EMA a priced round) of what choose's answers are
+# predicted to gain over plain decoding (a fraction of a step: 0 where it answered k = 0) against what choose costs
+# (its seconds over a plain step's price). Where the gain is smaller, choose answers k = 0 unpriced for up to
+# PRICE_EVERY_MAX - 1 rounds in PRICE_EVERY_MAX (doubling from 1), and prices every round again once an answer drafts.
+PRICE_EMA = 1 / 32
+PRICE_EVERY_MAX = 4
 EXPLORE_EVERY = 64  # rounds without a model draft step before one row drafts 2 anyway (re-pricing a draft step),
 EXPLORE_MAX = 1024  # doubled after each exploration up to this; reset when a round drafts by choice
 
@@ -169,6 +176,16 @@ class _Acceptance:
     group: int = 0  # and their confidence group (Proposer.confidence_group)
 
 
+@dataclass
+class _Pricing:
+    # EMAs of a priced round's predicted gain over plain decoding, in plain steps (from 0.1: ~50 priced rounds
+    # that never draft before a typical cost, ~0.02, exceeds it), and of choose's seconds over a plain step's price
+    gain: float = 0.1
+    cost: float = 0.0
+    every: int = 1  # price one round in `every`
+    skipped: int = 0  # rounds answered unpriced since the last priced one
+
+
 class GoodputSpecLength:
     """``spec_length="auto"``: per round, the K per request that maximises expected tokens per second."""
 
@@ -200,9 +217,12 @@ class GoodputSpecLength:
         # seconds a step spends outside the timed forwards (sampling set-up, verification, rollback, emission), per
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
+        self.pricing: dict[int, _Pricing] = {}  # batch size -> whether choose's answers pay for its own time
 
     def alpha(self, req, free: bool = False) -> float:
-        s = self.state.get(req) or _Acceptance()
+        return self._alpha(self.state.get(req) or _Acceptance(), free)
+
+    def _alpha(self, s: _Acceptance, free: bool) -> float:
         if free:
             a_global = self.global_free_accepted / self.global_free_judged
             return (s.free_accepted + PRIOR_WEIGHT * a_global) / (s.free_judged + PRIOR_WEIGHT)
@@ -234,6 +254,12 @@ class GoodputSpecLength:
                    [expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
                    *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
                   for b in order if caps[b]]
+        # No k can beat plain decoding if even the most each row could add (its curve's top: curves only grow with k),
+        # over the cheapest verify alone (no draft steps, no set-up), does not: the answer without the search. At 8
+        # rows auto K prices almost every draft out, and the search over k and m was most of choose (~0.1 ms a step).
+        ceiling = (B + sum(max(e[:cap + 1]) - 1.0 for e, cap, *_ in e_rows)) / (min(verify[1:]) + spec_o)
+        if ceiling <= best[0]:
+            return best
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
         for k in range(1, k_top + 1):
             total, setup_s, models, drafts = float(B), 0.0, 0, 0
@@ -265,15 +291,51 @@ class GoodputSpecLength:
 
     def choose(self, reqs, caps):
         B = len(reqs)
+        pricing = self.pricing.get(B)
+        if pricing is None:
+            pricing = self.pricing[B] = _Pricing()
+        if pricing.skipped + 1 < pricing.every:  # its answers here have not paid for its time: k = 0, unpriced
+            pricing.skipped += 1
+            self.last_choice = (0, 0)
+            return [0] * B
+        t0 = time.perf_counter()
+        ks, gain = self._choose(reqs, caps)
+        step = self.costs.verify_cost(B, 1) + self.overhead.get((B, False), 0.0)
+        pricing.gain += PRICE_EMA * (gain - pricing.gain)
+        pricing.cost += PRICE_EMA * ((time.perf_counter() - t0) / max(step, 1e-9) - pricing.cost)
+        pricing.skipped = 0
+        # an answer that drafts by choice (not a probe, not an exploration): opportunities come in runs
+        pricing.every = 1 if gain > 0 or pricing.gain >= pricing.cost else min(2 * pricing.every, PRICE_EVERY_MAX)
+        return ks
+
+    def _choose(self, reqs, caps) -> tuple[list[int], float]:
+        """-> (ks, the predicted gain of the round over plain decoding, in plain steps: 0 at k = 0)."""
+        B = len(reqs)
         offers = self.offers(reqs, caps)  # per row (free drafts available, their confidences, group), or None
-        caps = [c if o is None else min(c, o[0]) for c, o in zip(caps, offers)]
-        is_free = [o is not None for o in offers]
-        alphas = [self.alpha(r, f) for r, f in zip(reqs, is_free)]
-        confidence = [o[1] if o is not None and o[0] else None for o in offers]
-        groups = [0 if p is None else o[2] for o, p in zip(offers, confidence)]
-        curves = [None if p is None else self.calibrations[g].curve(p, self.k_max) for p, g in zip(confidence, groups)]
-        setup = [(0.0 if f else self.costs.catch_up * self.pending(r), r.params.max_tokens - len(r.output_ids))
-                 for r, f in zip(reqs, is_free)]
+        # per row in one pass (auto K prices every row every round): its state, cap, estimate, curve and set-up
+        states, is_free, alphas, confidence, groups, curves, setup = [], [], [], [], [], [], []
+        caps = list(caps)  # cut to the free drafts on offer; the caller's list is its own
+        for b, (r, o) in enumerate(zip(reqs, offers)):
+            s = self.state.get(r)
+            if s is None:
+                s = self.state[r] = _Acceptance()
+            states.append(s)
+            free = o is not None
+            is_free.append(free)
+            alphas.append(self._alpha(s, free))
+            left = r.params.max_tokens - len(r.output_ids)
+            if free:
+                caps[b] = min(caps[b], o[0])
+                p, g = (o[1], o[2]) if o[0] else (None, 0)
+                confidence.append(p)
+                groups.append(g)
+                curves.append(None if p is None else self.calibrations[g].curve(p, self.k_max))
+                setup.append((0.0, left))
+            else:
+                confidence.append(None)
+                groups.append(0)
+                curves.append(None)
+                setup.append((self.costs.catch_up * self.pending(r), left))
         if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
             self.rounds_at_size = 1
         elif B > self.last_size:  # a request joined: it stays for its tokens
@@ -282,29 +344,32 @@ class GoodputSpecLength:
             self.rounds_at_size += 1
         self.last_size = B
         # no row has a draft to offer (a copying proposer found no match anywhere): plain decoding, nothing to price
-        _, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free, curves) if any(caps) \
+        rate, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free, curves) if any(caps) \
             else (0.0, 0, 0)
+        # what drafting is predicted to gain, in plain steps (rate over plain's, MARGIN taken out of plain's rate)
+        gain = rate * (self.costs.verify_cost(B, 1) + self.overhead.get((B, False), 0.0)) / B - 1.0 if k else 0.0
         order = self._order(alphas, caps)
         ks = [0] * B
         for b in order[:m]:
             ks[b] = min(k, caps[b])
         probe_pays = None  # whether a probe could pay at all at this batch size (asked once, when a probe is due)
-        for b, r in enumerate(reqs):
-            s = self.state.setdefault(r, _Acceptance())
+        for b, s in enumerate(states):
             s.confidence, s.group = confidence[b], groups[b]
             if ks[b] == 0 and caps[b] > 0:
                 s.rounds_at_zero += 1
                 if s.rounds_at_zero >= s.probe_every:
                     if probe_pays is None:  # a well-predicted row drafting one token alone beats plain decoding?
                         probe_pays = bool(self._best([0.9] + [0.0] * (B - 1), [1] + [0] * (B - 1))[1])
+                    s.rounds_at_zero = 0  # due again in probe_every rounds, whether it probes now or not: at a
+                    # batch size where no probe pays, asking every round was half of choose's pricing at 8 rows
                     if probe_pays:
-                        ks[b], s.rounds_at_zero = 1, 0
+                        ks[b] = 1
                         s.probe_every = min(2 * s.probe_every, PROBE_MAX)  # reset only if the row drafts by choice
             elif ks[b]:
                 s.rounds_at_zero, s.probe_every = 0, PROBE_EVERY
         self._explore(ks, caps, is_free, alphas)
         self.last_choice = (max(ks), sum(1 for x in ks if x))
-        return ks
+        return ks, gain
 
     def _explore(self, ks: list[int], caps: list[int], is_free: list[bool], alphas: list[float]) -> None:
         """After ``explore_every`` rounds without two model draft steps, the most promising model row drafts 2."""
