@@ -40,6 +40,14 @@ priced as the long runs they are, and a draft that trails off into a rare branch
 (``Proposer.confidence_group``: a suffix tree's matched context, 1, 2, 3 or 4+ tokens: a share of the counts after
 a one-token match says less than the same share after a long one; replayed figures in proposers/suffix.py).
 
+Pricing pays for itself. Pricing a round costs Python time: at 8 rows of the suffix proposer ~0.3 ms, ~2% of a
+step, where auto K answers k = 0 in almost every round (benchmarks/suffix.py, chat at 8 requests). Per batch size
+the policy keeps two EMAs: what its answers are predicted to gain over plain decoding (in plain steps; 0 for a k = 0
+answer) and what choose costs (its seconds over a plain step's price). Where the gain is the smaller, it prices one
+round in 2, then in 4 (PRICE_EVERY_MAX), answering k = 0 unpriced in between; a priced answer that drafts by choice
+brings back pricing every round (drafting chances come in runs). A skipped round loses what its answer would have
+gained, and the EMA says that averages less than pricing it.
+
 Exploration. The price of a draft step is only measured by rounds that draft; a price set too high (a stall while
 it was measured, a profile stored on a busy machine) would keep every row at k = 0 for good. After EXPLORE_EVERY
 rounds with no model draft step (doubled after each, up to EXPLORE_MAX), the most promising model row drafts two
@@ -218,6 +226,7 @@ class GoodputSpecLength:
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
         self.pricing: dict[int, _Pricing] = {}  # batch size -> whether choose's answers pay for its own time
+        self.price_every_max = PRICE_EVERY_MAX  # 1: price every round (benchmarks' A/B of the back-off)
 
     def alpha(self, req, free: bool = False) -> float:
         return self._alpha(self.state.get(req) or _Acceptance(), free)
@@ -305,7 +314,7 @@ class GoodputSpecLength:
         pricing.cost += PRICE_EMA * ((time.perf_counter() - t0) / max(step, 1e-9) - pricing.cost)
         pricing.skipped = 0
         # an answer that drafts by choice (not a probe, not an exploration): opportunities come in runs
-        pricing.every = 1 if gain > 0 or pricing.gain >= pricing.cost else min(2 * pricing.every, PRICE_EVERY_MAX)
+        pricing.every = 1 if gain > 0 or pricing.gain >= pricing.cost else min(2 * pricing.every, self.price_every_max)
         return ks
 
     def _choose(self, reqs, caps) -> tuple[list[int], float]:
