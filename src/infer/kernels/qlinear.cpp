@@ -222,7 +222,7 @@ inline void block_dots(const uint8_t* w, int64_t gb, const int8_t* const* x, con
       for (int m = 0; m < MT; ++m)
         acc[g][m] = S == 2 ? _mm256_add_epi32(part[0][g][m], part[S - 1][g][m]) : part[0][g][m];
 #else
-    for (int j = 0; j < 8; ++j) {
+    auto step = [&](int j) {
       __m256i xb[MT];
       for (int m = 0; m < MT; ++m) xb[m] = bcast4(x[m] + 4 * j);
       __m256i ab[MT];
@@ -232,6 +232,15 @@ inline void block_dots(const uint8_t* w, int64_t gb, const int8_t* const* x, con
         const __m256i ws = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // q + 128 -> q
         for (int m = 0; m < MT; ++m) acc[g][m] = dot_u8s8(acc[g][m], ab[m], _mm256_sign_epi8(ws, xb[m]));
       }
+    };
+    if constexpr (MT > 1) {
+      // several rows (verify, prompt): unrolled by 2, not 8. Fully unrolled, GCC computed all 8 x G x MT products
+      // first and spilled them to the stack before summing (integer sums: it may reorder them); the head over
+      // 49,152 rows ran 1.04-1.12x faster at 5-64 rows this way (AMD EPYC, 2026-11-29; the same sums, the same bits)
+#pragma GCC unroll 2
+      for (int j = 0; j < 8; ++j) step(j);
+    } else {
+      for (int j = 0; j < 8; ++j) step(j);
     }
 #endif
   } else {
