@@ -266,18 +266,20 @@ inline void block_dots(const uint8_t* w, int64_t gb, const int8_t* const* x, con
     __m256i s16[G][MT];
     for (int g = 0; g < G; ++g)
       for (int m = 0; m < MT; ++m) s16[g][m] = _mm256_setzero_si256();
+    // the G groups' nibbles unpacked first, then each row's two broadcasts in turn: 2 x G + 2 registers beside the
+    // sums, not 2 x MT + 3, so a tile takes 5 rows (2 x 5 sums); unpacking every row's broadcasts first, it took 3
     auto step = [&](int j) {
-      __m256i xl[MT], xh[MT];
-      for (int m = 0; m < MT; ++m) {
-        xl[m] = bcast4(x[m] + 8 * j);
-        xh[m] = bcast4(x[m] + 8 * j + 4);
-      }
+      __m256i lo[G], hi[G];
       for (int g = 0; g < G; ++g) {
         const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * gb + 32 * j));
-        const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
-        for (int m = 0; m < MT; ++m)
-          s16[g][m] = _mm256_add_epi16(s16[g][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[m]),
-                                                                   _mm256_maddubs_epi16(hi, xh[m])));
+        lo[g] = _mm256_and_si256(t, low);
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xl = bcast4(x[m] + 8 * j), xh = bcast4(x[m] + 8 * j + 4);
+        for (int g = 0; g < G; ++g)
+          s16[g][m] = _mm256_add_epi16(s16[g][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], xl),
+                                                                   _mm256_maddubs_epi16(hi[g], xh)));
       }
     };
     if constexpr (MT > 1) {
@@ -324,8 +326,10 @@ inline void store_rows(const Out& y, int64_t m, int64_t n, FAcc f, int64_t rows)
 constexpr int kDecodeGroups = 1, kVerifyGroups = 2, kMaxActRows = 5;  // 32 registers: 2 x 5 x (int + float) accs
 #else
 constexpr int kDecodeGroups = 2, kVerifyGroups = 2, kMaxActRows = 2;  // 16 registers
-// 4-bit weights take 3 activation rows a tile (2 x 3 int16 sums and 6 broadcasts; 1.1-1.2x at 5 and 9 rows, AMD EPYC)
-#define INFER_QLINEAR_Q4_ROWS 3
+// 4-bit weights take 5 activation rows a tile (2 x 5 int16 sums; the broadcasts one row at a time: block_dots). 3
+// rows with every broadcast held were 1.1-1.2x faster than 2 at 5 and 9 rows; 5 rows this way are 1.04-1.11x faster
+// than those 3 at 5-64 rows (SmolLM2's Q4_1 products, AMD EPYC, 2026-11-29; the same sums, the same bits)
+#define INFER_QLINEAR_Q4_ROWS 5
 #endif
 #else
 // Portable: the same exact integer sums and the same per-lane float chain, in plain C++.
