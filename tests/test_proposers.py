@@ -343,6 +343,37 @@ def test_a_round_first_draft_step_is_priced_apart_from_the_later_ones():
     assert k >= 4 and old.choose([r], [6])[0] <= 2
 
 
+def test_a_round_later_draft_steps_are_priced_by_their_number():
+    """A compiled chain's call costs more than its steps (SmolLM2's EAGLE-3 head, Zen 4: a chain of 1, 2, 3 steps
+    0.71, 0.88, 1.04 ms). One price a step, averaged over the rounds' lengths, priced long rounds at a multiple of
+    their cost when rounds of 2 drafts were the common ones, and auto K kept drafting short: the later steps are
+    priced per number j, as measured, and a j not measured yet off the line through those that were."""
+    import copy
+    c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.1})
+    assert c.draft_cost(1, 3) == pytest.approx(0.3)  # nothing measured: j profiled steps
+    for _ in range(40):  # rounds of 2 drafts: one later step, in a chain's call (0.3) plus its step (0.03)
+        c.refresh_draft(1, 0.2, 0.33, 1)
+    assert c.draft_cost(1, 2) == pytest.approx(0.53, rel=1e-3)
+    assert c.draft_cost(1, 4) == pytest.approx(0.2 + 3 * 0.33, rel=1e-3)  # one j measured: in proportion to it
+    for _ in range(40):  # rounds of 3 drafts: the same call, two steps
+        c.refresh_draft(1, 0.2, 0.36 / 2, 2)
+    assert c.draft_cost(1, 2) == pytest.approx(0.53, rel=1e-3) and c.draft_cost(1, 3) == pytest.approx(0.56, rel=1e-3)
+    assert c.draft_cost(1, 5) == pytest.approx(0.2 + 0.3 + 4 * 0.03, rel=1e-3)  # off the line through them
+    policy = GoodputSpecLength(6, c)
+    r = _req([1, 2])
+    for _ in range(10):
+        policy.observe(r, 4, 3)  # a ~ 0.75
+    k = policy.choose([r], [6])[0]
+    old = copy.deepcopy(c)  # the old price: each later step at the mean step of the rounds (0.18 after the last)
+    old.later = [{} for _ in old.later]
+    assert old.draft_cost(1, 4) == pytest.approx(0.2 + 3 * 0.18, rel=1e-2)
+    old_policy = GoodputSpecLength(6, old)
+    old_policy.state = policy.state
+    assert k >= 5 and old_policy.choose([r], [6])[0] <= 3
+    # a sample under half a j's price replaces it, as for every price (a stall while it was measured)
+    c.refresh_draft(1, 0.2, 0.01, 2)
+    assert c.later_cost(1, 2) == pytest.approx(0.02)
+
 def test_an_overpriced_drafter_is_re_measured_by_exploration_rounds():
     """A draft step priced far above its cost (a stall while it was measured, a profile stored on a busy machine)
     sends every row to k = 0; with no drafting round nothing would correct it. Every EXPLORE_EVERY rounds (then

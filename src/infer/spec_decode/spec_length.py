@@ -12,7 +12,8 @@ machine measures. With B decode rows, row b at acceptance estimate a_b, the roun
 sum_b E(a_b, K_b), E(a, k) = (1 - a^(k+1)) / (1 - a), and its cost is k draft steps at the batch size that drafts
 plus one target forward over B x (k+1) tokens. The policy maximises tokens per second over k in 0..K_max and over
 how many of the most promising rows draft (the rest take k = 0 inside the same verify pass); k drafts cost a round's
-first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up). k = 0
+first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up, and
+the later ones are priced by their number: a compiled chain's call costs more than its steps). k = 0
 is plain decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns,
 K falls to 0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
 refits its batch size's line from profiled to measured seconds (an offset and a slope). Also counted: each step's bookkeeping outside the
@@ -423,7 +424,7 @@ class GoodputSpecLength:
     def drafted(self, rows: int, steps: int, first_s: float, steps_s: float) -> None:
         """A round's ``steps`` model draft steps over ``rows`` rows: the first took ``first_s``, the rest ``steps_s``."""
         if self.costs is not None and steps:
-            self.costs.refresh_draft(rows, first_s, steps_s / (steps - 1) if steps > 1 else None)
+            self.costs.refresh_draft(rows, first_s, steps_s / (steps - 1) if steps > 1 else None, steps - 1)
 
     def caught_up(self, tokens: int, seconds: float) -> None:
         """The proposer fed ``tokens`` of lazy prefill in ``seconds``."""
