@@ -40,6 +40,39 @@ def test_feature_store_keeps_positions_in_order():
     assert store.end(r) == 6
 
 
+
+def test_feature_store_matches_a_position_map_under_any_hand_overs():
+    """The store keeps hand-overs as chunks, joined when read (a plain step's row is no longer copied with the whole
+    run every step): against a plain map of position -> row, random hand-overs (in order, recomputed, after a gap),
+    drops and reads agree, the store's end and last row too."""
+    import random
+    rng = random.Random(0)
+    for _ in range(100):
+        store, r, ref, pos = FeatureStore(), Request([1, 2, 3], SamplingParams()), {}, rng.randint(0, 5)
+        for _ in range(30):
+            if rng.random() < 0.6:
+                n = rng.randint(1, 3)
+                start = max(0, pos + rng.choice([0, 0, 0, -2, 1, 3])) if ref else pos
+                h = torch.randn(n, 4)
+                store.add(r, start, h)
+                if ref and start < min(ref):
+                    ref.clear()
+                end = max(ref) + 1 if ref else start
+                ref = {p: v for p, v in ref.items() if p < start}
+                ref.update({p: torch.zeros(4) for p in range(end, start)})
+                ref.update({start + i: h[i] for i in range(n)})
+                pos = start + n
+            elif ref:
+                cut = rng.randint(min(ref), max(ref) + 1)
+                store.drop_before(r, cut)
+                ref = {p: v for p, v in ref.items() if p >= cut}
+            if ref:
+                lo, hi = min(ref), max(ref) + 1
+                a, b = rng.randint(lo - 2, hi - 1), rng.randint(hi, hi + 2)
+                want = torch.stack([ref.get(p, torch.zeros(4)) for p in range(a, b)])
+                assert torch.equal(store.get(r, a, b, 4, torch.float32, "cpu"), want)
+                assert store.end(r) == hi and store.last(r)[0] == hi - 1 and torch.equal(store.last(r)[1], ref[hi - 1])
+
 @pytest.fixture(scope="module")
 def target():
     return random_llama(V, seed=0)
