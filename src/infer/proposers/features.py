@@ -37,7 +37,7 @@ class FeatureStore:
         hidden = hidden.detach().clone()  # a compiled step may reuse its output buffer
         cur = self._of.get(req)
         if cur is None or start < cur[0]:
-            self._of[req] = [start, [hidden], len(hidden)]
+            self._of[req] = [start, [hidden] if len(hidden) else [], len(hidden)]
             return
         end = cur[0] + cur[2]
         if start < end:  # recomputed positions: drop what followed them
@@ -45,19 +45,20 @@ class FeatureStore:
         elif start > end:  # never computed (prefix cache): zeros
             cur[1].append(hidden.new_zeros(start - end, hidden.shape[1]))
             cur[2] += start - end
-        cur[1].append(hidden)
-        cur[2] += len(hidden)
+        if len(hidden):  # no empty chunk: ``last`` reads the last chunk's last row
+            cur[1].append(hidden)
+            cur[2] += len(hidden)
 
     @staticmethod
     def _joined(cur: list) -> torch.Tensor:
-        """The request's rows as one tensor [rows, H] (its chunks joined, and kept so)."""
+        """The request's rows as one tensor [rows, H] (its chunks joined, and kept so; rows > 0)."""
         if len(cur[1]) > 1:
             cur[1] = [torch.cat(cur[1])]
         return cur[1][0]
 
     def _keep(self, cur: list, n: int) -> None:
         """Keep the first n rows."""
-        cur[1], cur[2] = [self._joined(cur)[:n]], n
+        cur[1], cur[2] = ([self._joined(cur)[:n]] if n else []), n
 
     def end(self, req: Request) -> int:
         """One past the last stored position (0: none)."""
