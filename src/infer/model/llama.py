@@ -78,6 +78,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x, lens), lens)
 
 
+def _zero_pads(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V] with the pads' rows (positions >= lens[b]), which the kernels leave unwritten, set to 0: finite
+    for a round's batched verification. Outside the compiled head, and only where a row has pads (asked on the host):
+    inside, the fill's data-dependent ``nonzero`` split the head's graph in two on every verify (two graph calls and
+    Dynamo's entry twice, ~0.15 ms), pads or not. The pads' rows alone are written (a pass over every row cost ~2.5 ms
+    at 8 x 9 x 49,152)."""
+    T = logits.shape[-2]
+    if int(lens.min()) >= T:
+        return logits
+    pads = (torch.arange(T, device=lens.device) >= lens[:, None]).view(-1).nonzero().view(-1)
+    logits.view(-1, logits.shape[-1]).index_fill_(0, pads.to(logits.device), 0)
+    return logits
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, init_embedding: bool = True):
         super().__init__()
@@ -165,15 +179,14 @@ class LlamaForCausalLM(nn.Module):
         the CPU kernels skip (their logits 0; a verify of rows with fewer drafts than the longest: ``attn_meta.lens``)."""
         c = self.compiled
         if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1] and (step := c.steps()[1]) is not None:
-            return step(hidden) if lens is None else step(hidden, lens)
-        return self._logits(hidden, lens)
+            logits = step(hidden) if lens is None else step(hidden, lens)
+        else:
+            logits = self._logits(hidden, lens)
+        return logits if lens is None else _zero_pads(logits, lens)
 
     def _logits(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The head (what torch.compile traces); the pads' rows are left as the kernels leave them (``_zero_pads``)."""
         hidden = hidden[..., : self.config.hidden_size]  # the final state (layers captured for a drafter follow it)
         head = linear(hidden, self.embed_tokens.weight, None, lens) if self.lm_head is None else \
             self.lm_head(hidden, lens)
-        if lens is not None:  # the pads' rows, which the kernels leave unwritten, as 0: finite for the round's
-            # batched verification. Their rows alone are written (a pass over every row cost ~2.5 ms at 8 x 9 x 49,152)
-            pads = (torch.arange(head.shape[-2], device=lens.device) >= lens[:, None]).view(-1).nonzero().view(-1)
-            head.view(-1, head.shape[-1]).index_fill_(0, pads.to(head.device), 0)
         return head.float()
