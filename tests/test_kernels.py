@@ -471,14 +471,19 @@ def test_pads_past_lens_are_skipped_and_the_real_rows_keep_their_bits():
         torch.ops.infer.rms_norm(x, nw, 1e-5, torch.tensor([1.0, 2.0, 3.0]))
 
 
-def test_a_ragged_forward_gives_each_row_its_bits_and_zero_logits_at_the_pads(gqa_dir):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_ragged_forward_gives_each_row_its_bits_and_zero_logits_at_the_pads(gqa_dir, compiled):
     """A verify of rows with unequal tokens (attn_meta.lens, set by the pool for every forward of T > 1): each row's
     hidden states and logits are bit-identical to its forward alone, and the logits of its pads are 0 (the kernels
-    leave them unwritten; a round's batched verification reads finite values)."""
+    leave them unwritten; a round's batched verification reads finite values). Compiled too: the pads are zeroed
+    after the compiled head, only where a row has some (LlamaForCausalLM.compute_logits)."""
     from infer.cache.slotted import SlottedKVCache
+    from infer.model.compile import compile_model
     from infer.model.loader import load_model
 
     model = load_model(gqa_dir)
+    if compiled:
+        compile_model(model)
     cfg = model.config
     pool = SlottedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 32, 3, model.dtype)
     prompts, rows = [[3, 5, 7], [4, 6], [9, 2, 8, 1]], [[11, 12, 13, 14], [15], [16, 17]]
