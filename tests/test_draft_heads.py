@@ -40,7 +40,6 @@ def test_feature_store_keeps_positions_in_order():
     assert store.end(r) == 6
 
 
-
 def test_feature_store_matches_a_position_map_under_any_hand_overs():
     """The store keeps hand-overs as chunks, joined when read (a plain step's row is no longer copied with the whole
     run every step): against a plain map of position -> row, random hand-overs (in order, recomputed, after a gap),
@@ -72,6 +71,7 @@ def test_feature_store_matches_a_position_map_under_any_hand_overs():
                 want = torch.stack([ref.get(p, torch.zeros(4)) for p in range(a, b)])
                 assert torch.equal(store.get(r, a, b, 4, torch.float32, "cpu"), want)
                 assert store.end(r) == hi and store.last(r)[0] == hi - 1 and torch.equal(store.last(r)[1], ref[hi - 1])
+
 
 @pytest.fixture(scope="module")
 def target():

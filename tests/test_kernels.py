@@ -475,8 +475,8 @@ def test_pads_past_lens_are_skipped_and_the_real_rows_keep_their_bits():
 def test_a_ragged_forward_gives_each_row_its_bits_and_zero_logits_at_the_pads(gqa_dir, compiled):
     """A verify of rows with unequal tokens (attn_meta.lens, set by the pool for every forward of T > 1): each row's
     hidden states and logits are bit-identical to its forward alone, and the logits of its pads are 0 (the kernels
-    leave them unwritten; a round's batched verification reads finite values). Compiled too: the pads are zeroed
-    after the compiled head, only where a row has some (LlamaForCausalLM.compute_logits)."""
+    leave them unwritten; a round's batched verification reads finite values). Compiled too (the forward's graph;
+    the head, compiled on CUDA only, has its pads zeroed after it, where a row has some: compute_logits)."""
     from infer.cache.slotted import SlottedKVCache
     from infer.model.compile import compile_model
     from infer.model.loader import load_model

@@ -80,10 +80,10 @@ class DecoderLayer(nn.Module):
 
 def _zero_pads(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """logits [B, T, V] with the pads' rows (positions >= lens[b]), which the kernels leave unwritten, set to 0: finite
-    for a round's batched verification. Outside the compiled head, and only where a row has pads (asked on the host):
-    inside, the fill's data-dependent ``nonzero`` split the head's graph in two on every verify (two graph calls and
-    Dynamo's entry twice, ~0.15 ms), pads or not. The pads' rows alone are written (a pass over every row cost ~2.5 ms
-    at 8 x 9 x 49,152)."""
+    for a round's batched verification. After the head (compiled on CUDA), and only where a row has pads (asked on the
+    host): inside a compiled head, the fill's data-dependent ``nonzero`` split its graph in two on every verify (two
+    graph calls and Dynamo's entry twice, ~0.15 ms), pads or not. The pads' rows alone are written (a pass over every
+    row cost ~2.5 ms at 8 x 9 x 49,152)."""
     T = logits.shape[-2]
     if int(lens.min()) >= T:
         return logits

@@ -40,8 +40,8 @@ class CostModel:
     costs more than its steps (SmolLM2's EAGLE-3 head on the AMD EPYC Zen 4 host: a chain of 1 step 0.71 ms, of 2
     0.88, of 3 1.04: ~0.54 ms a call and ~0.17 a step). One price a step, averaged over rounds of every length, priced
     a round's 3 later steps at up to 3 x 0.71 ms, twice their cost, when rounds of 2 drafts were the common ones, and
-    so auto K kept them the common ones. A j no round has drafted yet is read off the line through the ones measured (with one, in proportion to
-    it; with none, j profiled steps)."""
+    so auto K kept them the common ones. A j no round has drafted yet is read off the line through the ones measured
+    (with one, in proportion to it; with none, j profiled steps)."""
 
     max_batch: int
     k_max: int
