@@ -226,13 +226,14 @@ def main() -> None:
             costs = getattr(ours[f"ours + {name} (defaults)"].engine.decoder.spec_length, "costs", None)
             pinned = rows[f"ours + {name} K={PINNED_K}"]
             if costs is not None and pinned.get("alpha") is not None:
-                # c: a draft step's mean cost in a round of PINNED_K (the first step, which carries the round's
-                # set-up and catch-up, is priced apart from the later ones: CostModel.draft_cost)
+                # c: a draft step's mean cost in a round of PINNED_K (rounds are priced whole, per number of drafts:
+                # CostModel.draft_cost); c_first a round of one draft, c_step what each further one adds
                 d1 = costs.verify_cost(1, 1)
                 c = costs.draft_cost(1, PINNED_K) / PINNED_K / d1
                 v = costs.verify_cost(1, PINNED_K + 1) / d1
                 results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {
-                    "c": c, "v": v, "c_first": costs.draft_first[1] / d1, "c_step": costs.draft[1] / d1}
+                    "c": c, "v": v, "c_first": costs.draft_cost(1, 1) / d1,
+                    "c_step": (costs.draft_cost(1, PINNED_K) - costs.draft_cost(1, 1)) / max(1, PINNED_K - 1) / d1}
                 pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, c, v)
         results[str(temp)] = rows
     if a.llama_dir is not None:  # llama.cpp's fastest plain configuration: llama-bench tg of each GGUF
@@ -289,8 +290,9 @@ def render(res: dict, tag: str = "drafters") -> str:
         mc = res["results"].get("model_costs", {}).get(temp)
         if mc:
             mc = mc if "c" not in mc else {"smollm2-lm": mc}  # results of the one-drafter version
-            md += ["", "; ".join(f"{n}: c = {x['c']:.3f}" + (f" (first {x['c_first']:.3f}, later {x['c_step']:.3f})"
-                                                             if "c_first" in x else "") + f", v = {x['v']:.2f}"
+            md += ["", "; ".join(f"{n}: c = {x['c']:.3f}"
+                                 + (f" (a round of one {x['c_first']:.3f}, each further draft {x['c_step']:.3f})"
+                                    if "c_first" in x else "") + f", v = {x['v']:.2f}"
                                  for n, x in mc.items())
                    + f" (K = {res['pinned_k']})"]
         md.append("")

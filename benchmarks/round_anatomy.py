@@ -73,8 +73,10 @@ def _first_step_timers(llm, into: dict) -> None:
         setattr(obj, name, f)
     wrap(model, "propose", "the model's proposal")
     wrap(model, "_catch_up", "catch-up bookkeeping")
-    wrap(model, "_forward", "head forward (the round's first step)")
+    wrap(model, "_forward", "head forward (a round's first step, where not fused)")
     wrap(base.DraftDrawer, "draw", "eager draw (draft-vocabulary scores, q, draft)")
+    wrap(model.head, "draft_round", "fused round (first step, draw and up to 3 more steps: one call)")
+    wrap(model.head, "draft_chain", "chain of later steps (one call)")
 
 
 def run(workload: str, passes: int) -> dict:
@@ -122,7 +124,8 @@ def run(workload: str, passes: int) -> dict:
                                 "accepted": statistics.mean(a for _, a in v)} for kind, v in sorted(kinds.items())}
                      for n, kinds in steps.items()},
            "verify_ms": [1e3 * costs.verify_cost(1, t) for t in range(1, 10)],
-           "draft_ms": [1e3 * costs.draft_first[1], 1e3 * costs.draft[1]],
+           # a round of one draft, then what each further draft adds (rounds of 4: CostModel.draft_cost)
+           "draft_ms": [1e3 * costs.draft_cost(1, 1), 1e3 * (costs.draft_cost(1, 4) - costs.draft_cost(1, 1)) / 3],
            "overhead_ms": {("speculating" if k[1] else "plain") + f" B={k[0]}": 1e3 * v
                            for k, v in spec.overhead.items()},
            "first_step_ms": {k: 1e3 * statistics.median(v) for k, v in parts.items()}}
@@ -150,7 +153,8 @@ def render(res: dict) -> None:
                 lines.append(f"| {kind} | {v['n']} | {v['median_ms']:.2f} | {v['accepted']:.2f} | {rate:.3f} | "
                              f"{rate * base:.2f}x |")
         lines += ["", "Cost model (ms): verify of T = 1..9 tokens " + ", ".join(f"{x:.2f}" for x in r["verify_ms"])
-                  + f"; draft steps, first / later {r['draft_ms'][0]:.2f} / {r['draft_ms'][1]:.2f}; bookkeeping "
+                  + f"; drafts, a round of one / each further one {r['draft_ms'][0]:.2f} / {r['draft_ms'][1]:.2f}; "
+                  + "bookkeeping "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r["overhead_ms"].items()) + "."]
         if r["first_step_ms"]:
             lines.append("A round's model proposal, median ms: " + ", ".join(

@@ -74,8 +74,9 @@ def test_quantizing_a_compiled_model_is_refused(gqa_dir):
 def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind):
     """Issue 33's cheap draft steps: beside a quantized target the drafter is quantized too (Q8_0: its projections and
     draft-vocabulary rows on infer::qlinear) and, the target being compiled, so is its step (built by the warm-up on a
-    twin of the draft pool), and a round's later steps of an EAGLE head run as one chain (draft_chain: greedy, or
-    drawn at a plain temperature; for the EAGLE head over a draft vocabulary with the prompt's tokens added).
+    twin of the draft pool), and an EAGLE head's round runs as one call (draft_round: its first step and up to
+    CHAIN_MAX more, greedy or drawn at a plain temperature; for the EAGLE head over a draft vocabulary with the
+    prompt's tokens added).
     Drafts are proposals: the tokens are still the quantized target's own."""
     from infer.model.draft_heads import save_heads
     from infer.model.loader import load_model
@@ -98,9 +99,10 @@ def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind)
     assert d.compiled is not None and any(isinstance(m, BlockLinear) for m in d.modules())
     assert llm.engine.wait_until_ready(timeout=600) and llm.engine.warmup.error is None
     chains = []
-    if kind.startswith("eagle"):  # count the compiled chains run
-        compiled_chain, run_only = d.compiled.methods["_chain"]
-        d.compiled.methods["_chain"] = (lambda *a: chains.append(1) or compiled_chain(*a), run_only)
+    if kind.startswith("eagle"):  # count the compiled rounds and chains run
+        for name in ("_round", "_chain"):
+            compiled, run_only = d.compiled.methods[name]
+            d.compiled.methods[name] = (lambda *a, f=compiled, n=name: chains.append(n) or f(*a), run_only)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the warm-up built the drafter's graphs too
         assert _ids(llm.generate(PROMPTS, GREEDY)) == want
         greedy_chains = len(chains)
@@ -108,6 +110,9 @@ def test_quantized_compiled_drafters_keep_greedy_parity(gqa_dir, tmp_path, kind)
         assert all(_ids(llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=0))))
     assert llm.engine.stats.num_draft_tokens > 0
     assert (greedy_chains > 0 and len(chains) > greedy_chains) == kind.startswith("eagle")
+    # K = 3: a round's drafts come from its one call, but where its catch-up is a short prompt's first, causal fill
+    # (eager, then a chain)
+    assert chains.count("_round") > chains.count("_chain") or not kind.startswith("eagle")
 
 
 def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):

@@ -139,8 +139,8 @@ def test_joint_distribution_equals_target(kind, params):
 
 
 def test_joint_distribution_equals_target_when_a_chain_draws_at_a_temperature():
-    """Plain temperature sampling: the EAGLE-3 head's later draft steps draw inside its chain (draft_chain), q from
-    softmax(logits / T) (T = 1 above). The random head's flat logits leave this test little power against a q
+    """Plain temperature sampling: the EAGLE-3 head's draft steps draw inside its round's one call (draft_round: the
+    first step and the chain after it; K = 2), q from softmax(logits / T) (T = 1 above, the same path). The random head's flat logits leave this test little power against a q
     that drops the temperature (p ~0.1-0.2 for it): test_a_draft_chain_gives_the_single_steps_drafts pins q exactly."""
     assert _pvalue("eagle3", SamplingParams(temperature=0.6, max_tokens=4)) > 0.001
 
@@ -213,14 +213,16 @@ def test_eagle3_training_unroll_equals_cached_drafting(backend):
                 assert torch.allclose(prev[0, 0], outs[s - 1][m], atol=1e-5), (m, s)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("vocab", ["eagle over a subset", "eagle over q8_0 rows and a prompt's", "eagle3's own"])
-def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled):
+def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled, fused):
     """EagleHead.draft_chain (issue 33: a round's later draft steps in one graph) computes what the single steps
     and their draws compute: each step's argmax over the draft vocabulary, or its draw from softmax(logits / T)
     with the row's next uniform (q returned), fed to the next step, two rows at once, the cache written where single
-    steps write it."""
+    steps write it. ``fused``: draft_round, the round's first step in the same call, from catch-up entries of
+    unequal lengths (3 and 1: one row padded) whose last outputs are drawn from first."""
     from infer.cache.paged import PagedKVCachePool
     from infer.cache.slotted import SlottedKVCache
     from infer.proposers.draft_vocab import DraftVocab, HeadVocab
@@ -237,6 +239,7 @@ def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled):
             dv = dv.quantized("q8_0").including([5, 9, 11])
             assert dv.extra_weight is not None
     c, H = head.config, target.config.hidden_size
+    W = head.feature_width if kind == "eagle3" else H
     pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64, max_slots=2) if backend == "slotted" else \
         PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4)
     slots = [pool.allocate(24), pool.allocate(24)]
@@ -244,36 +247,55 @@ def test_a_draft_chain_gives_the_single_steps_drafts(backend, vocab, sampled):
     temp = torch.tensor([0.7, 1.3]) if sampled else None
     with torch.inference_mode():
         meta = pool.prepare(slots, [7, 7])
-        feats = torch.randn(2, 7, head.feature_width if kind == "eagle3" else H, generator=g)
+        feats = torch.randn(2, 7, W, generator=g)
         head(torch.randint(0, 64, (2, 7), generator=g), feats, meta.positions, pool, meta)
         tok, hidden = torch.tensor([3, 8]), torch.randn(2, H, generator=g)
-        u = torch.rand(2, 3, dtype=torch.float64, generator=g)
+        u = torch.rand(2, 4, dtype=torch.float64, generator=g)
+        # the fused round's catch-up: row 0 brings 3 entries, row 1 one (padded to 3)
+        x, f = torch.randint(0, 64, (2, 3), generator=g), torch.randn(2, 3, W, generator=g)
+        lens = [3, 1]
+
+        def draw(h, i):
+            logits = dv.logits(h)
+            if sampled:
+                q = (logits / temp[:, None]).softmax(-1)
+                return dv.token(inverse_cdf(q, u[:, i])), q
+            return dv.token(logits.max(-1).indices), None
 
         def singles(m):
             t, h, out, qs = tok, hidden, [], []
-            for i in range(m):
+            if fused:  # the catch-up forward, each row's last output drawn from
+                meta = pool.prepare(slots, lens)
+                h = head(x, f, meta.positions, pool, meta)[torch.arange(2), torch.tensor(lens) - 1]
+                t, q = draw(h, 0)
+                out.append(t)
+                qs.append(q)
+            for i in range(fused, m + fused):
                 meta = pool.prepare(slots, [1, 1])
                 h = head(t[:, None], h[:, None], meta.positions, pool, meta)[:, 0]
-                logits = dv.logits(h)
-                if sampled:
-                    qs.append((logits / temp[:, None]).softmax(-1))
-                    t = dv.token(inverse_cdf(qs[-1], u[:, i]))
-                else:
-                    t = dv.token(logits.max(-1).indices)
+                t, q = draw(h, i)
                 out.append(t)
+                qs.append(q)
             return torch.stack(out, 1), h, torch.stack(qs, 1) if sampled else None
 
         want, want_h, want_q = singles(3)
-        want_k = pool.k[0].clone() if backend == "slotted" else None
+        # the slotted pool's keys but its scratch column (the pads' writes: two to one column, either may land last)
+        want_k = pool.k[0][:, :, :-1].clone() if backend == "slotted" else None
         for s in slots:
             pool.truncate_to(s, 7)
-        got, got_h, got_q = head.draft_chain(tok, hidden, pool, [pool.prepare(slots, [1, 1]) for _ in range(3)], dv,
-                                             temp if sampled else torch.zeros(2), u)
+        t = temp if sampled else torch.zeros(2)
+        if fused:
+            metas = [pool.prepare(slots, lens)] + pool.prepare_run(slots, 3)
+            got, got_h, got_q = head.draft_round(x, f, torch.tensor(lens) - 1, pool, metas, dv, t, u)
+        else:
+            got, got_h, got_q = head.draft_chain(tok, hidden, pool, [pool.prepare(slots, [1, 1]) for _ in range(3)],
+                                                 dv, t, u)
     assert torch.equal(got, want) and torch.equal(got_h, want_h)
     assert not sampled or torch.equal(got_q, want_q)
-    assert len(set(got.flatten().tolist())) > 1 and all(pool.seq_len(s) == 10 for s in slots)
+    assert len(set(got.flatten().tolist())) > 1
+    assert [pool.seq_len(s) for s in slots] == ([13, 11] if fused else [10, 10])
     if want_k is not None:
-        assert torch.equal(pool.k[0], want_k)
+        assert torch.equal(pool.k[0][:, :, :-1], want_k)
 
 
 def test_eagle3_training_steps_reach_every_weight():

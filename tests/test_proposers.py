@@ -297,11 +297,11 @@ def test_a_draft_price_a_stall_set_falls_to_the_first_fast_measurement():
     EMA from there needed ~30 drafting rounds, which a priced-out drafter only gets from rare explorations: a
     measurement under half the price replaces it, one above moves it by the usual EMA (at most to twice the price)."""
     c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.365})
-    c.refresh_draft(1, 0.0008, 0.0008)
-    assert c.draft_first[1] == c.draft[1] == pytest.approx(0.0008)
-    c.refresh_draft(1, 0.001, 0.1)  # slower: an EMA step each, the stall's sample capped at twice the price
-    assert c.draft_first[1] == pytest.approx(0.0008 + 0.2 * 0.0002)
-    assert c.draft[1] == pytest.approx(0.0008 + 0.2 * 0.0008)
+    assert c.draft_cost(1, 2) == pytest.approx(0.73)  # nothing measured: the profile
+    c.refresh_draft(1, 2, 0.0016)
+    assert c.draft_cost(1, 2) == pytest.approx(0.0016)
+    c.refresh_draft(1, 2, 0.1)  # slower: an EMA step, the stall's sample capped at twice the price
+    assert c.draft_cost(1, 2) == pytest.approx(0.0016 + 0.2 * 0.0016)
     c.refresh_catch_up(10, 10 * 0.5)
     c.refresh_catch_up(10, 10 * 0.01)
     assert c.catch_up == pytest.approx(0.01)
@@ -321,58 +321,39 @@ def test_a_profile_point_above_a_wider_or_larger_one_is_cut_to_it():
     assert [c.verify[2][t] for t in (1, 2, 4)] == pytest.approx([7.0, 8.0, 10.0])  # untouched
 
 
-def test_a_round_first_draft_step_is_priced_apart_from_the_later_ones():
-    """The trap it fixes: rounds of k = 1-2, whose first step carries the round's set-up, priced every step at the
-    first's cost, and auto K stopped drafting on a drafter that pays at k = 4."""
+def test_a_round_is_priced_by_its_number_of_drafts():
+    """A round's first step carries its set-up, and a compiled round's call costs more than its steps (SmolLM2's
+    EAGLE-3 head, Zen 4: ~1.2 ms a call, ~0.17 ms a step). The traps this avoids: every step priced at what one-step
+    rounds measured (auto K stopped drafting on a drafter that pays at k = 4), and later steps priced at their mean
+    over rounds of every length (long rounds at a multiple of their cost while rounds of 2 were the common ones).
+    Each k is priced as measured, and a k not measured yet off the line through those that were."""
     c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.1})
     assert c.draft_cost(1, 4) == pytest.approx(0.4) and c.draft_cost(0, 4) == 0.0 and c.draft_cost(1, 0) == 0.0
-    for _ in range(40):  # one-step rounds whose step costs 0.3 (set-up included): the later steps' price stays
-        c.refresh_draft(1, 0.3)
-    assert c.draft_first[1] == pytest.approx(0.3, rel=1e-3) and c.draft[1] == pytest.approx(0.1)
-    for _ in range(40):
-        c.refresh_draft(1, 0.3, 0.05)
-    assert c.draft_cost(1, 4) == pytest.approx(0.3 + 3 * 0.05, rel=1e-3)
-    policy = GoodputSpecLength(6, c)
-    r = _req([1, 2])
-    for _ in range(10):
-        policy.observe(r, 4, 3)  # a ~ 0.75: k = 4 costs 0.45 + verify 1.4 for ~3 tokens
-    k = policy.choose([r], [6])[0]
-    # the old pricing (every step at what one-step rounds measured) drafts shorter, and measures one-step rounds
-    old = GoodputSpecLength(6, CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.3}))
-    old.state = policy.state
-    assert k >= 4 and old.choose([r], [6])[0] <= 2
-
-
-def test_a_round_later_draft_steps_are_priced_by_their_number():
-    """A compiled chain's call costs more than its steps (SmolLM2's EAGLE-3 head, Zen 4: a chain of 1, 2, 3 steps
-    0.71, 0.88, 1.04 ms). One price a step, averaged over the rounds' lengths, priced long rounds at a multiple of
-    their cost when rounds of 2 drafts were the common ones, and auto K kept drafting short: the later steps are
-    priced per number j, as measured, and a j not measured yet off the line through those that were."""
-    import copy
-    c = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.1})
-    assert c.draft_cost(1, 3) == pytest.approx(0.3)  # nothing measured: j profiled steps
-    for _ in range(40):  # rounds of 2 drafts: one later step, in a chain's call (0.3) plus its step (0.03)
-        c.refresh_draft(1, 0.2, 0.33, 1)
-    assert c.draft_cost(1, 2) == pytest.approx(0.53, rel=1e-3)
-    assert c.draft_cost(1, 4) == pytest.approx(0.2 + 3 * 0.33, rel=1e-3)  # one j measured: in proportion to it
-    for _ in range(40):  # rounds of 3 drafts: the same call, two steps
-        c.refresh_draft(1, 0.2, 0.36 / 2, 2)
-    assert c.draft_cost(1, 2) == pytest.approx(0.53, rel=1e-3) and c.draft_cost(1, 3) == pytest.approx(0.56, rel=1e-3)
-    assert c.draft_cost(1, 5) == pytest.approx(0.2 + 0.3 + 4 * 0.03, rel=1e-3)  # off the line through them
+    for _ in range(40):  # rounds of 2 drafts: one call (0.5) and its 2 steps (0.03 each)
+        c.refresh_draft(1, 2, 0.56)
+    assert c.draft_cost(1, 2) == pytest.approx(0.56, rel=1e-3)
+    assert c.draft_cost(1, 4) == pytest.approx(0.56 * 2, rel=1e-3)  # one k measured: the profile scaled to it
+    for _ in range(40):  # rounds of 3 drafts: the same call, 3 steps
+        c.refresh_draft(1, 3, 0.59)
+    assert c.draft_cost(1, 2) == pytest.approx(0.56, rel=1e-3) and c.draft_cost(1, 3) == pytest.approx(0.59, rel=1e-3)
+    assert c.draft_cost(1, 5) == pytest.approx(0.5 + 5 * 0.03, rel=1e-3)  # off the line through them
     policy = GoodputSpecLength(6, c)
     r = _req([1, 2])
     for _ in range(10):
         policy.observe(r, 4, 3)  # a ~ 0.75
     k = policy.choose([r], [6])[0]
-    old = copy.deepcopy(c)  # the old price: each later step at the mean step of the rounds (0.18 after the last)
-    old.later = [{} for _ in old.later]
-    assert old.draft_cost(1, 4) == pytest.approx(0.2 + 3 * 0.18, rel=1e-2)
+    # the old prices: a round's first step (0.5) and each later step at the rounds' mean (0.03 + 0.5 / 2 ~ 0.28 from
+    # the rounds of 2 drafts, the common ones) draft shorter
+    old = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.6}, {1: 0.28})
+    old.draft_first[1] = 0.53
+    assert old.draft_cost(1, 4) == pytest.approx(0.53 + 3 * 0.28)
     old_policy = GoodputSpecLength(6, old)
     old_policy.state = policy.state
     assert k >= 5 and old_policy.choose([r], [6])[0] <= 3
-    # a sample under half a j's price replaces it, as for every price (a stall while it was measured)
-    c.refresh_draft(1, 0.2, 0.01, 2)
-    assert c.later_cost(1, 2) == pytest.approx(0.02)
+    # a sample under half a k's price replaces it, as for every price (a stall while it was measured)
+    c.refresh_draft(1, 3, 0.02)
+    assert c.draft_cost(1, 3) == pytest.approx(0.02)
+
 
 def test_an_overpriced_drafter_is_re_measured_by_exploration_rounds():
     """A draft step priced far above its cost (a stall while it was measured, a profile stored on a busy machine)

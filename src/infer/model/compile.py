@@ -231,8 +231,9 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
             # a draft chain's graphs: every size dynamic from the first (its list of plans would otherwise compile
             # each length twice, static then dynamic, and each vocabulary and row count apart)
             # the head eager on the CPU (see above)
-            names = ("_forward", "_chain") if model.device.type == "cpu" else ("_forward", "_logits", "_chain")
-            return {name: _compile_method(model, name, dict(options), True if name == "_chain" else None)
+            names = ("_forward", "_chain", "_round") if model.device.type == "cpu" else \
+                ("_forward", "_logits", "_chain", "_round")
+            return {name: _compile_method(model, name, dict(options), True if name in ("_chain", "_round") else None)
                     for name in names if hasattr(model, name)}
 
         model.compiled = CompiledSteps(build, max_tokens)

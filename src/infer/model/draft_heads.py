@@ -120,18 +120,49 @@ class DraftHead(nn.Module):
             return chain(tokens, hidden, kv, metas, vocab, temperature, u)
 
     def _chain(self, tokens, hidden, kv, metas, vocab, temperature, u):
+        return self._steps(tokens, hidden, kv, metas, vocab, temperature, u, [], [])
+
+    def draft_round(self, tokens: torch.Tensor, features: torch.Tensor, last: torch.Tensor, kv, metas: list, vocab,
+                    temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A round's first draft step and ``len(metas) - 1`` steps after it in one call (an EAGLE head's): the
+        catch-up entries tokens [n, T] and features [n, T, W] (true features, planned by ``metas[0]``; row i's last
+        real entry at ``last[i]``), whose last output is scored and drawn from, then the steps of ``draft_chain``
+        (``metas[1:]``, u [n, len(metas)]: a uniform per draw) -> (drafts [n, m], the last output [n, H],
+        q [n, m, N]). The ops of a catch-up forward, a draw and a chain, so the same drafts; compiled, one call
+        instead of three (the first forward's, its eager draw's and the chain's: each call's entry, guards and
+        host work are the fixed part of c, issue 33)."""
+        self.rotary.reserve(metas[-1].kv_len - 1, features.device, features.dtype)
+        c = self.compiled
+        fn = c.method("_round") if c is not None else None
+        if fn is None:
+            return self._round(tokens, features, last, kv, metas, vocab, temperature, u)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # as draft_chain
+            return fn(tokens, features, last, kv, metas, vocab, temperature, u)
+
+    def _round(self, tokens, features, last, kv, metas, vocab, temperature, u):
+        out = self._forward(tokens, features, metas[0].positions, kv, metas[0])  # [n, T, H]
+        hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [n, H]
         drafts, qs = [], []
-        sampled = temperature > 0
-        t = torch.where(sampled, temperature, 1.0)[:, None]
+        token = self._draw(hidden, vocab, temperature, u[:, 0], drafts, qs)
+        return self._steps(token, hidden, kv, metas[1:], vocab, temperature, u[:, 1:], drafts, qs)
+
+    def _steps(self, tokens, hidden, kv, metas, vocab, temperature, u, drafts, qs):
         for i, meta in enumerate(metas):
             hidden = self._forward(tokens[:, None], hidden[:, None], meta.positions, kv, meta)[:, 0]
-            logits = vocab.logits(hidden)  # float32 [n, N]
-            q = (logits / t).softmax(-1)
-            # sampling.argmax (the first maximum) where greedy
-            tokens = vocab.token(torch.where(sampled, inverse_cdf(q, u[:, i]), logits.max(-1).indices))
-            drafts.append(tokens)
-            qs.append(q)
+            tokens = self._draw(hidden, vocab, temperature, u[:, i], drafts, qs)
         return torch.stack(drafts, 1), hidden, torch.stack(qs, 1)
+
+    @staticmethod
+    def _draw(hidden, vocab, temperature, u, drafts, qs):
+        """Score hidden [n, H] over ``vocab`` and draw: the argmax (sampling.argmax, the first maximum) where
+        temperature is 0, else inverse_cdf of q = softmax(logits / T) at u [n]; the draft and q appended."""
+        logits = vocab.logits(hidden)  # float32 [n, N]
+        sampled = temperature > 0
+        q = (logits / torch.where(sampled, temperature, 1.0)[:, None]).softmax(-1)
+        token = vocab.token(torch.where(sampled, inverse_cdf(q, u), logits.max(-1).indices))
+        drafts.append(token)
+        qs.append(q)
+        return token
 
 
 class EagleHead(DraftHead):

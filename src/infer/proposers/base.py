@@ -69,7 +69,8 @@ class Proposal:
     catch_up_s: float = 0.0  # and the seconds they took (not a draft step's cost)
     free: list[bool] | None = None  # rows drafted at no model cost (n-gram copies): their acceptance is kept apart
     # the model's draft steps, for the cost model: rows in its first step, steps run, seconds of the first step (with
-    # the round's set-up, less the lone catch-up above) and of the later steps together
+    # the round's set-up, less the lone catch-up above; with the steps run in the same call, EagleHead.draft_round)
+    # and of the later steps together (the cost model prices their sum: CostModel.draft_cost)
     model_rows: int = 0
     model_steps: int = 0
     first_s: float = 0.0
@@ -191,8 +192,8 @@ class DraftDrawer:
 
     def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:
         """Drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of steps:
-        EagleHead.draft_chain) over the draft vocabulary, with q [n, m, N] where sampled: what m calls of ``draw``
-        would have kept, timing included."""
+        EagleHead.draft_chain; from j = 0, a round's first steps: draft_round) over the draft vocabulary, with
+        q [n, m, N] where sampled: what m calls of ``draw`` would have kept, timing included."""
         m = drafts.shape[1]
         rows_t = torch.tensor(idx, device=self.batch.device)
         self.drafts[rows_t if len(idx) < len(self.batch.reqs) else slice(None), j:j + m] = drafts
@@ -201,6 +202,8 @@ class DraftDrawer:
                 self.q[rows_t[:, None], j + i, self.dv.ids] = q[:, i]
         self.t_last = time.perf_counter()
         self.steps = max(self.steps, j + m)
+        if j == 0:  # the round's first step ran in the same call (EagleHead.draft_round): its time is the first's
+            self.t_first, self.rows = self.t_last, len(idx)
 
     def _draw(self, j: int, idx: list[int], hidden: torch.Tensor) -> torch.Tensor:
         batch, dv, sampling = self.batch, self.dv, self.batch.sampling

@@ -3,7 +3,7 @@ the drafter's lazy catch-up, measured at start-up and refreshed by every round (
 
     costs = profile_costs(run_verify, run_draft, profile_batch, k_max, max_batch)   # start-up (spec_decode.setup)
     costs.verify_cost(B, T), costs.draft_cost(B, k), costs.catch_up                  # seconds
-    costs.refresh_verify(B, T, s), costs.refresh_draft(B, first_s, step_s, j), costs.refresh_catch_up(n, s)  # rounds
+    costs.refresh_verify(B, T, s), costs.refresh_draft(B, k, s), costs.refresh_catch_up(n, s)  # rounds
 """
 
 from __future__ import annotations
@@ -29,26 +29,23 @@ class CostModel:
     runs (and its plain step, once it speculates) at their profiled values. A batch size not measured yet takes the
     latest fitted level as a factor (``last_scale``).
 
-    A round's first draft step is priced apart from the others (``draft_first``): it also pays the round's set-up
-    (the drafter's per-round bookkeeping, the draft vocabulary of the batch) and feeds what the drafter has not seen
-    since the last round (an EAGLE head: the accepted run, up to K + 1 entries), so it costs up to ~2x a later step.
-    Charging it to every step made rounds of k = 1-2 price a step at 2-3x its cost, and auto K stopped drafting on a
-    drafter that pays at k = 4 (docs/benchmarks.md, drafters). Both are refreshed per cell by every drafting round.
-
-    A round's later steps are priced by how many there are (``later``: j -> seconds, measured per j), not as j times
-    one step: an EAGLE head runs them as compiled chains of up to 3 steps (EagleHead.draft_chain), and a chain's call
-    costs more than its steps (SmolLM2's EAGLE-3 head on the AMD EPYC Zen 4 host: a chain of 1 step 0.71 ms, of 2
-    0.88, of 3 1.04: ~0.54 ms a call and ~0.17 a step). One price a step, averaged over rounds of every length, priced
-    a round's 3 later steps at up to 3 x 0.71 ms, twice their cost, when rounds of 2 drafts were the common ones, and
-    so auto K kept them the common ones. A j no round has drafted yet is read off the line through the ones measured
-    (with one, in proportion to it; with none, j profiled steps)."""
+    A round's drafts are priced by how many there are (``rounds``: k -> a round's k draft steps in all, measured per
+    k), not as k times one step. The first step also pays the round's set-up and feeds what the drafter has not seen
+    since the last round (an EAGLE head: the accepted run, up to K + 1 entries), and an EAGLE head runs its round as
+    one compiled call of up to 4 steps (EagleHead.draft_round; SmolLM2's EAGLE-3 head on the AMD EPYC Zen 4 host:
+    rounds of 2, 3, 4 drafts 1.0, 1.3, 1.5 ms), so a round's price is mostly its fixed part. One price a step made
+    rounds of k = 1-2 price a step at 2-3x its cost, and auto K stopped drafting on a drafter that pays at k = 4
+    (docs/benchmarks.md, drafters); a first step priced apart from an average later step still priced a round's 3
+    later steps at up to twice their cost when rounds of 2 drafts were the common ones, and so kept them the common
+    ones. A k no round has drafted yet is read off the least-squares line through the k measured (with one, the
+    profile's curve scaled to it; with none, the profile: a first step and k - 1 later ones)."""
 
     max_batch: int
     k_max: int
     verify: list[list[float]] = field(default_factory=list)  # [max_batch + 1][k_max + 2] profiled; index 0 unused
-    draft: list[float] = field(default_factory=list)  # [max_batch + 1] a draft step after a round's first
-    draft_first: list[float] = field(default_factory=list)  # [max_batch + 1] a round's first draft step (see above)
-    later: list[dict[int, float]] = field(default_factory=list)  # [max_batch + 1] j -> a round's j later steps, EMA
+    draft: list[float] = field(default_factory=list)  # [max_batch + 1] profiled: a draft step after a round's first
+    draft_first: list[float] = field(default_factory=list)  # [max_batch + 1] profiled: a round's first draft step
+    rounds: list[dict[int, float]] = field(default_factory=list)  # [max_batch + 1] k -> a round's k drafts, EMA
     ema: float = 0.2
     # B -> decayed sums over its measured forwards [w, sum x, sum y, sum x^2, sum x y], x profiled and y measured s
     fit: dict[int, list[float]] = field(default_factory=dict)
@@ -60,8 +57,8 @@ class CostModel:
             self.draft_first = list(self.draft)
         if len(self.draft_first) != len(self.draft):
             raise ValueError(f"draft_first has {len(self.draft_first)} entries, draft {len(self.draft)}")
-        if not self.later:
-            self.later = [{} for _ in self.draft]
+        if not self.rounds:
+            self.rounds = [{} for _ in self.draft]
 
     @classmethod
     def from_points(cls, max_batch: int, k_max: int, verify_pts: dict, draft_pts: dict) -> CostModel:
@@ -126,33 +123,27 @@ class CostModel:
         return [0.0] + [self._price(row[min(T, self.k_max + 1)], ab) for T in range(1, t_max + 1)]
 
     def draft_cost(self, B: int, k: int = 1) -> float:
-        """Seconds of a round's k draft steps over B rows: the first step, then k - 1 more."""
+        """Seconds of a round's k draft steps over B rows: as measured for k (``rounds``), else off the least-squares
+        line through the k measured (its slope at least a tenth of their mean step, so a price still grows with k),
+        else the profile scaled to the one measured, else the profile."""
         if not B or not k:
             return 0.0
         b = min(B, self.max_batch)
-        return self.draft_first[b] + self.later_cost(b, k - 1)
-
-    def later_cost(self, B: int, j: int) -> float:
-        """Seconds of a round's j draft steps after its first, over B rows: as measured for j (``later``), else off
-        the least-squares line through the j measured (its slope at least a tenth of their mean step, so a price
-        still grows with j), else in proportion to the one measured, else j profiled steps."""
-        if j <= 0:
-            return 0.0
-        b = min(B, self.max_batch)
-        cells = self.later[b]
-        if j in cells:
-            return cells[j]
+        cells = self.rounds[b]
+        if k in cells:
+            return cells[k]
+        profiled = lambda k: self.draft_first[b] + (k - 1) * self.draft[b]  # noqa: E731
         if not cells:
-            return j * self.draft[b]
+            return profiled(k)
         if len(cells) == 1:
-            (j0, s0), = cells.items()
-            return s0 * j / j0
+            (k0, s0), = cells.items()
+            return s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0
         n = len(cells)
         mx, my = sum(cells) / n, sum(cells.values()) / n
         slope = sum((x - mx) * (y - my) for x, y in cells.items()) / sum((x - mx) ** 2 for x in cells)
         floor = 0.1 * my / mx  # a tenth of the mean step
         slope = max(slope, floor)
-        return max(my + slope * (j - mx), floor * j)
+        return max(my + slope * (k - mx), floor * k)
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
     # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own. For the
@@ -179,15 +170,10 @@ class CostModel:
         self.fit[B] = s
         self.last_scale = s[2] / s[1]
 
-    def refresh_draft(self, B: int, first_s: float, step_s: float | None = None, later_steps: int = 1) -> None:
-        """A round's draft steps over B rows: its first took ``first_s``, its ``later_steps`` later ones ``step_s``
-        each on average (None: the round drafted one step)."""
-        if 1 <= B <= self.max_batch:
-            self.draft_first[B] = self._update(self.draft_first[B], first_s)
-            if step_s is not None:
-                self.draft[B] = self._update(self.draft[B], step_s)
-                j = max(1, later_steps)
-                self.later[B][j] = self._update(self.later[B].get(j, 0.0), step_s * j)
+    def refresh_draft(self, B: int, k: int, seconds: float) -> None:
+        """A round drafted k tokens over B rows with its model in ``seconds`` (its set-up and every step)."""
+        if 1 <= B <= self.max_batch and k >= 1:
+            self.rounds[B][k] = self._update(self.rounds[B].get(k, 0.0), seconds)
 
     def refresh_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens > 0:

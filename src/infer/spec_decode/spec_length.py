@@ -11,13 +11,13 @@ improvement (1 - a^(K+1)) / ((1 - a)(K c + 1)); here the "1" (a verify costs one
 machine measures. With B decode rows, row b at acceptance estimate a_b, the round's expected output is
 sum_b E(a_b, K_b), E(a, k) = (1 - a^(k+1)) / (1 - a), and its cost is k draft steps at the batch size that drafts
 plus one target forward over B x (k+1) tokens. The policy maximises tokens per second over k in 0..K_max and over
-how many of the most promising rows draft (the rest take k = 0 inside the same verify pass); k drafts cost a round's
-first draft step plus k - 1 later ones (``CostModel.draft_cost``: the first also carries the round's set-up, and
-the later ones are priced by their number: a compiled chain's call costs more than its steps). k = 0
-is plain decoding, so when a batch is large enough that verifying (k+1) tokens per row costs more than it returns,
-K falls to 0 by itself. Costs come from ``CostModel``: profiled once at start-up on the pools; every target forward then
-refits its batch size's line from profiled to measured seconds (an offset and a slope). Also counted: each step's bookkeeping outside the
-forwards, and a row's one-time catch-up (the drafter's lazy prefill, ``Proposer.pending``) amortised over the rounds
+how many of the most promising rows draft (the rest take k = 0 inside the same verify pass); k drafts cost what
+rounds of k model drafts measured (``CostModel.draft_cost``: the first step also carries the round's set-up, and a
+compiled round's call costs more than its steps). k = 0 is plain decoding, so when a batch is large enough that
+verifying (k+1) tokens per row costs more than it returns, K falls to 0 by itself. Costs come from ``CostModel``:
+profiled once at start-up on the pools; every target forward then refits its batch size's line from profiled to
+measured seconds (an offset and a slope). Also counted: each step's bookkeeping outside the forwards, and a row's
+one-time catch-up (the drafter's lazy prefill, ``Proposer.pending``) amortised over the rounds
 it will draft. A k > 0 must beat plain decoding by MARGIN.
 
 a_b: accepted / judged drafts of the request (judged = up to the first rejection), counts decayed by 0.8 per round
@@ -52,7 +52,7 @@ gained, and the EMA says that averages less than pricing it.
 Exploration. The price of a draft step is only measured by rounds that draft; a price set too high (a stall while
 it was measured, a profile stored on a busy machine) would keep every row at k = 0 for good. After EXPLORE_EVERY
 rounds with no model draft step (doubled after each, up to EXPLORE_MAX), the most promising model row drafts two
-tokens whatever the price, which re-measures both the first and a later draft step (~1% of the rounds, then less).
+tokens whatever the price, which re-measures a round of two drafts (~1% of the rounds, then less).
 """
 
 from __future__ import annotations
@@ -422,9 +422,10 @@ class GoodputSpecLength:
             self.costs.refresh_verify(B, T, verify_s)
 
     def drafted(self, rows: int, steps: int, first_s: float, steps_s: float) -> None:
-        """A round's ``steps`` model draft steps over ``rows`` rows: the first took ``first_s``, the rest ``steps_s``."""
+        """A round's ``steps`` model draft steps over ``rows`` rows: the first took ``first_s``, the rest ``steps_s``
+        (a round priced whole: CostModel.draft_cost)."""
         if self.costs is not None and steps:
-            self.costs.refresh_draft(rows, first_s, steps_s / (steps - 1) if steps > 1 else None, steps - 1)
+            self.costs.refresh_draft(rows, steps, first_s + steps_s)
 
     def caught_up(self, tokens: int, seconds: float) -> None:
         """The proposer fed ``tokens`` of lazy prefill in ``seconds``."""
