@@ -353,6 +353,9 @@ def test_a_round_is_priced_by_its_number_of_drafts():
     # a sample under half a k's price replaces it, as for every price (a stall while it was measured)
     c.refresh_draft(1, 3, 0.02)
     assert c.draft_cost(1, 3) == pytest.approx(0.02)
+    # more drafts never cost less: a price above a longer round's (a stall's EMA) is cut to it
+    assert c.draft_cost(1, 2) == pytest.approx(0.02) and c.rounds[1][2] == pytest.approx(0.56, rel=1e-3)
+    assert c.draft_cost(1, 1) == pytest.approx(0.02)  # not measured: the line's price, cut the same way
 
 
 def test_an_overpriced_drafter_is_re_measured_by_exploration_rounds():

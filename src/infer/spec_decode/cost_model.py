@@ -125,25 +125,28 @@ class CostModel:
     def draft_cost(self, B: int, k: int = 1) -> float:
         """Seconds of a round's k draft steps over B rows: as measured for k (``rounds``), else off the least-squares
         line through the k measured (its slope at least a tenth of their mean step, so a price still grows with k),
-        else the profile scaled to the one measured, else the profile."""
+        else the profile scaled to the one measured, else the profile; at most what a longer round measured (more
+        drafts never cost less: a k whose price a stall raised, and which auto K therefore stopped drafting, is not
+        held there by its own stale EMA)."""
         if not B or not k:
             return 0.0
         b = min(B, self.max_batch)
         cells = self.rounds[b]
+        longer = min((s for j, s in cells.items() if j > k), default=float("inf"))
         if k in cells:
-            return cells[k]
+            return min(cells[k], longer)
         profiled = lambda k: self.draft_first[b] + (k - 1) * self.draft[b]  # noqa: E731
         if not cells:
             return profiled(k)
         if len(cells) == 1:
             (k0, s0), = cells.items()
-            return s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0
+            return min(s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0, longer)
         n = len(cells)
         mx, my = sum(cells) / n, sum(cells.values()) / n
         slope = sum((x - mx) * (y - my) for x, y in cells.items()) / sum((x - mx) ** 2 for x in cells)
         floor = 0.1 * my / mx  # a tenth of the mean step
         slope = max(slope, floor)
-        return max(my + slope * (k - mx), floor * k)
+        return min(max(my + slope * (k - mx), floor * k), longer)
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
     # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own. For the
