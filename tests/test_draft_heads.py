@@ -155,6 +155,31 @@ def test_lossy_rule_is_detected_with_the_same_drafter(kind):
     assert _pvalue(kind, PARAMS[0], acceptance="skip_adjustment") < 1e-4
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_round_in_one_call_gives_the_same_tokens_as_its_parts(gqa_dir, tmp_path, temperature):
+    """EagleHead.draft_round (a round's first step and chain in one call) against the same engine with it off: the
+    same drafts from the same uniforms (each row's next m + 1 from its generator, as one draw and a chain of m take),
+    so the same tokens for the same seed, greedy and sampled, and the same acceptance counts."""
+    target = load_model(gqa_dir)
+    save_heads(random_heads(target, "eagle3", seed=5), tmp_path / "head", dtype=torch.float32)
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=7)
+    prompts = [[3, 17, 42, 99], [250, 8], [5, 6, 7, 8, 9, 10]]
+    got = {}
+    for fused in (True, False):
+        llm = LLM(gqa_dir, draft_model=tmp_path / "head", spec_length=3, max_batch_size=2)
+        llm.engine.decoder.proposer.fused = fused
+        calls = []
+        head = llm.engine.decoder.proposer.head
+        orig = head.draft_round
+        head.draft_round = lambda *a, orig=orig: calls.append(1) or orig(*a)
+        got[fused] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.stats.num_accepted_tokens,
+                      bool(calls))
+    assert got[True][0] == got[False][0] and got[True][1] == got[False][1]
+    assert got[True][2] and not got[False][2]  # the one call ran, and only where it was on
+    if temperature == 0:
+        assert got[True][0] == [o.token_ids for o in LLM(gqa_dir).generate(prompts, params)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_saved_head_loads_by_kind_and_stays_lossless(gqa_dir, tmp_path, kind):
     target = load_model(gqa_dir)
