@@ -10,6 +10,11 @@ entries 0 .. L-2 built from *true* features, and drafting continues from there:
              -> f^_{L-1} -> draft d_1 (the guess for x_L)
   step j     entry L-2+j = fc([embed(d_j); f^_{L-2+j}]) -> f^_{L-1+j} -> d_{j+1}
 
+Over a draft vocabulary, greedy or at a plain temperature, a round whose rows all draft >= 2 runs its catch-up, the
+draw of d_1 and up to CHAIN_MAX steps as one compiled call (EagleHead.draft_round), and any later steps as chains
+(EagleHead.draft_chain). Otherwise the first step runs apart with an eager draw (DraftDrawer), followed by chains
+where the vocabulary and sampling allow them, else by single steps.
+
 Trees (``propose_tree``): the same catch-up gives f^_{L-1} and the root's top children; each further depth feeds the
 frontier's nodes as entries at one position (L-2 + their depth), each with its parent's predicted feature and a
 tree mask over the nodes fed this round (its ancestors), in one head forward a depth.
