@@ -132,3 +132,78 @@ def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):
     assert compile_mod.configure_cache() == tmp_path / "inductor" / "infer_kernels_other"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a user's choice stands
     assert compile_mod.configure_cache() == tmp_path / "mine"
+
+
+def test_trace_settings_hold_during_a_compiled_call_only(gqa_dir):
+    """On the CPU a compiled step is traced with the module's tensors as constants of its graph (not inputs that
+    Dynamo's code fetches before every call: ~0.2 ms a SmolLM2 step) and a draft chain or round without duck shapes
+    (model.compile, _trace_settings). Dynamo's and FX's configs are per thread: the settings are in force while a
+    compiled call runs, and the caller's thread gets its own values back, also when the call raises."""
+    import torch.fx.experimental._config as fx_config
+
+    from infer.model.compile import _trace_settings, _traced_with
+    from infer.testing import random_llama
+
+    seen = []
+
+    def compiled(fail=False):
+        seen.append((torch._dynamo.config.install_free_tensors, fx_config.use_duck_shape))
+        if fail:
+            raise RuntimeError("boom")
+
+    model = random_llama(16)
+    for name, want in (("_forward", (True, True)), ("_round", (True, False))):
+        seen.clear()
+        call = _traced_with(compiled, _trace_settings(model, name))
+        call()
+        with pytest.raises(RuntimeError, match="boom"):
+            call(fail=True)
+        assert seen == [want, want]
+        assert (torch._dynamo.config.install_free_tensors, fx_config.use_duck_shape) == (False, True)
+    llm = LLM(gqa_dir, compile=True, max_batch_size=1)  # the real steps: the same tokens (above), nothing left on
+    assert llm.generate(PROMPTS[:1], GREEDY) and not torch._dynamo.config.install_free_tensors
+
+
+def test_a_compiled_round_over_another_quantized_vocabulary_runs_eagerly():
+    """A quantized draft vocabulary's head is a module a compiled round reaches through its arguments, so its weights
+    are constants of the round's graphs and no guard tells another head of the same shapes apart: a second one (an
+    engine sharing the drafter with another vocabulary) must not run the first one's graphs (EagleHead._graphs)."""
+    from infer import kernels
+    from infer.cache.slotted import SlottedKVCache
+    from infer.model.compile import compile_model
+    from infer.proposers.draft_vocab import DraftVocab
+    from infer.testing import random_heads, random_llama
+
+    kernels.available()  # loaded before tracing, as an engine does (else the load's file work breaks the graph)
+    target = random_llama(64, seed=0)
+    head = random_heads(target, "eagle", seed=3)
+    compile_model(head)
+    c, H = head.config, target.config.hidden_size
+    vocabs = [DraftVocab(w, range(0, 64, 2)).quantized("q8_0").including([5, 9, 11])
+              for w in (target.lm_head_weight, target.lm_head_weight.flip(1).contiguous())]
+    pool = SlottedKVCache(1, c.num_key_value_heads, c.head_dim, 64, max_slots=2)
+    slots = [pool.allocate(24), pool.allocate(24)]
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        meta = pool.prepare(slots, [7, 7])
+        head(torch.randint(0, 64, (2, 7), generator=g), torch.randn(2, 7, H, generator=g), meta.positions, pool, meta)
+        x, f = torch.randint(0, 64, (2, 3), generator=g), torch.randn(2, 3, H, generator=g)
+        u, temp, last = torch.rand(2, 3, dtype=torch.float64, generator=g), torch.tensor([0.7, 1.3]), torch.tensor([2, 0])
+
+        def run(vocab, eager):
+            for s in slots:
+                pool.truncate_to(s, 7)
+            metas = [pool.prepare(slots, [3, 1])] + pool.prepare_run(slots, 2)
+            if eager:
+                return head._round(x, f, last, pool, metas, vocab, temp, u)
+            return head.draft_round(x, f, last, pool, metas, vocab, temp, u)
+
+        def same(got, want):  # drafts and last outputs bit for bit; q to float32 rounding (inductor's fused softmax)
+            return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and \
+                torch.allclose(got[2], want[2], rtol=0, atol=1e-6)
+
+        first = run(vocabs[0], eager=False)  # traces the round's graph with the first vocabulary's head
+        assert same(first, run(vocabs[0], eager=True))
+        second, want = run(vocabs[1], eager=False), run(vocabs[1], eager=True)
+    assert same(second, want)
+    assert not torch.allclose(first[2], want[2], atol=1e-2)  # the two heads' laws differ: a stale head would show

@@ -115,6 +115,10 @@ class Engine:
         self.draft_vocab = draft_vocab
         if self.compiled:  # whole rotary tables now: a table that grows mid-request would recompile the step
             self.model.rotary.reserve(self.max_seq_len, self.device, self.model.dtype)
+            if getattr(self.draft_model, "compiled", None) is not None:  # a drafter's positions are the target's
+                # in the dtype its steps ask for: an LM's own, a head's activations' (the target's states)
+                dtype = self.draft_model.dtype if isinstance(self.draft_model, LlamaForCausalLM) else self.model.dtype
+                self.draft_model.rotary.reserve(self.max_seq_len, self.device, dtype)
         # the story of a step: the scheduler asks the KV manager what fits, the runner executes the models, and the
         # speculative decoder (when on) replaces the runner's decode step with a propose/verify round
         # Medusa keeps no cache; a drafter of another vocabulary keeps its own (positions of its own tokens)

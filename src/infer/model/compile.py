@@ -194,6 +194,56 @@ def drop_damaged_entries() -> int:
     return len(drop_damaged(Path(inductor_cache_dir())))
 
 
+def _traced_with(compiled: Callable, settings: dict) -> Callable:
+    """``compiled`` with {config module: {name: value}} in force while it runs: settings that matter only while a
+    call traces (Dynamo's and FX's configs are per thread). Set around each call (~2 us a setting; config.patch,
+    its context manager, costs ~16 us) rather than for the caller's thread for good: a user's own torch.compile in
+    that thread would inherit them."""
+    pairs = [(cfg, name, value) for cfg, values in settings.items() for name, value in values.items()]
+
+    def call(*args, **kwargs):
+        changed = []
+        for cfg, name, value in pairs:
+            old = getattr(cfg, name)
+            if old != value:
+                setattr(cfg, name, value)
+                changed.append((cfg, name, old))
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            for cfg, name, old in changed:
+                setattr(cfg, name, old)
+
+    return call
+
+
+def _trace_settings(model, name: str) -> dict:
+    """What ``model.<name>`` is traced with.
+
+    - Dynamo's ``install_free_tensors`` (on the CPU): the module's parameters, buffers and tensor attributes enter the
+      graph as its own attributes instead of inputs. As inputs, the code Dynamo runs before the graph on every call
+      fetched each one through its attribute chain (``self.layers[7].mlp.down.packed``: ~240 for SmolLM2), shown by
+      torch.profiler as "Pregraph bytecode", ~0.2 ms a call. The same ops, so the same bits. A/B in one process (AMD
+      EPYC Zen 4, SmolLM2 Q4_1/bf16, 200 tokens of context, 60 interleaved repeats): a decode step's forward 4.05 ->
+      3.81 and 4.46 -> 4.12 ms in two runs, a 5-token verify's 5.84 -> 5.76 and 7.66 -> 7.50 ms. What it asks: a
+      tensor a graph read is not replaced afterwards (``p.data = ...``), or, its guards being filtered out
+      (``step_guards``), the graph goes on computing with the old one. A compiled model's weights are fixed
+      (quantize_model refuses it; huge pages are placed before the first compile: engine.warmup); the rotary tables'
+      guards are kept, so a grown table recompiles (Engine.__init__ reserves them whole). On CUDA, last checked on a
+      lent GPU before this setting, Dynamo's default stays.
+    - For a draft chain or round (every size dynamic), no duck shapes: a symbol of its own for every size. Sizes that
+      happen to be equal when a graph is traced (two added vocabulary rows, two KV heads) would otherwise be guarded
+      equal, and a prompt adding three rows recompile."""
+    import torch.fx.experimental._config  # noqa: F401 (the module, for the attribute below)
+
+    settings = {}
+    if model.device.type == "cpu":
+        settings[torch._dynamo.config] = {"install_free_tensors": True}
+    if name in ("_chain", "_round"):
+        settings[torch.fx.experimental._config] = {"use_duck_shape": False}
+    return settings
+
+
 def _compile_method(model, name: str, options: dict, dynamic: bool | None = None) -> tuple[Callable, Callable]:
     """torch.compile ``model.<name>`` with graphs of its own -> (compiling, run-only) callables over one cache.
 
@@ -208,7 +258,9 @@ def _compile_method(model, name: str, options: dict, dynamic: bool | None = None
     # the limit goes with the function: Dynamo's config is per thread, and the warm-up compiles in a thread of its own
     limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in inspect.signature(torch.compile).parameters \
         else {}
-    return torch.compile(own, dynamic=dynamic, options=options, **limit), torch._dynamo.run(own)
+    compiled = torch.compile(own, dynamic=dynamic, options=options, **limit)
+    settings = _trace_settings(model, name)
+    return (_traced_with(compiled, settings) if settings else compiled), torch._dynamo.run(own)
 
 
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):

@@ -110,14 +110,29 @@ class DraftHead(nn.Module):
         sampled rows, any vocabulary, alike), a draft step then costs its kernels, not Dynamo's call and the host
         work between steps (issue 33's c)."""
         self.rotary.reserve(metas[-1].kv_len - 1, hidden.device, hidden.dtype)
-        c = self.compiled
-        chain = c.method("_chain") if c is not None else None
+        chain = self._graphs("_chain", vocab)
         if chain is None:
             return self._chain(tokens, hidden, kv, metas, vocab, temperature, u)
-        # a symbol of its own for every size: sizes that happen to be equal when a graph is traced (two added
-        # vocabulary rows, two KV heads) would otherwise be guarded equal, and a prompt adding three rows recompile
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return chain(tokens, hidden, kv, metas, vocab, temperature, u)
+        return chain(tokens, hidden, kv, metas, vocab, temperature, u)  # traced without duck shapes (compile.py)
+
+    _vocab_head: tuple = ()  # (the quantized vocabulary head the compiled chains and rounds were traced with,)
+
+    def _graphs(self, name: str, vocab):
+        """The compiled ``name`` (a chain or a round) for a call scoring over ``vocab``; None: run it eagerly. A
+        quantized vocabulary's head (DraftVocab.quantized) is a module the call reaches through an argument, so on the
+        CPU its weights are constants of the graphs (model.compile, _trace_settings), and no guard tells another
+        head of the same shapes apart: the graphs serve the first head they meet, and another one (a second engine
+        sharing this drafter with another vocabulary) runs eagerly. The same head in every per-prompt vocabulary of an
+        engine (``including`` keeps it)."""
+        c = self.compiled
+        fn = c.method(name) if c is not None else None
+        head = getattr(vocab, "head", None)
+        if fn is not None and head is not None:
+            if not self._vocab_head:
+                self._vocab_head = (head,)  # a tuple: a module attribute would register it as a submodule
+            elif self._vocab_head[0] is not head:
+                return None
+        return fn
 
     def _chain(self, tokens, hidden, kv, metas, vocab, temperature, u):
         return self._steps(tokens, hidden, kv, metas, vocab, temperature, u, [], [])
@@ -132,12 +147,10 @@ class DraftHead(nn.Module):
         instead of three (the first forward's, its eager draw's and the chain's: each call's entry, guards and
         host work are the fixed part of c, issue 33)."""
         self.rotary.reserve(metas[-1].kv_len - 1, features.device, features.dtype)
-        c = self.compiled
-        fn = c.method("_round") if c is not None else None
+        fn = self._graphs("_round", vocab)
         if fn is None:
             return self._round(tokens, features, last, kv, metas, vocab, temperature, u)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):  # as draft_chain
-            return fn(tokens, features, last, kv, metas, vocab, temperature, u)
+        return fn(tokens, features, last, kv, metas, vocab, temperature, u)
 
     def _round(self, tokens, features, last, kv, metas, vocab, temperature, u):
         out = self._forward(tokens, features, metas[0].positions, kv, metas[0])  # [n, T, H]
