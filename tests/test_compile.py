@@ -136,7 +136,7 @@ def test_the_graph_cache_is_kept_per_kernel_build(monkeypatch, tmp_path):
 
 def test_trace_settings_hold_during_a_compiled_call_only(gqa_dir):
     """On the CPU a compiled step is traced with the module's tensors as constants of its graph (not inputs that
-    Dynamo's code fetches before every call: ~0.2 ms a SmolLM2 step) and a draft chain or round without duck shapes
+    Dynamo's code fetches before every call: ~0.2 ms a SmolLM2 decode step) and a draft chain or round without duck shapes
     (model.compile, _trace_settings). Dynamo's and FX's configs are per thread: the settings are in force while a
     compiled call runs, and the caller's thread gets its own values back, also when the call raises."""
     import torch.fx.experimental._config as fx_config
