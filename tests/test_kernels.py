@@ -303,10 +303,11 @@ def test_rope_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, heads,
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1536, 13])  # 13: the scalar tail only
+@pytest.mark.parametrize("n", [1536, 1000, 13])  # 13: the scalar tail only; 1000: pieces of 500 (tails inside)
 def test_silu_mul_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, n):
     """infer::silu_mul: silu(gate) * up in float32 (its own exp: within a few ulp of ATen's), rounded once; the
-    vector body and the scalar tail agree, rows are independent of each other; extremes stay finite."""
+    vector body and the scalar tail agree, rows are independent of each other (a lone row runs on one thread, many
+    rows in pieces over the threads); extremes stay finite."""
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(kernels.MAX_ROWS, 2 * n, generator=gen) * 4).to(dt)
     x[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0]).to(dt)
