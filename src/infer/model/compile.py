@@ -198,7 +198,7 @@ def drop_damaged_entries() -> int:
 
 def _traced_with(compiled: Callable, settings: dict) -> Callable:
     """``compiled`` with {config module: {name: value}} in force while it runs: settings that matter only while a
-    call traces (Dynamo's and FX's configs are per thread). Set around each call (~2 us a setting; config.patch,
+    call traces (Dynamo's and FX's configs are per thread). Set around each call (~4 us a setting; config.patch,
     its context manager, costs ~16 us) rather than for the caller's thread for good: a user's own torch.compile in
     that thread would inherit them."""
     pairs = [(cfg, name, value) for cfg, values in settings.items() for name, value in values.items()]
