@@ -44,6 +44,52 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert close(probs(LOGITS, top_p=0.3), [1, 0, 0, 0])  # the top token always stays
 
 
+def _kept_by_full_sort(logits, top_k, top_p):
+    """The top-k / top-p rule over a whole sorted row: the kept tokens, ties with the last kept rank included."""
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    for b in range(logits.shape[0]):
+        vals, order = logits[b].sort(descending=True)
+        remove = torch.arange(len(vals)) >= top_k[b]
+        if top_p[b] < 1.0:  # (the sort this replaced cut a top_p = 1 row too where a batch had top-p rows: its tail's
+            # mass before rounds to 1.0 in float32; top_p = 1 is off)
+            probs_sorted = vals.masked_fill(remove, float("-inf")).softmax(-1)
+            remove |= probs_sorted.cumsum(-1) - probs_sorted >= top_p[b]
+        kept[b] = logits[b] >= vals[~remove].min()
+    return kept
+
+
+@pytest.mark.parametrize("vocab,scale,bf16", [(50, 3.0, False), (1000, 3.0, False), (5000, 0.01, False),
+                                              (5000, 1.0, False), (1000, 3.0, True)])
+def test_top_k_top_p_candidates_keep_what_a_full_sort_keeps(vocab, scale, bf16):
+    # The stage selects each row's largest logits (torch.topk), growing the candidates until they hold every top-p
+    # row's mass; it must keep exactly the tokens a sort of the whole row keeps. Flat rows (scale 0.01) need nearly
+    # the whole vocabulary (the candidates grow to it); peaked ones a few tokens; logits rounded to bfloat16 tie at
+    # the boundaries (every tied token is kept). Rows mix top-k, top-p, both and neither in one batch.
+    g = torch.Generator().manual_seed(vocab)
+    settings = [dict(top_k=0, top_p=0.9), dict(top_k=20, top_p=1.0), dict(top_k=100, top_p=0.5),
+                dict(top_k=0, top_p=0.99), dict(top_k=0, top_p=1.0), dict(top_k=3, top_p=0.3),
+                dict(top_k=vocab + 5, top_p=0.95), dict(top_k=1, top_p=1.0)]
+    params = [SamplingParams(temperature=0.8, **kw) for kw in settings for _ in range(4)]
+    logits = torch.randn(len(params), vocab, generator=g) * scale
+    if bf16:
+        logits = logits.bfloat16().float()
+        assert (logits[:, None, :] == logits[:, :, None]).sum() > 1.5 * logits.numel()  # ties beside the diagonal
+    logits[0, : vocab // 2] = float("-inf")  # a grammar's mask: masked tokens are never kept
+    batch = SamplingBatch.from_params(params, vocab, "cpu")
+    out = logits_to_probs(logits, batch)
+    expected = _kept_by_full_sort(logits / 0.8, batch.top_k, batch.top_p)
+    assert torch.equal(out > 0, expected)
+    assert torch.allclose(out, (logits / 0.8).masked_fill(~expected, float("-inf")).softmax(-1), atol=1e-6)
+
+
+def test_top_k_wider_than_a_draft_vocabulary_is_off():
+    # A drafter scores a draft vocabulary narrower than the batch's: a top-k at or past its width keeps it whole,
+    # beside top-p rows
+    params = [SamplingParams(top_k=60), SamplingParams(top_k=60, top_p=0.8)]
+    out = logits_to_probs(LOGITS.repeat(2, 1), SamplingBatch.from_params(params, 100, "cpu"))
+    assert close(out[0], P.tolist()) and close(out[1], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+
+
 def test_min_p():
     assert close(probs(LOGITS, min_p=0.25), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])  # threshold 0.125
     assert close(probs(LOGITS, min_p=0.4), [2 / 3, 1 / 3, 0, 0])  # threshold 0.2
