@@ -90,6 +90,15 @@ def test_top_k_wider_than_a_draft_vocabulary_is_off():
     assert close(out[0], P.tolist()) and close(out[1], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
 
 
+def test_top_p_of_one_is_off_beside_top_p_rows():
+    # A confident row's float32 mass reaches 1.0 after its first token: top_p = 1 must not cut its top-k there
+    logits = torch.tensor([[30.0, 0.0, 0.0, -1.0, -2.0]]).repeat(2, 1)
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5)]
+    out = logits_to_probs(logits, SamplingBatch.from_params(params, 5, "cpu"))
+    assert (out[0] > 0).tolist() == [True, True, True, False, False]
+    assert (out[1] > 0).tolist() == [True, False, False, False, False]
+
+
 def test_min_p():
     assert close(probs(LOGITS, min_p=0.25), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])  # threshold 0.125
     assert close(probs(LOGITS, min_p=0.4), [2 / 3, 1 / 3, 0, 0])  # threshold 0.2

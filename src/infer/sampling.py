@@ -222,7 +222,7 @@ def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         norm = torch.where(k < V, within.logsumexp(-1), whole)  # [N]
         prob = (within - norm[:, None]).exp()  # [N, c], 0 past top-k
         mass = prob.cumsum(-1)
-        keep &= mass - prob < p[:, None]
+        keep &= (mass - prob < p[:, None]) | (p[:, None] >= 1.0)  # top_p = 1 is off (float32 mass rounds to 1.0)
         # a top-p row is decided once its candidates' mass reaches top_p (or they are the whole row)
         if c == V or bool(((p >= 1.0) | (k <= c) & (k < V) | (mass[:, -1] >= p)).all()):
             break
