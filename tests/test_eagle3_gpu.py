@@ -109,3 +109,50 @@ def test_answer_on_the_cpu_goes_in_job_order_resumes_and_installs(tmp_path, monk
         assert [json.loads(line)["job"] for line in f] == [0, 1, 2, 3]
     with gzip.open(packed / "answers-001.jsonl.gz", "rt") as f:
         assert [json.loads(line)["answer_ids"] for line in f] == [r["answer_ids"] for r in answered()[2:]]
+
+
+def test_the_targets_own_prompts_are_its_closed_turns_numbered_and_packed_apart(tmp_path, monkeypatch):
+    """--magpie: each prompt is the template's prefix, the ids the target wrote before its end of turn (the stop
+    token dropped), the suffix; only turns it closed itself, of 4+ ids, once each; numbered from the first job given,
+    alternately at 0.7 and greedy. install packs them apart from the listed jobs, prompts kept, never twice."""
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0, max_position_embeddings=2048, logit_scale=1.0)
+    from infer.llm import LLM
+
+    eos = set(LLM(path, compile=False).eos_token_ids)
+    template = {"prefix": [5, 6, 7], "suffix": [8, 9]}
+    rows = eagle3_gpu.magpie(path, template, 6, "cpu", float("inf"), batch=4, seed=0, first_job=eagle3_gpu.MAGPIE_BASE + 3)
+    assert 1 <= len(rows) <= 6
+    assert [r["job"] for r in rows] == list(range(eagle3_gpu.MAGPIE_BASE + 3, eagle3_gpu.MAGPIE_BASE + 3 + len(rows)))
+    assert [r["temperature"] for r in rows] == [(0.7, 0.0)[i % 2] for i in range(len(rows))]
+    users = [r["prompt_ids"][3:-2] for r in rows]
+    assert all(r["prompt_ids"][:3] == [5, 6, 7] and r["prompt_ids"][-2:] == [8, 9] for r in rows)
+    assert all(len(u) >= 4 and not eos & set(u) for u in users) and len({tuple(u) for u in users}) == len(users)
+    assert all(r["answer_ids"] is None and r["kind"] == "magpie" for r in rows)
+
+    packed, own = tmp_path / "packed", tmp_path / "own"
+    packed.mkdir()
+    monkeypatch.setattr(eagle3_gpu, "PACK_ROWS", 4)
+    monkeypatch.setattr(eagle3_gpu, "PACKED", packed)
+    monkeypatch.setattr(eagle3_gpu, "MAGPIE", own)
+    run = tmp_path / "r"
+    run.mkdir()
+    with gzip.open(run / "answers-new.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"job": j, "answer_ids": [j % 7]}) + "\n" for j in range(3))
+        f.writelines(json.dumps({**r, "answer_ids": [1, 2]}) + "\n" for r in rows)
+    eagle3_gpu.install([run], None)
+    eagle3_gpu.install([run], None)  # again: nothing new
+    with gzip.open(packed / "answers-000.jsonl.gz", "rt") as f:
+        assert [json.loads(line)["job"] for line in f] == [0, 1, 2]
+    assert [p.name for p in own.iterdir()] == ["magpie-000.jsonl.gz"]
+    with gzip.open(own / "magpie-000.jsonl.gz", "rt") as f:
+        back = [json.loads(line) for line in f]
+    assert [r["prompt_ids"] for r in back] == [r["prompt_ids"] for r in rows]
+
+
+def test_validation_reads_both_kinds_and_keeps_most_of_the_targets_prompts_for_training():
+    items = [{"index": i} for i in range(1000)] + [{"index": eagle3_gpu.MAGPIE_BASE + i} for i in range(50)]
+    train, val = eagle3_gpu.split_jobs(items)
+    assert len(train) + len(val) == 1050 and not {id(t) for t in train} & {id(v) for v in val}
+    own = [v for v in val if v["index"] >= eagle3_gpu.MAGPIE_BASE]
+    assert len(own) == 10 and len(val) == 31 and [v["index"] for v in val[:21]] == list(range(979, 1000))
+    assert eagle3_gpu.split_jobs(items[:1000]) == (items[:970], items[970:1000])
