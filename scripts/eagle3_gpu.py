@@ -327,6 +327,7 @@ def run(args) -> None:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
         "answered_cpu": n_cpu, "answered_gpu": sum(1 for r in rows if r["answer_ids"] is not None) - n_cpu,
+        "own_prompts": sum(1 for r in rows if r["job"] >= MAGPIE_BASE and r["answer_ids"] is not None),
         "init": str(args.init) if args.init else None, "steps": len(log), "kept_step": kept,
         "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "start": start_eval,
         "final": final,
@@ -434,6 +435,8 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
                               f"({g['seconds'] / 60:.1f} min wall time)"
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
                               for i, g in enumerate(logs))
+    own = (f", {log['own_prompts']} of those to prompts the target wrote itself, scripts/eagle3_gpu.py --magpie; in "
+           "data/drafter-answers and data/drafter-magpie" if log.get("own_prompts") else "; all in data/drafter-answers")
     (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
 
 {n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP 1536) whose attention reads
@@ -444,7 +447,7 @@ directory>)`; the kind is recorded in config.json (`infer_drafter.kind = "eagle3
 
 - Data: SmolLM2's own answers at temperature 0.7 and greedy to scripts/drafter_data.py's training prompts
   ({log['answered_cpu']} answered on the CPU by the Q4_1 engine, {log['answered_gpu']} on the GPU by the bfloat16
-  engine; all in data/drafter-answers): {log['conversations']} training conversations, {log['answer_positions']}
+  engine{own}): {log['conversations']} training conversations, {log['answer_positions']}
   answer positions. The outputs of the target's layers and its top-20 next-token law come from one float32
   teacher-forced pass over the GGUF's weights (scripts/eagle3_gpu.py).
 - Training: scripts/eagle3_gpu.py on one {log['device']} (scripts/train_heads.py's losses): forward KL to the
