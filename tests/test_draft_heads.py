@@ -138,11 +138,55 @@ def test_joint_distribution_equals_target(kind, params):
     assert _pvalue(kind, params) > 0.001
 
 
-def test_joint_distribution_equals_target_when_a_chain_draws_at_a_temperature():
-    """Plain temperature sampling: the EAGLE-3 head's draft steps draw inside its round's one call (draft_round: the
-    first step and the chain after it; K = 2), q from softmax(logits / T) (T = 1 above, the same path). The random head's flat logits leave this test little power against a q
-    that drops the temperature (p ~0.1-0.2 for it): test_a_draft_chain_gives_the_single_steps_drafts pins q exactly."""
-    assert _pvalue("eagle3", SamplingParams(temperature=0.6, max_tokens=4)) > 0.001
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, max_tokens=4), PARAMS[1]],
+                         ids=["T=0.6", "T=0.7+top-k+top-p"])
+def test_joint_distribution_equals_target_when_a_chain_draws_at_a_temperature(params, monkeypatch):
+    """The EAGLE-3 head's draft steps draw inside its round's one call (draft_round: the first step and the chain
+    after it; K = 2), q from softmax(logits / T): at a plain temperature, and for rows with top-k and top-p too,
+    whose drafts come from that unfiltered law (proposers.base.temperature_law_drafts) and are judged by it, so the
+    target's filters reject what lies outside them. The random head's flat logits leave this test little power
+    against a q that drops the temperature (p ~0.1-0.2 for it): test_a_draft_chain_gives_the_single_steps_drafts
+    pins q exactly; it does catch drafts judged as deterministic (q one-hot) where they were drawn."""
+    from infer.model.draft_heads import DraftHead
+
+    calls = []
+    orig = DraftHead.draft_round
+    monkeypatch.setattr(DraftHead, "draft_round", lambda *a: calls.append(1) or orig(*a))
+    assert _pvalue("eagle3", params) > 0.001
+    assert calls  # the rounds ran as one call
+
+
+def test_filtered_rows_drafts_follow_the_law_they_are_judged_by(monkeypatch):
+    """Rows with top-k and top-p draft inside the compiled round from their plain temperature law: each draft must be
+    a draw from the q the proposal reports (which verification judges it by), not from the filtered law the
+    target samples. The drafts of the rounds that ran as one call (draft_round), against the sum of their q (a
+    goodness-of-fit test; each draft is one draw from its own q, given the state and the drafts before it). Catches
+    a q reported filtered for drafts drawn unfiltered (drafts where q is 0: p ~1e-17) or sharpened by 1 / 0.7 (~1e-12)."""
+    from infer.model.draft_heads import DraftHead
+
+    target = random_llama(V, seed=0)
+    head = random_heads(target, "eagle3", seed=3)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32, block_size=4,
+                              seed=1234), model=target, draft_model=head)
+    proposer = eng.decoder.proposer
+    counts, expected, calls, orig = torch.zeros(V), torch.zeros(V), [], proposer.propose
+    orig_round = DraftHead.draft_round
+    monkeypatch.setattr(DraftHead, "draft_round", lambda *a: calls.append(1) or orig_round(*a))
+
+    def propose(batch):
+        calls.clear()
+        out = orig(batch)
+        for b, n in enumerate(out.num_draft):
+            for j in range(n if calls else 0):  # draft j is one draw from q[b, j], given the drafts before it
+                counts[out.drafts[b, j]] += 1
+                expected.add_(out.q[b, j])
+        return out
+
+    proposer.propose = propose
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=12)
+    eng.run([eng.add_request(PROMPT, params) for _ in range(N)])
+    assert counts.sum() > N // 2 and int((expected > 0).sum()) > 5  # q is not filtered to top-k 5
+    assert chi2_pvalue(counts, expected / expected.sum()) > 0.001
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -256,11 +256,16 @@ class DraftDrawer:
         return Proposal(self.drafts, num_draft, self.q, self.logits, **timing, **kw)
 
 
-def plain_temperature(sampling: SamplingBatch) -> bool:
-    """Every row samples at a temperature and nothing else (no top-k, top-p, min-p or penalty, no greedy row):
-    q = softmax(logits / T), which a drafter can draw inside its own compiled step (EagleHead.draft_chain)."""
-    return not (sampling.use_top_k or sampling.use_top_p or sampling.use_min_p or sampling.use_penalty
-                or any(p.greedy for p in sampling.rows))
+def temperature_law_drafts(sampling: SamplingBatch) -> bool:
+    """Every row samples, at a temperature and at most top-k / top-p / min-p (no penalty, no greedy row): a drafter
+    may draw each row's drafts from q = softmax(logits / T), its plain temperature law, inside its compiled step,
+    filters left out. Lossless all the same: any q is, when verification judges each draft by the q it was drawn
+    from (accept with min(1, p / q), else draw from max(0, p - q)); the target's filtered p is 0 outside its top-k /
+    top-p / min-p set, so a draft there is always rejected and the residual puts the mass back inside. What the
+    filters' loss costs is acceptance (q's mass outside the set, ~1 - top_p where q is near p), against a
+    data-dependent candidate search per draw that no compiled graph holds (sampling._top_k_top_p). A penalty
+    reshapes p inside the set, so penalised rows keep drafting from their own pipeline."""
+    return not (sampling.use_penalty or any(p.greedy for p in sampling.rows))
 
 
 def score_synced(hidden: torch.Tensor, draft_vocab, compute_logits) -> None:

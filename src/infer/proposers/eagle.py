@@ -10,7 +10,8 @@ entries 0 .. L-2 built from *true* features, and drafting continues from there:
              -> f^_{L-1} -> draft d_1 (the guess for x_L)
   step j     entry L-2+j = fc([embed(d_j); f^_{L-2+j}]) -> f^_{L-1+j} -> d_{j+1}
 
-Over a draft vocabulary, greedy or at a plain temperature, a round whose rows all draft >= 2 runs its catch-up, the
+Over a draft vocabulary, greedy or sampled at a temperature (rows with top-k / top-p / min-p draw from their plain
+temperature law there: base.temperature_law_drafts), a round whose rows all draft >= 2 runs its catch-up, the
 draw of d_1 and up to CHAIN_MAX steps as one compiled call (EagleHead.draft_round), and any later steps as chains
 (EagleHead.draft_chain). Otherwise the first step runs apart with an eager draw (DraftDrawer), followed by chains
 where the vocabulary and sampling allow them, else by single steps.
@@ -39,7 +40,7 @@ import torch
 from ..cache.base import TreeAttn
 from ..model.draft_heads import Eagle3Head, EagleHead
 from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
-from .base import DraftBatch, DraftDrawer, Proposal, Proposer, plain_temperature, score_synced
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced, temperature_law_drafts
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
@@ -143,9 +144,10 @@ class EagleProposer(Proposer):
         catch_up_s = time.perf_counter() - t0 if alone else 0.0
         catch_up = max(len(t) for t in toks)
         pool, dev = self.kv.draft_pool, self.head.device
-        # over a draft vocabulary, greedy or plain temperature sampling: runs of later steps go as one chain
+        # over a draft vocabulary, greedy or sampled at a temperature (top-k / top-p rows too, drafting from their
+        # plain temperature law: temperature_law_drafts): runs of later steps go as one chain
         chain = CHAIN_MAX > 0 and batch.grammar is None and not batch.keep_logits and drawer.dv is not None and \
-            (batch.sampling is None or plain_temperature(batch.sampling))
+            (batch.sampling is None or temperature_law_drafts(batch.sampling))
         j, prev_idx = 0, None
         while j < max(ks):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
