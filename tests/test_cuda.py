@@ -162,12 +162,15 @@ T1 = SamplingParams(temperature=1.0, max_tokens=4)
 
 
 @pytest.mark.parametrize("case", ["draft model", "draft model, contiguous", "T=0.7+top-k+top-p", "bfloat16",
-                                  "eagle head", "tree"])
+                                  "eagle head", "tree", "eagle3 head, T=0.7+top-k+top-p"])
 def test_joint_distribution_equals_target(case):
+    """"eagle3 head, T=0.7+top-k+top-p": the filtered rows draw their drafts at their plain temperature inside the
+    head's round (proposers.base.temperature_law_drafts), on the device."""
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4) if "top-k" in case else T1
     cfg = {"draft model, contiguous": dict(kv_cache_backend="contiguous"), "tree": dict(spec_tree="2x2"),
            "bfloat16": dict(dtype=torch.bfloat16)}.get(case, {})
-    assert _pvalue(params, head="eagle" if case == "eagle head" else None, **cfg) > 0.001
+    head = "eagle" if case == "eagle head" else "eagle3" if case.startswith("eagle3") else None
+    assert _pvalue(params, head=head, **cfg) > 0.001
 
 
 def test_a_lossy_rule_is_caught_on_the_device():
