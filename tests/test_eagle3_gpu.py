@@ -120,7 +120,8 @@ def test_the_targets_own_prompts_are_its_closed_turns_numbered_and_packed_apart(
 
     eos = set(LLM(path, compile=False).eos_token_ids)
     template = {"prefix": [5, 6, 7], "suffix": [8, 9]}
-    rows = eagle3_gpu.magpie(path, template, 6, "cpu", float("inf"), batch=4, seed=0, first_job=eagle3_gpu.MAGPIE_BASE + 3)
+    rows = eagle3_gpu.magpie(path, template, 6, "cpu", float("inf"), batch=4, seed=0,
+                             first_job=eagle3_gpu.MAGPIE_BASE + 3)
     assert 1 <= len(rows) <= 6
     assert [r["job"] for r in rows] == list(range(eagle3_gpu.MAGPIE_BASE + 3, eagle3_gpu.MAGPIE_BASE + 3 + len(rows)))
     assert [r["temperature"] for r in rows] == [(0.7, 0.0)[i % 2] for i in range(len(rows))]
@@ -156,3 +157,47 @@ def test_validation_reads_both_kinds_and_keeps_most_of_the_targets_prompts_for_t
     own = [v for v in val if v["index"] >= eagle3_gpu.MAGPIE_BASE]
     assert len(own) == 10 and len(val) == 31 and [v["index"] for v in val[:21]] == list(range(979, 1000))
     assert eagle3_gpu.split_jobs(items[:1000]) == (items[:970], items[970:1000])
+
+
+def test_own_prompts_on_the_cpu_number_after_the_packed_ones_resume_and_install(tmp_path, monkeypatch):
+    """`own` (the target's prompts and answers in a CPU session's background): numbered after the packed ones and
+    after its own file's, each with its prompt and answer; install packs them. The prompts' stage is the one tested
+    above, stubbed here (a random model seldom closes its turn: a timed run could ask for none)."""
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0, max_position_embeddings=2048)
+    asked = []
+
+    def magpie(model, template, n, device, deadline, batch, seed, first_job, **engine):
+        asked.append((first_job, engine))
+        return [{"job": first_job + i, "source": f"magpie:{first_job + i}", "kind": "magpie", "temperature": 0.7,
+                 "prompt_ids": template["prefix"] + [10 + i, 11, 12, 13] + template["suffix"], "answer_ids": None,
+                 "finish_reason": None} for i in range(n)]
+
+    monkeypatch.setattr(eagle3_gpu, "magpie", magpie)
+    own = tmp_path / "own"
+    own.mkdir()
+    monkeypatch.setattr(eagle3_gpu, "MAGPIE", own)
+    monkeypatch.setattr(eagle3_gpu, "MAX_TOKENS", 6)
+    monkeypatch.setattr(eagle3_gpu, "chat_turn", lambda tok: {"prefix": [5, 6, 7], "suffix": [8, 9]})
+    with gzip.open(own / "magpie-000.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"job": eagle3_gpu.MAGPIE_BASE + 4, "prompt_ids": [5, 6, 7, 1, 1, 1, 1, 8, 9],
+                            "answer_ids": [3]}) + "\n")
+    out = tmp_path / "cpu"
+    args = dict(model=path, out=out, chunk=3, gen_batch=2, seed=0, quantization=None)
+
+    def answered():
+        with gzip.open(out / "answers-new.jsonl.gz", "rt") as f:
+            return [json.loads(line) for line in f]
+
+    eagle3_gpu.own_prompts(argparse.Namespace(**args, seconds=3))
+    first = answered()
+    assert first and first[0]["job"] == eagle3_gpu.MAGPIE_BASE + 5
+    assert asked[0] == (first[0]["job"], {"quantization": None})
+    jobs = [r["job"] for r in first]
+    assert jobs == sorted(set(jobs))
+    assert all(r["prompt_ids"][:3] == [5, 6, 7] and r["prompt_ids"][-2:] == [8, 9] and 1 <= len(r["answer_ids"]) <= 6
+               for r in first)
+    eagle3_gpu.own_prompts(argparse.Namespace(**args, seconds=2))  # goes on after its own last job
+    assert answered()[:len(first)] == first and all(r["job"] > jobs[-1] for r in answered()[len(first):])
+    eagle3_gpu.install([out], None)
+    with gzip.open(own / "magpie-001.jsonl.gz", "rt") as f:
+        assert [json.loads(line)["job"] for line in f] == [r["job"] for r in answered()]
