@@ -264,14 +264,7 @@ def run(args) -> None:
         print(f"generation failed, training on the answers there are: {e!r}", file=sys.stderr)
         n_gen = sum(1 for r in rows if r.get("generated"))
     new = [r for r in rows if r.get("generated")]
-    with gzip.open(args.out / "answers-new.jsonl.gz", "wt") as f:
-        for r in new:
-            f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
-                                "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
-                                "answered_on": "cuda, bfloat16 (scripts/eagle3_gpu.py)",
-                                # the target's own prompts: no prompt list rebuilds them
-                                **({"kind": "magpie", "prompt_ids": r["prompt_ids"]} if r["job"] >= MAGPIE_BASE
-                                   else {})}) + "\n")
+    write_answers(args.out / "answers-new.jsonl.gz", new, "cuda, bfloat16 (scripts/eagle3_gpu.py)", "wt")
     t1 = time.time()
     items, target = teacher(args.model, rows, args.device, args.teacher_batch)
     t2 = time.time()
@@ -339,6 +332,18 @@ def run(args) -> None:
           file=sys.stderr)
 
 
+def write_answers(path: Path, rows: list[dict], answered_on: str, mode: str = "at") -> None:
+    """Answered rows in the packed format (one gzip member a call: a file cut short keeps its earlier calls' rows);
+    the target's own prompts keep theirs, which no prompt list rebuilds."""
+    with gzip.open(path, mode) as f:
+        for r in rows:
+            f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
+                                "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
+                                "answered_on": answered_on,
+                                **({"kind": "magpie", "prompt_ids": r["prompt_ids"]} if r["job"] >= MAGPIE_BASE
+                                   else {})}) + "\n")
+
+
 def answer(args) -> None:
     """The jobs' next answers on this machine's CPU, as the GPU's `run` would answer them but from the engine as
     served here (the GGUF's Q4_1 blocks, bfloat16 around them; eager, a batch of rows at a time, prefix caching
@@ -358,12 +363,7 @@ def answer(args) -> None:
     todo = [r for r in rows if r["answer_ids"] is None][:args.num]
 
     def append(part: list[dict]) -> None:  # one gzip member per batch: a file cut short keeps its earlier batches
-        with gzip.open(out, "at") as f:
-            for r in part:
-                f.write(json.dumps({"job": r["job"], "source": r["source"], "temperature": r["temperature"],
-                                    "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
-                                    "answered_on": "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py answer)"})
-                        + "\n")
+        write_answers(out, part, "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py answer)")
 
     n = generate(args.model, todo, "cpu", time.time() + args.seconds, args.gen_batch, args.seed, append,
                  quantization="q4_1", enable_prefix_caching=True)
@@ -388,12 +388,7 @@ def own_prompts(args) -> None:
     template = chat_turn(Tokenizer(args.model))
 
     def append(part: list[dict]) -> None:
-        with gzip.open(out, "at") as f:
-            for r in part:
-                f.write(json.dumps({"job": r["job"], "source": r["source"], "kind": "magpie",
-                                    "temperature": r["temperature"], "prompt_ids": r["prompt_ids"],
-                                    "answer_ids": r["answer_ids"], "finish_reason": r["finish_reason"],
-                                    "answered_on": "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py own)"}) + "\n")
+        write_answers(out, part, "cpu, Q4_1 blocks and bfloat16 (scripts/eagle3_gpu.py own)")
 
     done, q = 0, {"quantization": args.quantization}
     while time.time() < end:  # a chunk's prompts get at most half the time left, its answers the rest
