@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from infer import kernels
-from infer.model.quant import BLOCK_FORMATS, dequantize_blocks, pack_blocks, quantize_blocks, unpack_blocks
+from infer.model.quant import BLOCK_FORMATS, BlockLinear, dequantize_blocks, pack_blocks, quantize_blocks, unpack_blocks
 
 from test_kernels import run_in_the_avx2_build
 
@@ -102,6 +102,29 @@ def test_qlinear_is_batch_invariant(fmt, n, k=136):
         assert torch.equal(_qlinear(x[i:i + 1], packed, fmt, n), full[i:i + 1])
     xb = x.bfloat16()  # bfloat16 activations: read as float32, the result rounded to bfloat16 (as torch casts)
     assert torch.equal(_qlinear(xb, packed, fmt, n), _qlinear(xb.float(), packed, fmt, n).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float_out_holds_the_cast_outputs_bits(fmt):
+    """float_out (a model's logits): float32 holding exactly what the bfloat16 output cast to float32 holds (a float32
+    x: the float32 output itself), pads past lens skipped as without it; and BlockLinear's float_out is its forward's
+    .float()."""
+    w, x, blocks, packed = _case(fmt, 301, 136, 10, seed=3)
+    xb = x.bfloat16()
+    for m in (1, 5, 10):
+        y = torch.ops.infer.qlinear(xb[:m], packed, BLOCK_FORMATS[fmt][0], 301, None, True)
+        assert y.dtype == torch.float32 and torch.equal(y, _qlinear(xb[:m], packed, fmt, 301).float())
+        assert torch.equal(torch.ops.infer.qlinear(x[:m], packed, BLOCK_FORMATS[fmt][0], 301, None, True),
+                           _qlinear(x[:m], packed, fmt, 301))
+    lens = torch.tensor([3, 5])  # 2 rows of 5: row 0's last two are pads
+    y = torch.ops.infer.qlinear(xb, packed, BLOCK_FORMATS[fmt][0], 301, lens, True)
+    ref = torch.ops.infer.qlinear(xb, packed, BLOCK_FORMATS[fmt][0], 301, lens).float()
+    real = torch.tensor([0, 1, 2, 5, 6, 7, 8, 9])
+    assert torch.equal(y[real], ref[real])
+    lin = BlockLinear(blocks, fmt, 136, None, torch.bfloat16)
+    h = xb[:6].view(2, 3, 136)
+    out = lin(h, float_out=True)
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 301) and torch.equal(out, lin(h).float())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -109,8 +109,9 @@ def _build() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("infer::qlinear")
-    def _(x, packed, format, out_features, lens=None):  # [M, K] x GGML blocks packed by 8 rows -> [M, N] in x's dtype
-        return x.new_empty(x.shape[0], out_features)
+    def _(x, packed, format, out_features, lens=None, float_out=False):  # [M, K] x GGML blocks packed by 8 rows ->
+        # [M, N] in x's dtype (float_out: float32)
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32 if float_out else x.dtype)
 
     @torch.library.register_fake("infer::rms_norm")
     def _(x, weight, eps, lens=None):  # [M, H] -> [M, H]

@@ -153,17 +153,22 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t nb, QuantX& q, cons
     }
 }
 
-// The output: [M, N] float32 or bfloat16 (rounded to nearest even, as torch casts)
+// The output: [M, N] float32 or bfloat16 (rounded to nearest even, as torch casts). bf16_in_f32: float32 holding the
+// bfloat16 values (the bits of a bfloat16 output's .float(), without its second [M, N] pass: a model's logits)
 struct Out {
   void* p;
   bool bf16;
   int64_t N;
   const int64_t* map = nullptr;  // the tiles' row m is the output's row map[m] (pads skipped: rows.h); nullptr: m
+  bool bf16_in_f32 = false;
   void store(int64_t m, int64_t n, const float* v, int64_t rows) const {
     if (map) m = map[m];
     if (bf16) {
       c10::BFloat16* y = static_cast<c10::BFloat16*>(p) + m * N + n;
       for (int64_t r = 0; r < rows; ++r) y[r] = c10::BFloat16(v[r]);
+    } else if (bf16_in_f32) {
+      float* y = static_cast<float*>(p) + m * N + n;
+      for (int64_t r = 0; r < rows; ++r) y[r] = static_cast<float>(c10::BFloat16(v[r]));
     } else {
       std::copy(v, v + rows, static_cast<float*>(p) + m * N + n);
     }
@@ -472,10 +477,13 @@ inline __m512i bcast4x16(const void* p) {
 }
 
 // acc[m] += one block's products for a pair of groups (w: group g's quants, group g + 1's gb bytes further) and MT
-// activation rows; S accumulators a row (2 where there are few rows: vpdpbusd's latency, integer sums in any order)
+// activation rows; S accumulators a row (integer sums: exact in any order). Two up to 6 rows: a verify's 3-5 rows with
+// one chain each left vpdpbusd's latency exposed; with two, SmolLM2's 120 Q4_1 body products took 1.03-1.12x less
+// time at 3-5 rows (AMD EPYC Zen 4, 2 cores, paired medians of 60 sweeps, 2026-11-30; the same bits). At 7-8 rows
+// the extra accumulators do not fit beside the float ones.
 template <int64_t F, int MT>
 inline void pair_dots(const uint8_t* w, int64_t gb, const int8_t* const* x, __m512i (&acc)[MT]) {
-  constexpr int S = MT <= 2 ? 2 : 1;
+  constexpr int S = MT <= 6 ? 2 : 1;
   __m512i part[S][MT];
   for (int m = 0; m < MT; ++m) {
     part[0][m] = acc[m];
@@ -608,9 +616,11 @@ const char* format_name(int64_t f) {
   return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : f == kQ4_K ? "Q4_K" : nullptr;
 }
 
-// lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row
+// lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row.
+// float_out: y in float32 whatever x's dtype, holding what x's dtype would have held (a bfloat16 x: y.float()'s bits;
+// a verify's 5 x 49,152 logits were a 1 MB copy after the product, 0.06-0.5 ms where its pages came fresh)
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out_features,
-                      const c10::optional<torch::Tensor>& lens) {
+                      const c10::optional<torch::Tensor>& lens, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "infer::qlinear runs on the CPU");
   TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
               " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");
@@ -631,7 +641,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64
               ")");
   auto xc = x.contiguous();
   auto w = packed.contiguous();
-  auto y = at::empty({M, N}, x.options());  // x's dtype: written by the kernel, no cast after
+  auto y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());  // written by the kernel
   // the real rows alone (rows.h): quantized and multiplied as a call of those rows, written to their places
   bool all_real;
   const auto keep = infer_kernels::real_rows(lens, M, all_real);
@@ -643,7 +653,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64
   if (bf16) quantize_rows(xc.data_ptr<c10::BFloat16>(), Mr, K, nb, q, map);
   else quantize_rows(xc.data_ptr<float>(), Mr, K, nb, q, map);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const Out out{y.data_ptr(), bf16, N, map};
+  const Out out{y.data_ptr(), bf16 && !float_out, N, map, bf16 && float_out};
   if (format == kQ8_0) run<kQ8_0>(wp, N, nb, q, Mr, out);
   else if (format == kQ4_0) run<kQ4_0>(wp, N, nb, q, Mr, out);
   else if (format == kQ4_1) run<kQ4_1>(wp, N, nb, q, Mr, out);
@@ -665,7 +675,7 @@ bool qlinear_pairs(bool on) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None, bool float_out=False) -> Tensor");
   m.def("qlinear_pairs(bool on) -> bool", &qlinear_pairs);  // no tensors: one kernel for every dispatch key
 }
 

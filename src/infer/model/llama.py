@@ -18,6 +18,7 @@ from torch import nn
 from ..cache.base import AttnMeta, KVCachePool
 from ..config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, few_tokens_on_cpu, linear, rope_heads, sdpa
+from .quant import BlockLinear
 
 if TYPE_CHECKING:
     from .compile import CompiledSteps
@@ -187,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def _logits(self, hidden: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         """The head (what torch.compile traces); the pads' rows are left as the kernels leave them (``_zero_pads``)."""
         hidden = hidden[..., : self.config.hidden_size]  # the final state (layers captured for a drafter follow it)
+        if isinstance(self.lm_head, BlockLinear):  # float32 written by the kernel: no cast's pass after it
+            return self.lm_head(hidden, lens, float_out=True)
         head = linear(hidden, self.embed_tokens.weight, None, lens) if self.lm_head is None else \
             self.lm_head(hidden, lens)
         return head.float()

@@ -290,15 +290,21 @@ class BlockLinear(_WeightOnlyLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_blocks(self.blocks(), self.fmt, self.in_features).to(self.compute_dtype)
 
-    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+        """``float_out``: the result in float32, with the bits of ``forward(x, lens).float()`` (a model's logits): the
+        kernel writes them so, saving the cast's pass over [rows, out_features]."""
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu" and kernels.available():  # pads past ``lens`` skipped (layers.linear)
+            if float_out and self.bias is None:
+                y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features, lens, True)
+                return y.view(*x.shape[:-1], self.out_features)
             y = torch.ops.infer.qlinear(x2, self.packed, self.format_id, self.out_features, lens)
         else:  # no integer kernel here (CUDA, a failed build): the weights dequantized once, kept beside the blocks
             if self._dequantized is None:
                 self._dequantized = self.dequantized_weight().t()
             y = x2.to(self.compute_dtype) @ self._dequantized
-        return self._output(y, x)
+        y = self._output(y, x)
+        return y.float() if float_out else y
 
 
 def _compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
