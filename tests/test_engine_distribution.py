@@ -93,6 +93,69 @@ def test_auto_k_and_a_bfloat16_drafter():
                    kv_cache_backend="contiguous", costs=costs) > 0.001
 
 
+def _cutting(monkeypatch, sampled_too: bool) -> list:
+    """Auto K at K = 2 every round over a cost model that prices verify tokens dear, its cut (GoodputSpecLength.cut)
+    spied on: [(drafts, verified)] a round. ``sampled_too``: the lossy variant, drawn rows cut by q(t) as well."""
+    monkeypatch.setattr(GoodputSpecLength, "choose", lambda self, reqs, caps: [min(2, c) for c in caps])
+    seen, cut, init = [], GoodputSpecLength.cut, GoodputSpecLength.__init__
+
+    def lossy(self, *args):
+        init(self, *args)
+        self.cut_drawn = sampled_too
+
+    def spy(self, *args):
+        out = cut(self, *args)
+        seen.append((sum(args[1]), sum(out)))
+        return out
+
+    monkeypatch.setattr(GoodputSpecLength, "cut", spy)
+    monkeypatch.setattr(GoodputSpecLength, "__init__", lossy)
+    return seen
+
+
+CUT_COSTS = dict(spec_length="auto", spec_length_max=2)
+
+
+def _cut_costs() -> CostModel:
+    costs = CostModel.from_points(32, 2, {(1, 1): 1.0, (1, 3): 1.5, (32, 1): 1.5, (32, 3): 3.0}, {1: 0.05, 32: 0.1})
+    costs.ema = 0.0
+    return costs
+
+
+def test_drafts_cut_by_their_own_confidence_break_the_law_and_drawn_rows_are_not_cut(monkeypatch):
+    """Auto K cuts greedy rows' drafts by the drafter's confidence in each (GoodputSpecLength.cut). Applied to drawn
+    rows, that rule is lossy: a draft verified only when q(t) is high follows q restricted to the confident tokens,
+    not the q it is judged by. This test has the power to see it, and the engine does not cut drawn rows."""
+    seen = _cutting(monkeypatch, sampled_too=True)
+    assert _pvalue(PARAMS[0], costs=_cut_costs(), **CUT_COSTS) < 1e-4
+    drafted, verified = map(sum, zip(*seen))
+    assert 0.2 * drafted < verified < 0.8 * drafted  # the variant did cut
+    seen.clear()
+    monkeypatch.undo()
+    seen = _cutting(monkeypatch, sampled_too=False)
+    assert _pvalue(PARAMS[0], costs=_cut_costs(), **CUT_COSTS) > 0.001
+    assert all(d == v for d, v in seen)  # drawn rows: every draft verified (a batch without greedy rows: no call)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_greedy_rows_cut_by_confidence_decode_as_the_target(monkeypatch, backend):
+    """The cut where it acts (greedy rows): whatever prefix of its drafts a row verifies, its tokens are the target's
+    argmax chain. 32 greedy requests decoding 12 tokens, drafts cut often, against plain decoding."""
+    target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = [[1 + i % (V - 1), (3 * i) % V] for i in range(32)]
+    plain = Engine(EngineConfig(model="target", max_batch_size=32, kv_cache_backend=backend), model=target)
+    want = [r.output_ids for r in plain.run([plain.add_request(p, params) for p in prompts])]
+    seen = _cutting(monkeypatch, sampled_too=False)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", max_batch_size=32, block_size=4,
+                              kv_cache_backend=backend, **CUT_COSTS), model=target, draft_model=drafter)
+    eng.decoder.spec_length = GoodputSpecLength(2, _cut_costs())
+    got = [r.output_ids for r in eng.run([eng.add_request(p, params) for p in prompts])]
+    assert got == want
+    drafted, verified = map(sum, zip(*seen))
+    assert 0 < verified < drafted
+
+
 @pytest.mark.parametrize("acceptance", ["typical", "lenient"])
 def test_lossy_acceptance_rules_fail_the_test(acceptance):
     """The opt-in lossy rules accept more drafts (what they buy) and fail the chi-square test (what it costs)."""

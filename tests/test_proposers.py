@@ -452,6 +452,45 @@ def test_confidence_groups_are_calibrated_apart():
     assert policy.choose([short], [8])[0] < 8 and policy.choose([long_], [8]) == [8]
 
 
+def test_auto_k_verifies_the_drafts_worth_it_by_the_drafters_confidence():
+    """Once drafted, auto K verifies a prefix of each model row's drafts (GoodputSpecLength.cut): a draft is worth
+    the chance it is reached and accepted (the calibrated confidences before it, multiplied) against its share of the
+    verify at the round's rate. Greedy rows only; copies (no confidence), drawn drafts and pinned K verify every
+    draft. What the target then judges re-calibrates the confidences, and the row's estimate still counts the drafts
+    the cut left out."""
+    from infer.spec_decode.spec_length import FixedSpecLength
+
+    nan = float("nan")
+    costs = CostModel.from_points(2, 8, {(1, 1): 1.0, (1, 9): 2.6, (2, 1): 1.0, (2, 9): 4.2}, {1: 0.1, 2: 0.1})
+    policy = GoodputSpecLength(8, costs)  # a verify: 1 + 0.2 a draft (one row), 1 + 0.2 a draft of either row (two)
+    r, s = _req([1, 2]), _req([3, 4])
+    assert policy.cut([r], [4], [[0.99] * 4], None, [False]) == [4]  # sure drafts: all verified
+    assert policy.cut([r], [4], [[0.99, 0.99, 0.05, 0.99]], None, [False]) == [2]  # a doubted draft ends the run
+    assert policy.cut([r], [4], [[0.05] * 4], None, [False]) == [0]  # none pays for its verify
+    assert policy.cut([r], [4], [[nan] * 4], [True], [False]) == [4]  # a copy's drafts: verified whole
+    assert policy.cut([r, s], [3, 3], [[0.99] * 3, [0.99, 0.05, 0.99]], None, [False, False]) == [3, 1]  # per row
+    assert FixedSpecLength(4).cut([r], [4], [[0.05] * 4], None, [False]) == [4]  # pinned: K is K
+    policy.cuts = False
+    assert policy.cut([r], [4], [[0.05] * 4], None, [False]) == [4]
+    policy.cuts = True
+    assert policy.cut([r], [4], [[0.05] * 4], None, [True]) == [4]  # drawn drafts: all (a cut by q(t) is lossy)
+    # the target judges: greedy drafts of confidence 0.95 keep failing -> they are cut
+    for _ in range(100):
+        policy.cut([r], [4], [[0.95] * 4], None, [False])
+        policy.observe(r, 4, 0)
+    assert policy.draft_calibrations[False](0.95) < 0.1
+    assert policy.cut([r], [4], [[0.95] * 4], None, [False]) == [0]
+    # a row whose verified drafts were all accepted: its estimate counts the cut ones at their chances (drafts as
+    # drafted price K in choose), not as accepted, nor as never drafted
+    p = GoodputSpecLength(8, costs)
+    a, b = _req([5]), _req([6])
+    for _ in range(20):
+        p.cut([a], [4], [[0.99, 0.05, 0.05, 0.05]], None, [False])  # -> 1 verified
+        p.observe(a, 1, 1)
+        p.observe(b, 1, 1)  # the same round without a cut (or drafting one)
+    assert p.alpha(a) < 0.6 < 0.9 < p.alpha(b)  # a: ~1 + 0.05 accepted of ~2.05 judged a round
+
+
 def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
     """Through the engine: the hybrid's model steps priced at 1000 s, n-gram copies still drafted and accepted, the
     output the plain one."""

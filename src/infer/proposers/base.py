@@ -7,6 +7,9 @@
                                        deterministic (q = one-hot on it), which verification handles exactly
     proposal.logits      [B, K, V] or None: raw draft logits, only when ``keep_logits`` (EGAG, debug)
     proposal.free        [B] bool or None: rows whose drafts cost no model step (copies from the context)
+    proposal.confidence  [B, K] float32 or None: only when ``batch.confidence``: the drafter's probability of each
+                                       model draft given those before it (q(t_j) as drawn; a greedy draft's own
+                                       softmax at temperature 1), NaN where a row has none (copies, no draft)
     proposal.first_s, steps_s, model_rows, model_steps: what the drafter's model steps took (the cost model)
 
 Invariants every proposer keeps (the round relies on them for losslessness):
@@ -52,6 +55,7 @@ class DraftBatch:
     device: torch.device
     keep_logits: bool = False
     grammar: RoundGrammar | None = None  # structured output: the round's masks, which model drafters draw under
+    confidence: bool = False  # keep each model draft's probability (Proposal.confidence: auto K's cut, the round)
 
     @property
     def K(self) -> int:
@@ -64,6 +68,7 @@ class Proposal:
     num_draft: list[int]  # [B]
     q: torch.Tensor | None = None  # [B, K, V]
     logits: torch.Tensor | None = None  # [B, K, V]
+    confidence: torch.Tensor | None = None  # [B, K] float32, NaN where none (module docstring)
     catch_up: int = 0  # most tokens a row brought to the batched first draft step (beyond K + 1: some catching up)
     catch_up_tokens: int = 0  # tokens fed to the proposer's model alone, before drafting (lazy prefills)
     catch_up_s: float = 0.0  # and the seconds they took (not a draft step's cost)
@@ -171,6 +176,7 @@ class DraftDrawer:
         self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
         self.q = None if batch.sampling is None else torch.zeros(B, K, V, device=dev)
         self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
+        self.conf = torch.full((B, K), float("nan"), device=dev) if batch.confidence else None
         self.ctx_seen = None if batch.seen is None else batch.seen.clone()
         # timing of the model steps (the cost model): from here (the proposer's set-up and catch-up are the first
         # step's), to the end of the first draw, to the end of the last
@@ -192,17 +198,23 @@ class DraftDrawer:
 
     def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:
         """Drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of steps:
-        EagleHead.draft_chain; from j = 0, a round's first steps: draft_round) over the draft vocabulary, with
-        q [n, m, N] where sampled: what m calls of ``draw`` would have kept, timing included."""
+        EagleHead.draft_chain; from j = 0, a round's first steps: draft_round) over the draft vocabulary, with the
+        law q [n, m, N] they were drawn from (a greedy batch's: softmax at temperature 1): what m calls of ``draw``
+        would have kept, timing included."""
         m = drafts.shape[1]
+        every = len(idx) == len(self.batch.reqs)
         rows_t = torch.tensor(idx, device=self.batch.device)
-        self.drafts[rows_t if len(idx) < len(self.batch.reqs) else slice(None), j:j + m] = drafts
+        rows = slice(None) if every else rows_t
+        self.drafts[rows, j:j + m] = drafts
         if self.q is not None:  # 0 outside S (a fresh tensor each proposal)
-            if len(idx) == len(self.batch.reqs):  # one scatter for the m positions: 37 against 183 us at m = 4
+            if every:  # one scatter for the m positions: 37 against 183 us at m = 4
                 self.q[:, j:j + m].scatter_(2, self.dv.ids.expand(*q.shape), q)  # over SmolLM2's 49,152 (m index_puts)
             else:
                 for i in range(m):
                     self.q[rows_t[:, None], j + i, self.dv.ids] = q[:, i]
+        if self.conf is not None:  # a greedy draft is its law's argmax; a drawn one is read back from the scattered q
+            self.conf[rows, j:j + m] = q.amax(-1) if self.q is None else \
+                self.q[rows, j:j + m].gather(2, drafts[..., None])[..., 0]
         self.t_last = time.perf_counter()
         self.steps = max(self.steps, j + m)
         if j == 0:  # the round's first step ran in the same call (EagleHead.draft_round): its time is the first's
@@ -223,8 +235,11 @@ class DraftDrawer:
         if grammar is not None:  # structured output: q has no mass where the grammar forbids a token
             reqs = [batch.reqs[b] for b in idx]
             logits = grammar.restrict(j, reqs, logits, None if dv is None else dv.ids)
-        if sampling is None:  # greedy: argmax needs no probabilities
+        if sampling is None:  # greedy: argmax needs no probabilities (its confidence: the softmax's largest)
             drafts = argmax(logits)
+            if self.conf is not None:
+                self.conf[rows_t if len(idx) < len(batch.reqs) else slice(None), j] = \
+                    torch.exp(logits.max(-1).values - logits.logsumexp(-1))
             drafts = drafts if dv is None else dv.token(drafts)
             self.drafts[rows_t if len(idx) < len(batch.reqs) else slice(None), j] = drafts
             if grammar is not None:
@@ -245,6 +260,8 @@ class DraftDrawer:
         else:
             self.drafts[rows_t, j] = dv.token(drawn)
             self.q[rows_t[:, None], j, dv.ids] = probs  # 0 outside S (a fresh tensor each proposal)
+        if self.conf is not None:
+            self.conf[rows_t, j] = probs.gather(1, drawn[:, None])[:, 0]
         if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
             self.ctx_seen[rows_t, self.drafts[rows_t, j]] = True
         if grammar is not None:
@@ -256,7 +273,7 @@ class DraftDrawer:
         timing = {} if not self.steps else dict(
             model_rows=self.rows, model_steps=self.steps, steps_s=self.t_last - self.t_first,
             first_s=max(0.0, self.t_first - self.t_start - kw.get("catch_up_s", 0.0)))
-        return Proposal(self.drafts, num_draft, self.q, self.logits, **timing, **kw)
+        return Proposal(self.drafts, num_draft, self.q, self.logits, self.conf, **timing, **kw)
 
 
 def temperature_law_drafts(sampling: SamplingBatch) -> bool:

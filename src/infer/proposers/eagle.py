@@ -162,7 +162,7 @@ class EagleProposer(Proposer):
                 x, f = self._padded(toks, feats)
                 last = torch.tensor([len(t) - 1 for t in toks], device=dev)
                 drafts, f_hat, q = self.head.draft_round(x, f, last, pool, metas, drawer.dv, temp, u)
-                drawer.put(0, idx, drafts, q if batch.sampling is not None else None)
+                drawer.put(0, idx, drafts, q)
                 j, prev_idx = m + 1, idx
                 continue
             if j == 0:
@@ -181,7 +181,7 @@ class EagleProposer(Proposer):
                 metas = pool.prepare_run(slots, m, dev)
                 temp, u = self._uniforms(batch, idx, m, dev)
                 drafts, f_hat, q = self.head.draft_chain(last, f_hat, pool, metas, drawer.dv, temp, u)
-                drawer.put(j, idx, drafts, q if batch.sampling is not None else None)
+                drawer.put(j, idx, drafts, q)
                 j += m
             else:  # one entry a row: the last draft and f^ of the step before, as tensors (no host sync)
                 meta = pool.prepare(slots, [1] * len(idx), dev)

@@ -107,7 +107,7 @@ def _sub_batch(batch: DraftBatch, rows: list[int]) -> DraftBatch:
                       None if batch.sampling is None else
                       SamplingBatch.from_params([batch.sampling.rows[b] for b in rows], batch.vocab_size, batch.device),
                       None if batch.seen is None else batch.seen[rows], [batch.generators[b] for b in rows],
-                      batch.vocab_size, batch.device, batch.keep_logits, batch.grammar)
+                      batch.vocab_size, batch.device, batch.keep_logits, batch.grammar, batch.confidence)
 
 
 def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:
@@ -184,6 +184,9 @@ class HybridProposer(Proposer):
                 out.q[rows] = one_hot_q(out.drafts[rows], batch.vocab_size)
         else:  # every row the model's (its q as it is) or every draft deterministic (None)
             out.q = mp.q
+        if mp.confidence is not None:  # the model's rows' confidences; the copies have none (NaN)
+            out.confidence = torch.full(out.drafts.shape, float("nan"), device=batch.device)
+            out.confidence[rows, :mp.confidence.shape[1]] = mp.confidence
         if batch.keep_logits and mp.logits is not None:
             out.logits = torch.zeros_like(out.q)
             out.logits[rows, :mp.logits.shape[1]] = mp.logits

@@ -185,13 +185,16 @@ def with_forced(prop: Proposal, forced: dict[int, list[int]], K: int, vocab_size
         return out
 
     drafts, q, logits = widen(prop.drafts, ()), widen(prop.q, (vocab_size,)), widen(prop.logits, (vocab_size,))
+    confidence = widen(prop.confidence, ())
     nd, free = list(prop.num_draft), list(prop.free or [False] * B)
     for b, tokens in forced.items():
         t = torch.tensor(tokens, device=drafts.device)
         drafts[b] = 0
         drafts[b, :len(t)] = t
         nd[b], free[b] = len(t), True
+        if confidence is not None:
+            confidence[b] = float("nan")
         if q is not None:
             q[b] = 0.0
             q[b, torch.arange(len(t)), t] = 1.0
-    return dataclasses.replace(prop, drafts=drafts, num_draft=nd, q=q, logits=logits, free=free)
+    return dataclasses.replace(prop, drafts=drafts, num_draft=nd, q=q, logits=logits, confidence=confidence, free=free)

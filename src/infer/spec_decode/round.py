@@ -143,25 +143,33 @@ class SpeculativeDecoder:
         K = max(max(ks), max(map(len, forced.values()), default=0))
         grammar = RoundGrammar.of(reqs, K, V)  # structured output: masks for every judged position
         t0 = time.perf_counter()
-        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar)) \
+        # auto K verifies the greedy rows' drafts worth it (spec_length.cut), by the drafter's confidence in each; not
+        # where a grammar follows the drafts (its matchers have taken them all)
+        policy = self.spec_length
+        cut = policy.cuts and grammar is None and (policy.cut_drawn or any(p.greedy for p in params))
+        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar, cut)) \
             if max(ks) else Proposal(torch.zeros(B, 0, dtype=torch.long), [0] * B)
         if forced:
             prop = with_forced(prop, forced, K, V)
         t1 = time.perf_counter()
+        lens = [r.num_tokens for r in reqs]
         nd = prop.num_draft
         host = prop.drafts.tolist()
         if grammar is not None:  # drafts the grammar forbids are cut (grammar.py: the same law)
             nd = grammar.finish(reqs, host, nd)
-        if max(nd) == 0:  # nothing to verify (e.g. no n-gram matched anywhere)
+        elif cut and prop.confidence is not None:
+            nd = policy.cut(reqs, nd, prop.confidence.tolist(), prop.free, [not p.greedy for p in params])
+        if max(nd) == 0:  # nothing to verify (no n-gram matched anywhere; every draft forbidden, or cut)
             if grammar is not None:
                 grammar.release()
+            for r, n in zip(reqs, lens):  # a draft model fed its drafts: back to the target's L - 1 entries
+                self.kv.rollback(r, n - 1)
             return self._plain(reqs, t_in)
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
         q = None if prop.q is None else prop.q[:, :K]  # [B, K, V]
 
         # -- verify: [g, t_1 .. t_n] per row in one target forward -> p_0 .. p_K --------------------------------
-        lens = [r.num_tokens for r in reqs]
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
         hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
         logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0

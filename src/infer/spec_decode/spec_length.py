@@ -127,6 +127,10 @@ class FixedSpecLength:
     """``spec_length=K``: K drafts for every row, every round (capped by what the row has left)."""
 
     needs_logits = False
+    cuts = cut_drawn = False  # every draft drafted is verified (auto K cuts them by confidence: GoodputSpecLength.cut)
+
+    def cut(self, reqs, nd, confidence, free, sampled) -> list[int]:
+        return nd
 
     def __init__(self, k: int):
         self.k = k
@@ -183,6 +187,8 @@ class _Acceptance:
     probe_every: int = PROBE_EVERY
     confidence: list[float] | None = None  # this round's free drafts' confidences, if the proposer gave them
     group: int = 0  # and their confidence group (Proposer.confidence_group)
+    drafted: list[float] | None = None  # this round's model drafts' confidences, as ``cut`` kept them
+    sampled: bool = False  # and whether they were drawn (else greedy: calibrated apart)
 
 
 @dataclass
@@ -196,7 +202,8 @@ class _Pricing:
 
 
 class GoodputSpecLength:
-    """``spec_length="auto"``: per round, the K per request that maximises expected tokens per second."""
+    """``spec_length="auto"``: per round, the K per request that maximises expected tokens per second, and, once
+    drafted, the prefix of each row's drafts worth verifying (``cut``)."""
 
     needs_logits = False
 
@@ -228,6 +235,11 @@ class GoodputSpecLength:
         self.overhead: dict[tuple[int, bool], float] = {}
         self.pricing: dict[int, _Pricing] = {}  # batch size -> whether choose's answers pay for its own time
         self.price_every_max = PRICE_EVERY_MAX  # 1: price every round (benchmarks' A/B of the back-off)
+        # the cut of a round's model drafts by their confidence (``cut``): acceptance by the drafter's probability,
+        # greedy drafts (False) and drawn ones (True) apart; ``cuts`` False verifies every draft (benchmarks' A/B)
+        self.cuts = True
+        self.cut_drawn = False  # True: drawn rows cut by their drafts' own q(t) as well, a LOSSY variant (``cut``)
+        self.draft_calibrations = {False: Calibration(), True: Calibration()}
 
     def alpha(self, req, free: bool = False) -> float:
         return self._alpha(self.state.get(req) or _Acceptance(), free)
@@ -395,11 +407,107 @@ class GoodputSpecLength:
             ks[b] = min(2, caps[b])
             self.unpriced, self.explore_every = 0, min(2 * self.explore_every, EXPLORE_MAX)
 
+    def cut(self, reqs, nd: list[int], confidence: list[list[float]], free: list[bool] | None,
+            sampled: list[bool]) -> list[int]:
+        """How many of each row's drafts to verify, now that they are drafted: a prefix of each model row's, by the
+        drafter's confidence in each draft (``Proposal.confidence``; NaN: none, a copy's, kept whole).
+
+        A draft is worth the chance that it is reached and accepted, prod_{i<=j} c(p_i) (c: acceptance by the
+        drafter's probability, ``Calibration``, learnt from the drafts judged), and costs its share of the verify
+        (the cost model's price of the forward's width). The drafting is spent either way, so the round keeps the
+        drafts that maximise tokens - R x seconds, R the round's rate (tokens per second of the whole round, drafts
+        included; computed with every draft, then again with the cut: a renewal-reward rate, at which each kept draft
+        still pays for its verify). The drafts, taken by that chance (each row's in order: the chance only falls along
+        a row), are kept up to the best count.
+
+        Greedy rows only (``sampled[b]`` False): their output is the target's argmax chain whatever drafts are
+        verified. A drawn draft kept or cut by its own probability q(t_j) would be lossy: the drafts verified would
+        follow q restricted to the confident ones, not the q they are judged by (the engine's chi-square test catches
+        that variant, ``cut_drawn``: tests/test_engine_distribution.py). A lossless cut of a drawn row could use the confidences
+        before draft j only; at temperature 0.7 even the lossy one measured no gain, so drawn rows verify every
+        draft."""
+        B = len(reqs)
+        if not self.cuts or self.costs is None:
+            return nd
+        rows = [b for b in range(B) if nd[b] > 0 and (self.cut_drawn or not sampled[b]) and
+                not (free and free[b]) and confidence[b][0] == confidence[b][0]]
+        for b, r in enumerate(reqs):
+            s = self.state.get(r)
+            if s is not None:
+                s.drafted = None
+        if not rows:
+            return nd
+        cand = []  # (-chance, position, row): the chance that the draft is reached and accepted
+        for b in rows:
+            cal, alive = self.draft_calibrations[sampled[b]], 1.0
+            for j, p in enumerate(confidence[b][:nd[b]]):
+                alive *= cal(p)
+                cand.append((-alive, j, b))
+        cand.sort()  # a row's own in order: its chance never rises along it (ties: by position)
+        cuttable = set(rows)
+        fixed = sum(nd[b] for b in range(B) if b not in cuttable)  # drafts verified whatever (copies)
+        others = sum(expected_tokens(self.alpha(reqs[b], True), nd[b]) - 1.0 for b in range(B)
+                     if b not in cuttable and nd[b])
+        verify = self.costs.verify_costs(B, max(nd) + 1)
+        spent = self.costs.draft_cost(len(rows), max(nd[b] for b in rows)) + self.overhead.get((B, True), 0.0)
+
+        def price(drafts: int) -> float:  # the verify of B rows with `drafts` drafts among them (pads skipped)
+            t = 1.0 + drafts / B
+            lo = int(t)
+            return verify[lo] if lo == t else verify[lo] + (t - lo) * (verify[lo + 1] - verify[lo])
+
+        keep = len(cand)
+        for _ in range(2):  # R with every draft, then with the cut
+            gained = B + others + sum(-c for c, _, _ in cand[:keep])
+            rate = gained / (price(fixed + keep) + spent)
+            best, keep, acc = -rate * price(fixed), 0, 0.0
+            for n, (c, _, _) in enumerate(cand, 1):
+                acc -= c
+                value = acc - rate * price(fixed + n)
+                if value > best:
+                    best, keep = value, n
+        out = list(nd)
+        for b in rows:
+            out[b] = 0
+        for _, j, b in cand[:keep]:
+            out[b] = max(out[b], j + 1)
+        for b in rows:  # every draft drafted: observe calibrates by those judged and counts the cut ones' chances
+            s = self.state.setdefault(reqs[b], _Acceptance())
+            s.drafted, s.sampled = confidence[b][:nd[b]], sampled[b]
+        return out
+
     def observe(self, req, k, n, logits=None, free=False):
-        if not k:
-            return None
         s = self.state.setdefault(req, _Acceptance())
+        drafted, s.drafted = s.drafted, None  # this round's alone
         judged = min(n + 1, k)
+        # drafts 0..judged-1 were judged: all accepted but a rejected last
+        if free and s.confidence is not None:
+            cal = self.calibrations[s.group]
+            for j, p in enumerate(s.confidence[:judged]):
+                cal.observe(p, j < n)
+        accepted, counted = float(n), float(judged)
+        if drafted is not None and not free:
+            cal = self.draft_calibrations[s.sampled]
+            for j, p in enumerate(drafted[:judged]):
+                cal.observe(p, j < n)
+            if n == k:  # every draft verified was accepted: the ones cut would have been judged next, each while
+                alive = 1.0  # those before it were accepted (expected counts). The row's estimate prices drafts
+                for p in drafted[k:]:  # as drafted (``choose``), not only the confident ones the cut keeps
+                    counted += alive
+                    alive *= cal(p)
+                    accepted += alive
+        if not counted:
+            return None
+        if free:
+            s.free_accepted, s.free_judged = DECAY * s.free_accepted + n, DECAY * s.free_judged + judged
+            self.global_free_accepted = 0.99 * self.global_free_accepted + n
+            self.global_free_judged = 0.99 * self.global_free_judged + judged
+        else:
+            s.accepted, s.judged = DECAY * s.accepted + accepted, DECAY * s.judged + counted
+            self.global_accepted = 0.99 * self.global_accepted + accepted
+            self.global_judged = 0.99 * self.global_judged + counted
+        return None
+        n, judged = n + more_accepted, judged + more_judged
         if free and s.confidence is not None:  # drafts 0..judged-1 were judged: all accepted but a rejected last
             cal = self.calibrations[s.group]
             for j, p in enumerate(s.confidence[:judged]):
