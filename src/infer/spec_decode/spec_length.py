@@ -507,20 +507,6 @@ class GoodputSpecLength:
             self.global_accepted = 0.99 * self.global_accepted + accepted
             self.global_judged = 0.99 * self.global_judged + counted
         return None
-        n, judged = n + more_accepted, judged + more_judged
-        if free and s.confidence is not None:  # drafts 0..judged-1 were judged: all accepted but a rejected last
-            cal = self.calibrations[s.group]
-            for j, p in enumerate(s.confidence[:judged]):
-                cal.observe(p, j < n)
-        if free:
-            s.free_accepted, s.free_judged = DECAY * s.free_accepted + n, DECAY * s.free_judged + judged
-            self.global_free_accepted = 0.99 * self.global_free_accepted + n
-            self.global_free_judged = 0.99 * self.global_free_judged + judged
-        else:
-            s.accepted, s.judged = DECAY * s.accepted + n, DECAY * s.judged + judged
-            self.global_accepted = 0.99 * self.global_accepted + n
-            self.global_judged = 0.99 * self.global_judged + judged
-        return None
 
     # Without a cost model yet (the decoder is not ready: it decodes plainly meanwhile), nothing is refreshed.
     def timed(self, B: int, T: float, verify_s: float) -> None:
