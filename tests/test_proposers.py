@@ -468,6 +468,7 @@ def test_auto_k_verifies_the_drafts_worth_it_by_the_drafters_confidence():
     assert policy.cut([r], [4], [[0.99, 0.99, 0.05, 0.99]], None, [False]) == [2]  # a doubted draft ends the run
     assert policy.cut([r], [4], [[0.05] * 4], None, [False]) == [0]  # none pays for its verify
     assert policy.cut([r], [4], [[nan] * 4], [True], [False]) == [4]  # a copy's drafts: verified whole
+    assert policy.cut([r], [4], [[0.05, 0.05, nan, nan]], None, [False]) == [4]  # a confidence missing: whole
     assert policy.cut([r, s], [3, 3], [[0.99] * 3, [0.99, 0.05, 0.99]], None, [False, False]) == [3, 1]  # per row
     assert FixedSpecLength(4).cut([r], [4], [[0.05] * 4], None, [False]) == [4]  # pinned: K is K
     policy.cuts = False

@@ -430,7 +430,7 @@ class GoodputSpecLength:
         if not self.cuts or self.costs is None:
             return nd
         rows = [b for b in range(B) if nd[b] > 0 and (self.cut_drawn or not sampled[b]) and
-                not (free and free[b]) and confidence[b][0] == confidence[b][0]]
+                not (free and free[b]) and all(p == p for p in confidence[b][:nd[b]])]  # NaN: no confidence
         for b, r in enumerate(reqs):
             s = self.state.get(r)
             if s is not None:
