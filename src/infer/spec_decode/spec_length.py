@@ -422,10 +422,10 @@ class GoodputSpecLength:
 
         Greedy rows only (``sampled[b]`` False): their output is the target's argmax chain whatever drafts are
         verified. A drawn draft kept or cut by its own probability q(t_j) would be lossy: the drafts verified would
-        follow q restricted to the confident ones, not the q they are judged by (the engine's chi-square test catches
-        that variant, ``cut_drawn``: tests/test_engine_distribution.py). A lossless cut of a drawn row could use the confidences
-        before draft j only; at temperature 0.7 even the lossy one measured no gain, so drawn rows verify every
-        draft."""
+        follow q restricted to the confident ones, not the q they are judged by (the engine's chi-square test
+        catches that variant, ``cut_drawn``: tests/test_engine_distribution.py). A lossless cut of a drawn row could
+        use the confidences before draft j only; at temperature 0.7 even the lossy one measured no gain, so drawn
+        rows verify every draft."""
         B = len(reqs)
         if not self.cuts or self.costs is None:
             return nd
@@ -446,8 +446,8 @@ class GoodputSpecLength:
         cand.sort()  # a row's own in order: its chance never rises along it (ties: by position)
         cuttable = set(rows)
         fixed = sum(nd[b] for b in range(B) if b not in cuttable)  # drafts verified whatever (copies)
-        others = sum(expected_tokens(self.alpha(reqs[b], True), nd[b]) - 1.0 for b in range(B)
-                     if b not in cuttable and nd[b])
+        others = sum(expected_tokens(self.alpha(reqs[b], bool(free and free[b])), nd[b]) - 1.0 for b in range(B)
+                     if b not in cuttable and nd[b])  # the rows verified whole, at their estimates
         verify = self.costs.verify_costs(B, max(nd) + 1)
         spent = self.costs.draft_cost(len(rows), max(nd[b] for b in rows)) + self.overhead.get((B, True), 0.0)
 
