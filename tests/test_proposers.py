@@ -14,8 +14,8 @@ from infer.spec_decode.spec_length import GoodputSpecLength, expected_tokens
 from infer.testing import make_tiny_llama
 
 
-def _req(ids):
-    return Request(ids, SamplingParams(max_tokens=50))
+def _req(ids):  # a greedy request (auto K's estimate of a sampled one remembers longer: DRAWN_DECAY)
+    return Request(ids, SamplingParams(temperature=0, max_tokens=50))
 
 
 def test_prompt_lookup_finds_the_latest_longest_match():
@@ -195,6 +195,50 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
     assert priced.count(2) == 4 * sl.PROBE_EVERY + 4  # every round's choice, and a probe's price per period
     assert any(policy.choose([a], [6]) == [1] for _ in range(sl.PROBE_EVERY))  # alone a probe pays
 
+
+
+def test_a_drawn_rows_estimate_remembers_longer_than_a_greedy_ones():
+    """A drawn draft is accepted by a coin of its own, so an unlucky run of rounds says little about a sampled row's
+    next ones: its estimate (DRAWN_DECAY, DRAWN_PRIOR_WEIGHT) keeps it drafting where a greedy row's, which follows
+    the text, stops. A sampled row whose drafts keep failing still stops, a few rounds later."""
+    from infer.spec_decode import spec_length as sl
+
+    costs = CostModel.from_points(1, 6, {(1, 1): 1.0, (1, 7): 1.0 + 6 * 0.3}, {1: 0.1})  # k > 0 pays from a ~ 0.55
+    greedy, drawn = _req([1, 2]), Request([1, 2], SamplingParams(temperature=0.7, max_tokens=50))
+    policy = GoodputSpecLength(6, costs)
+    for _ in range(10):  # two of three drafts accepted, then four rounds whose first draft is rejected
+        for r in (greedy, drawn):
+            policy.observe(r, 4, 2)
+    assert policy.choose([greedy], [6])[0] > 0 and policy.choose([drawn], [6])[0] > 0
+    for _ in range(4):
+        for r in (greedy, drawn):
+            policy.observe(r, 4, 0)
+    assert policy.alpha(drawn) > 0.55 > policy.alpha(greedy)
+    assert policy.choose([greedy], [6]) == [0]
+    assert policy.choose([drawn], [6])[0] > 0
+    # with the greedy rows' memory the sampled row would have stopped too
+    old = GoodputSpecLength(6, costs)
+    old.state, old.global_accepted, old.global_judged = {}, policy.global_accepted, policy.global_judged
+    sl_decay, sl_w = sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT
+    try:
+        sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT = sl.DECAY, sl.PRIOR_WEIGHT
+        again = Request([1, 2], SamplingParams(temperature=0.7, max_tokens=50))
+        for n in [2] * 10 + [0] * 4:
+            old.observe(again, 4, n)
+        assert old.choose([again], [6]) == [0]
+    finally:
+        sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT = sl_decay, sl_w
+    # a sampled row whose drafts all fail, beside a row whose drafts all pass (the engine's mean stays high): stops
+    policy = GoodputSpecLength(6, costs)
+    bad, good = Request([3], SamplingParams(temperature=0.7, max_tokens=50)), _req([4])
+    stopped = []
+    for i in range(60):
+        policy.observe(bad, 4, 0)
+        policy.observe(good, 4, 4)
+        if policy.choose([bad], [6]) == [0]:
+            stopped.append(i)
+    assert policy.global_accepted / policy.global_judged > 0.7
+    assert stopped and 3 <= stopped[0] < 40
 
 
 def test_pricing_backs_off_where_its_answers_do_not_pay_for_it():

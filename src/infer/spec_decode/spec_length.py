@@ -68,6 +68,15 @@ from .cost_model import CostModel
 
 DECAY = 0.8  # per-round decay of a request's acceptance counts
 PRIOR_WEIGHT = 2.0  # judged drafts' worth of the global estimate in each request's estimate
+# The same two for a request that samples (temperature > 0). A drawn draft is accepted by a coin of its own
+# (min(1, p / q)), so a few rounds' outcomes say little about the next: at temperature 0.7 (SmolLM2, EAGLE-3 head)
+# drafts judged after row estimates of 0.4 / 0.5 / 0.8 were accepted at 0.64-0.72 / 0.56-0.58 / 0.67-0.71, the
+# engine's mean 0.61-0.65. With the greedy rows' memory (~5 rounds, worth 5x the prior) a short unlucky run sent a row
+# to k = 0, where its estimate stays frozen until a probe (71% of the choices, at a median estimate of 0.43): a
+# drawn row's estimate remembers ~30 rounds and trusts the engine's mean more (docs/benchmarks.md, "auto K at a
+# temperature"). A row that keeps failing still reaches k = 0, after more rounds.
+DRAWN_DECAY = 0.97
+DRAWN_PRIOR_WEIGHT = 32.0
 PROBE_EVERY = 16  # rounds at k = 0 before a request drafts once more; doubled after each probe that did not pay,
 PROBE_MAX = 256  # up to this (a probe costs a verify slot and the drafter's catch-up on every token since the last)
 ALPHA_CAP = 0.98  # E(a, k) is bounded by k + 1 anyway; this keeps 1 - a away from 0
@@ -189,6 +198,7 @@ class _Acceptance:
     group: int = 0  # and their confidence group (Proposer.confidence_group)
     drafted: list[float] | None = None  # this round's model drafts' confidences, as ``cut`` kept them
     sampled: bool = False  # and whether they were drawn (else greedy: calibrated apart)
+    drawn: bool = False  # the request samples (temperature > 0): its model estimate is DRAWN_DECAY / DRAWN_PRIOR_WEIGHT's
 
 
 @dataclass
@@ -242,14 +252,21 @@ class GoodputSpecLength:
         self.draft_calibrations = {False: Calibration(), True: Calibration()}
 
     def alpha(self, req, free: bool = False) -> float:
-        return self._alpha(self.state.get(req) or _Acceptance(), free)
+        return self._alpha(self.state.get(req) or _Acceptance(drawn=not req.params.greedy), free)
+
+    def _state(self, req) -> _Acceptance:
+        s = self.state.get(req)
+        if s is None:
+            s = self.state[req] = _Acceptance(drawn=not req.params.greedy)
+        return s
 
     def _alpha(self, s: _Acceptance, free: bool) -> float:
         if free:
             a_global = self.global_free_accepted / self.global_free_judged
             return (s.free_accepted + PRIOR_WEIGHT * a_global) / (s.free_judged + PRIOR_WEIGHT)
         a_global = self.global_accepted / self.global_judged
-        return (s.accepted + PRIOR_WEIGHT * a_global) / (s.judged + PRIOR_WEIGHT)
+        w = DRAWN_PRIOR_WEIGHT if s.drawn else PRIOR_WEIGHT
+        return (s.accepted + w * a_global) / (s.judged + w)
 
     def _best(self, alphas: list[float], caps: list[int], setup: list[tuple[float, int]] | None = None,
               horizon: int = 1 << 30, free: list[bool] | None = None,
@@ -338,9 +355,7 @@ class GoodputSpecLength:
         states, is_free, alphas, confidence, groups, curves, setup = [], [], [], [], [], [], []
         caps = list(caps)  # cut to the free drafts on offer; the caller's list is its own
         for b, (r, o) in enumerate(zip(reqs, offers)):
-            s = self.state.get(r)
-            if s is None:
-                s = self.state[r] = _Acceptance()
+            s = self._state(r)
             states.append(s)
             free = o is not None
             is_free.append(free)
@@ -472,12 +487,12 @@ class GoodputSpecLength:
         for _, j, b in cand[:keep]:
             out[b] = max(out[b], j + 1)
         for b in rows:  # every draft drafted: observe calibrates by those judged and counts the cut ones' chances
-            s = self.state.setdefault(reqs[b], _Acceptance())
+            s = self._state(reqs[b])
             s.drafted, s.sampled = confidence[b][:nd[b]], sampled[b]
         return out
 
     def observe(self, req, k, n, logits=None, free=False):
-        s = self.state.setdefault(req, _Acceptance())
+        s = self._state(req)
         drafted, s.drafted = s.drafted, None  # this round's alone
         judged = min(n + 1, k)
         # drafts 0..judged-1 were judged: all accepted but a rejected last
@@ -503,7 +518,8 @@ class GoodputSpecLength:
             self.global_free_accepted = 0.99 * self.global_free_accepted + n
             self.global_free_judged = 0.99 * self.global_free_judged + judged
         else:
-            s.accepted, s.judged = DECAY * s.accepted + accepted, DECAY * s.judged + counted
+            d = DRAWN_DECAY if s.drawn else DECAY
+            s.accepted, s.judged = d * s.accepted + accepted, d * s.judged + counted
             self.global_accepted = 0.99 * self.global_accepted + accepted
             self.global_judged = 0.99 * self.global_judged + counted
         return None
