@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, quartiles, results_of, update_doc_section  # noqa: E402
+from common import machine, median, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
 
-from infer import LLM, SamplingParams  # noqa: E402
+from infer import LLM  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
 from infer.spec_decode import spec_length as SL  # noqa: E402
@@ -40,7 +40,7 @@ def run(args) -> dict:
     spec = LLM(real_model_path(), max_batch_size=1, **settings, **real_model_speculation())
     plain.engine.wait_until_ready()
     spec.engine.wait_until_ready()
-    policy, stats = spec.engine.decoder.spec_length, spec.engine.runner.stats
+    policy = spec.engine.decoder.spec_length
     auto_choose, drawn = policy.choose, (SL.DRAWN_DECAY, SL.DRAWN_PRIOR_WEIGHT)
     variants = [DEFAULTS, OLD] + [f"K = {k}" for k in args.pinned]
 
@@ -50,34 +50,19 @@ def run(args) -> dict:
         policy.choose = auto_choose if k is None else (lambda reqs, caps: [min(k, c) for c in caps])
 
     ids = [spec.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for _, p in prompts]
-    names = ["plain"] + variants
-    per_tok = {n: {} for n in names}  # (pass, prompt) -> seconds a token
-    counts = {n: [0, 0, 0] for n in variants}  # accepted, verified drafts, rounds
+
+    def median_over_plain(runs: dict, n: str, rep: int) -> float:
+        return median([runs["plain"][key][0] / max(runs["plain"][key][1], 1) / (v[0] / max(v[1], 1))
+                       for key, v in runs[n].items() if key[0] == rep])
+
     try:
-        for rep in range(args.passes + 1):
-            for i, x in enumerate(ids):
-                shift = (rep + i) % len(names)
-                for n in names[shift:] + names[:shift]:
-                    if n != "plain":
-                        setup(n)
-                    a0, d0, r0 = stats.num_accepted_tokens, stats.num_draft_tokens, stats.num_drafts
-                    o = (plain if n == "plain" else spec).generate(
-                        [x], SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, seed=rep))[0]
-                    if not rep:
-                        continue
-                    per_tok[n][(rep, i)] = (o.metrics["finish_time"] - o.metrics["first_token_time"]) / \
-                        max(len(o.token_ids) - 1, 1)
-                    if n != "plain":
-                        c = counts[n]
-                        c[0] += stats.num_accepted_tokens - a0
-                        c[1] += stats.num_draft_tokens - d0
-                        c[2] += stats.num_drafts - r0
-            if rep:
-                print(rep, {n: round(quartiles([per_tok["plain"][(rep, i)] / per_tok[n][(rep, i)]
-                                                for i in range(len(ids))])["median"], 3) for n in variants},
-                      flush=True)
+        runs, counts = paired_passes(
+            plain, spec, ids, variants, setup, args.passes, args.temperature, args.new_tokens,
+            on_pass=lambda rep, runs: print(rep, {n: round(median_over_plain(runs, n, rep), 3) for n in variants},
+                                            flush=True))
     finally:
         setup(DEFAULTS)
+    per_tok = {n: {key: s / max(t, 1) for key, (s, t, _) in runs[n].items()} for n in ["plain", *variants]}
 
     def over(n: str, base: str, kind: str | None) -> dict:
         return quartiles([per_tok[base][key] / t for key, t in per_tok[n].items()

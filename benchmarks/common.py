@@ -48,6 +48,40 @@ def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]
     return times
 
 
+def paired_passes(plain, spec, ids: list, variants: list[str], setup, passes: int, temperature: float,
+                  new_tokens: int, on_pass=None) -> tuple[dict, dict]:
+    """Each prompt (token ids) through plain decoding (the LLM ``plain``) and through every variant of one speculating
+    LLM ``spec`` (``setup(name)`` switches it: the same compiled graphs for every variant), the order rotating by pass
+    and prompt; the first pass a warm-up. -> (runs, counts): runs[name][(pass, prompt)] = (seconds after the first
+    token, tokens after it, token ids), name "plain" or a variant; counts[variant] = [accepted drafts, drafts
+    verified, rounds]. ``on_pass(pass, runs)`` after each recorded pass (progress)."""
+    from infer import SamplingParams
+
+    stats = spec.engine.runner.stats
+    names = ["plain", *variants]
+    runs = {n: {} for n in names}
+    counts = {n: [0, 0, 0] for n in variants}
+    for rep in range(passes + 1):
+        for i, x in enumerate(ids):
+            shift = (rep + i) % len(names)
+            for n in names[shift:] + names[:shift]:
+                if n != "plain":
+                    setup(n)
+                before = (stats.num_accepted_tokens, stats.num_draft_tokens, stats.num_drafts)
+                o = (plain if n == "plain" else spec).generate(
+                    [x], SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=rep))[0]
+                if not rep:
+                    continue
+                runs[n][(rep, i)] = (o.metrics["finish_time"] - o.metrics["first_token_time"], len(o.token_ids) - 1,
+                                     o.token_ids)
+                if n != "plain":
+                    after = (stats.num_accepted_tokens, stats.num_draft_tokens, stats.num_drafts)
+                    counts[n] = [c + b - a for c, a, b in zip(counts[n], before, after)]
+        if rep and on_pass is not None:
+            on_pass(rep, runs)
+    return runs, counts
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a server a benchmark starts)."""
     with socket.socket() as s:

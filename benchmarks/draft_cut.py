@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, quartiles, results_of, update_doc_section  # noqa: E402
+from common import machine, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
 
-from infer import LLM, SamplingParams  # noqa: E402
+from infer import LLM  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
 
@@ -35,7 +35,7 @@ def run(args) -> dict:
     spec = LLM(real_model_path(), max_batch_size=1, **settings, **real_model_speculation())
     plain.engine.wait_until_ready()
     spec.engine.wait_until_ready()
-    policy, stats = spec.engine.decoder.spec_length, spec.engine.runner.stats
+    policy = spec.engine.decoder.spec_length
     auto_choose = policy.choose
     variants = ["cut", "no cut"] + [f"K = {k} + cut" for k in args.pinned]
 
@@ -45,41 +45,18 @@ def run(args) -> dict:
         policy.choose = auto_choose if k is None else (lambda reqs, caps: [min(k, c) for c in caps])
 
     ids = [spec.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    names = ["plain"] + variants
-    per_pass = {n: [] for n in variants}  # decode speed over plain's, a pass
-    per_tok = {n: [] for n in names}  # [(pass, prompt)] seconds a token
-    counts = {n: [0, 0, 0] for n in variants}  # accepted, verified drafts, rounds
-    same = {n: True for n in variants}
-    for rep in range(args.passes + 1):
-        secs, toks = {n: 0.0 for n in names}, {n: 0 for n in names}
-        for i, x in enumerate(ids):
-            shift = (rep + i) % len(names)
-            out = {}
-            for n in names[shift:] + names[:shift]:
-                if n != "plain":
-                    setup(n)
-                a0, d0, r0 = stats.num_accepted_tokens, stats.num_draft_tokens, stats.num_drafts
-                o = (plain if n == "plain" else spec).generate(
-                    [x], SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, seed=rep))[0]
-                out[n] = o.token_ids
-                if not rep:
-                    continue
-                s, t = o.metrics["finish_time"] - o.metrics["first_token_time"], len(o.token_ids) - 1
-                secs[n] += s
-                toks[n] += t
-                per_tok[n].append(s / max(t, 1))
-                if n != "plain":
-                    c = counts[n]
-                    c[0] += stats.num_accepted_tokens - a0
-                    c[1] += stats.num_draft_tokens - d0
-                    c[2] += stats.num_drafts - r0
-            if args.temperature == 0:
-                for n in variants:
-                    same[n] &= out[n] == out["plain"]
-        if rep:
-            for n in variants:
-                per_pass[n].append(secs["plain"] / toks["plain"] / (secs[n] / toks[n]))
-            print(rep, {n: round(v[-1], 3) for n, v in per_pass.items()}, flush=True)
+
+    def over_plain(runs: dict, n: str, rep: int) -> float:  # a pass's decode speed over plain's
+        secs = lambda m: sum(v[0] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
+        toks = lambda m: sum(v[1] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
+        return secs("plain") / toks("plain") / (secs(n) / toks(n))
+
+    runs, counts = paired_passes(
+        plain, spec, ids, variants, setup, args.passes, args.temperature, args.new_tokens,
+        on_pass=lambda rep, runs: print(rep, {n: round(over_plain(runs, n, rep), 3) for n in variants}, flush=True))
+    per_pass = {n: [over_plain(runs, n, rep) for rep in range(1, args.passes + 1)] for n in variants}
+    per_tok = {n: {key: s / max(t, 1) for key, (s, t, _) in runs[n].items()} for n in variants}
+    same = {n: all(runs[n][key][2] == v[2] for key, v in runs["plain"].items()) for n in variants}
     setup("cut")
     base = per_tok["no cut"]
     return {
@@ -88,7 +65,7 @@ def run(args) -> dict:
         "prompts": f"{args.prompts} chat + {args.prompts} code held-out (src/infer/drafters/eval_prompts.json)",
         "new_tokens": args.new_tokens, "passes": args.passes,
         "variants": {n: {"over_plain": quartiles(per_pass[n]),
-                         "over_no_cut": quartiles([b / a for a, b in zip(per_tok[n], base)]),
+                         "over_no_cut": quartiles([base[key] / t for key, t in per_tok[n].items()]),
                          "accepted": counts[n][0], "verified": counts[n][1], "rounds": counts[n][2],
                          "same_tokens_as_plain": same[n] if args.temperature == 0 else None}
                      for n in variants},
