@@ -197,7 +197,7 @@ def test_goodput_margin_set_up_cost_and_probe_backoff(monkeypatch):
 
 
 
-def test_a_drawn_rows_estimate_remembers_longer_than_a_greedy_ones():
+def test_a_drawn_rows_estimate_remembers_longer_than_a_greedy_ones(monkeypatch):
     """A drawn draft is accepted by a coin of its own, so an unlucky run of rounds says little about a sampled row's
     next ones: its estimate (DRAWN_DECAY, DRAWN_PRIOR_WEIGHT) keeps it drafting where a greedy row's, which follows
     the text, stops. A sampled row whose drafts keep failing still stops, a few rounds later."""
@@ -218,16 +218,14 @@ def test_a_drawn_rows_estimate_remembers_longer_than_a_greedy_ones():
     assert policy.choose([drawn], [6])[0] > 0
     # with the greedy rows' memory the sampled row would have stopped too
     old = GoodputSpecLength(6, costs)
-    old.state, old.global_accepted, old.global_judged = {}, policy.global_accepted, policy.global_judged
-    sl_decay, sl_w = sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT
-    try:
-        sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT = sl.DECAY, sl.PRIOR_WEIGHT
-        again = Request([1, 2], SamplingParams(temperature=0.7, max_tokens=50))
-        for n in [2] * 10 + [0] * 4:
-            old.observe(again, 4, n)
-        assert old.choose([again], [6]) == [0]
-    finally:
-        sl.DRAWN_DECAY, sl.DRAWN_PRIOR_WEIGHT = sl_decay, sl_w
+    old.global_accepted, old.global_judged = policy.global_accepted, policy.global_judged
+    monkeypatch.setattr(sl, "DRAWN_DECAY", sl.DECAY)
+    monkeypatch.setattr(sl, "DRAWN_PRIOR_WEIGHT", sl.PRIOR_WEIGHT)
+    again = Request([1, 2], SamplingParams(temperature=0.7, max_tokens=50))
+    for n in [2] * 10 + [0] * 4:
+        old.observe(again, 4, n)
+    assert old.choose([again], [6]) == [0]
+    monkeypatch.undo()
     # a sampled row whose drafts all fail, beside a row whose drafts all pass (the engine's mean stays high): stops
     policy = GoodputSpecLength(6, costs)
     bad, good = Request([3], SamplingParams(temperature=0.7, max_tokens=50)), _req([4])

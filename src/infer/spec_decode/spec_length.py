@@ -197,8 +197,9 @@ class _Acceptance:
     confidence: list[float] | None = None  # this round's free drafts' confidences, if the proposer gave them
     group: int = 0  # and their confidence group (Proposer.confidence_group)
     drafted: list[float] | None = None  # this round's model drafts' confidences, as ``cut`` kept them
-    sampled: bool = False  # and whether they were drawn (else greedy: calibrated apart)
-    drawn: bool = False  # the request samples (temperature > 0): its model estimate is DRAWN_DECAY / DRAWN_PRIOR_WEIGHT's
+    # the request samples (temperature > 0): its drafts are drawn (calibrated apart from greedy ones) and its model
+    # estimate is DRAWN_DECAY / DRAWN_PRIOR_WEIGHT's
+    drawn: bool = False
 
 
 @dataclass
@@ -488,7 +489,7 @@ class GoodputSpecLength:
             out[b] = max(out[b], j + 1)
         for b in rows:  # every draft drafted: observe calibrates by those judged and counts the cut ones' chances
             s = self._state(reqs[b])
-            s.drafted, s.sampled = confidence[b][:nd[b]], sampled[b]
+            s.drafted = confidence[b][:nd[b]]
         return out
 
     def observe(self, req, k, n, logits=None, free=False):
@@ -502,7 +503,7 @@ class GoodputSpecLength:
                 cal.observe(p, j < n)
         accepted, counted = float(n), float(judged)
         if drafted is not None and not free:
-            cal = self.draft_calibrations[s.sampled]
+            cal = self.draft_calibrations[s.drawn]
             for j, p in enumerate(drafted[:judged]):
                 cal.observe(p, j < n)
             if n == k:  # every draft verified was accepted: the ones cut would have been judged next, each while
