@@ -207,3 +207,73 @@ def test_a_compiled_round_over_another_quantized_vocabulary_runs_eagerly():
         second, want = run(vocabs[1], eager=False), run(vocabs[1], eager=True)
     assert same(second, want)
     assert not torch.allclose(first[2], want[2], atol=1e-2)  # the two heads' laws differ: a stale head would show
+
+
+class _Branchy(torch.nn.Module):
+    """A method whose graph depends on a size (a guard on it) and with a default argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+
+    @property
+    def device(self):
+        return self.w.device
+
+    def _forward(self, x, scale=None):
+        y = x * self.w if x.shape[0] > 3 else x - self.w
+        return y if scale is None else y * scale
+
+
+def test_compiled_graphs_are_entered_directly_and_by_their_guards():
+    """model.compile's _GraphEntry runs a compiled method's graphs without Dynamo's frame hook (benchmarks/
+    call_entry.py): the first of Dynamo's cache entries whose guards pass the call runs. A call whose guards reject
+    every graph (here a size on the other side of the method's branch, which a guard-blind entry would run through
+    the wrong graph) goes to Dynamo, which compiles it; entries dropped by torch._dynamo.reset are not run."""
+    from infer.model import compile as compile_module
+
+    torch._dynamo.reset()
+    mod = _Branchy()
+    compiling, run_only = compile_module._compile_method(mod, "_forward", {}, dynamic=True)
+    fallbacks = []
+    for entry in (compiling, run_only):
+        fallback = entry.fallback
+        entry.fallback = lambda *a, fallback=fallback: fallbacks.append(a) or fallback(*a)
+    big, big2, small = torch.randn(5, 8), torch.randn(7, 8), torch.randn(2, 8)
+    with torch.inference_mode():
+        assert torch.equal(compiling(big), mod._forward(big)) and len(fallbacks) == 1  # compiled by Dynamo
+        # another size on the same side of the branch: the same (dynamic) graph, entered directly, default filled in
+        assert torch.equal(compiling(big2), mod._forward(big2)) and len(fallbacks) == 1
+        assert torch.equal(run_only(big2, None), mod._forward(big2)) and len(fallbacks) == 1  # the run-only twin too
+        # a guard said no (scale was None when the graph was traced): Dynamo's run-only twin runs it eagerly
+        assert torch.equal(run_only(big2, 2.0), mod._forward(big2, 2.0)) and len(fallbacks) == 2
+        assert torch.equal(compiling(small), mod._forward(small)) and len(fallbacks) == 3  # a guard said no
+        assert torch.equal(compiling(small), mod._forward(small)) and len(fallbacks) == 3  # now it has its graph
+        compile_module.DIRECT_ENTRY = False
+        try:  # through the frame hook: the same answers, every call by Dynamo
+            assert torch.equal(compiling(big), mod._forward(big)) and len(fallbacks) == 4
+        finally:
+            compile_module.DIRECT_ENTRY = True
+        torch._dynamo.reset()
+        assert torch.equal(compiling(small), mod._forward(small)) and len(fallbacks) == 5
+
+
+def test_a_compiled_engine_serves_from_its_graphs_directly(gqa_dir, eager):
+    """Once an engine's steps are compiled, a request of shapes seen before never goes through Dynamo's frame hook:
+    every compiled call is entered directly (_GraphEntry), with the tokens of eager decoding."""
+    llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=1)
+    assert llm.engine.wait_until_ready(timeout=600)
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == eager
+    steps = [llm.model.compiled, llm.engine.decoder.proposer.drafter.compiled]
+    entries = [e for c in steps if c is not None for pair in c.methods.values() for e in pair]
+    assert entries
+    direct, hooked = [], []
+    for entry in entries:
+        fallback = entry.fallback
+        entry.fallback = lambda *a, fallback=fallback: hooked.append(1) or fallback(*a)
+    for entry in entries:
+        call = type(entry).__call__
+        entry.__class__ = type("Counted", (type(entry),), {"__call__": lambda self, *a, call=call: direct.append(1)
+                                                            or call(self, *a)})
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == eager
+    assert direct and not hooked

@@ -263,7 +263,58 @@ def _compile_method(model, name: str, options: dict, dynamic: bool | None = None
         else {}
     compiled = torch.compile(own, dynamic=dynamic, options=options, **limit)
     settings = _trace_settings(model, name)
-    return (_traced_with(compiled, settings) if settings else compiled), torch._dynamo.run(own)
+    compiling = _traced_with(compiled, settings) if settings else compiled
+    return _GraphEntry(own, compiling), _GraphEntry(own, torch._dynamo.run(own))
+
+
+# Whether a compiled method's graphs are entered directly (_GraphEntry); False: always through Dynamo's frame hook.
+DIRECT_ENTRY = True
+
+
+class _GraphEntry:
+    """A compiled method, its graphs entered without Dynamo's frame hook: Dynamo's own lookup, done here.
+
+    Why: a step's call through ``torch.compile`` walks Dynamo's frame evaluation, its wrappers and the compiled
+    region's entry before the graph runs, and a round makes its calls cold (the target's weights have just streamed
+    through the caches), where that walk costs most (benchmarks/call_entry.py). Dynamo keeps, on the method's code
+    object, a list of cache entries: each a guard manager and the transformed code that runs its graph (its inputs
+    gathered, the compiled function called, its outputs rebuilt). This does what Dynamo's C lookup does with them:
+    the first entry, in Dynamo's order, whose guards pass the call's arguments runs its code. Nothing is skipped
+    that decides which graph runs (the same guards, read afresh at every call: entries added by a compile, or
+    dropped by ``torch._dynamo.reset``, are seen at once); what is skipped is the frame hook's own work. A call no
+    entry accepts goes to ``fallback`` (the compiling callable, or the run-only twin), which compiles or runs
+    eagerly as it would have."""
+
+    def __init__(self, own, fallback):
+        self.fallback, self.own = fallback, own
+        fn = own.__func__
+        self._code, self._globals, self._closure = fn.__code__, fn.__globals__, fn.__closure__
+        names = self._code.co_varnames[: self._code.co_argcount]
+        self._names = names
+        self._defaults = dict(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+        self._direct = {}  # transformed code -> a function running it
+
+    def __call__(self, *args):
+        if DIRECT_ENTRY and _cache_entries is not None:
+            args = (self.own.__self__, *args)
+            if len(args) < len(self._names):
+                args = (*args, *(self._defaults[n] for n in self._names[len(args):]))
+            local = dict(zip(self._names, args))
+            for entry in _cache_entries(self._code):
+                if entry.guard_manager.check(local):
+                    run = self._direct.get(entry.code)
+                    if run is None:
+                        run = self._direct[entry.code] = types.FunctionType(entry.code, self._globals, None, None,
+                                                                            self._closure)
+                    return run(*args)
+            args = args[1:len(args)]
+        return self.fallback(*args)
+
+
+try:  # Dynamo's cache entries of a code object (a private helper: without it, calls go through the frame hook)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as _cache_entries
+except ImportError:  # pragma: no cover
+    _cache_entries = None
 
 
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
