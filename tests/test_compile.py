@@ -254,8 +254,29 @@ def test_compiled_graphs_are_entered_directly_and_by_their_guards():
             assert torch.equal(compiling(big), mod._forward(big)) and len(fallbacks) == 4
         finally:
             compile_module.DIRECT_ENTRY = True
+        # the graph's code reads no global but Dynamo's own: it runs over those, the graph's function unwrapped
+        assert all(run.__globals__ is not compiling._globals for run in compiling._direct.values())
         torch._dynamo.reset()
         assert torch.equal(compiling(small), mod._forward(small)) and len(fallbacks) == 5
+
+
+class _Broken(_Branchy):
+    def _forward(self, x, scale=None):
+        y = x * self.w
+        torch._dynamo.graph_break()  # two graphs, and the code between them reads a global of its own
+        return y + 1
+
+
+def test_a_graph_with_a_break_is_entered_over_its_modules_globals():
+    from infer.model import compile as compile_module
+
+    mod = _Broken()
+    compiling, _ = compile_module._compile_method(mod, "_forward", {}, dynamic=True)
+    x = torch.randn(5, 8)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(compiling(x), mod._forward(x))
+    assert compiling._direct and all(run.__globals__ is compiling._globals for run in compiling._direct.values())
 
 
 def test_a_compiled_engine_serves_from_its_graphs_directly(gqa_dir, eager):
