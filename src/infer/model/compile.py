@@ -26,7 +26,7 @@ What is compiled and what is not:
 - Weights: on the CPU the model's tensors enter each graph as its own attributes, not as inputs fetched through
   their attribute chains before every call (~0.2 ms a SmolLM2 decode step: ``_trace_settings``).
 - Entry: a compiled step is called through ``_GraphEntry``, which looks up Dynamo's cache entries and runs the first
-  whose guards pass, without Dynamo's frame hook (~90 us of a cold call: benchmarks/call_entry.py).
+  whose guards pass, without Dynamo's frame hook (~100 us of a cold call: benchmarks/call_entry.py).
 - Inductor's compiled artifacts persist on disk (``cache_dir``, default ``~/.cache/infer/inductor``): a second
   start replays them and pays only Dynamo's tracing.
 
