@@ -299,9 +299,13 @@ class _GraphEntry:
         self._names = names
         self._defaults = dict(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
         self._direct = {}  # transformed code -> a function running it
+        # positional parameters only (every compiled step's): their names are the frame's first locals
+        self._plain = not (self._code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)) and \
+            self._code.co_kwonlyargcount == 0
 
     def __call__(self, *args):
-        if DIRECT_ENTRY and _cache_entries is not None and _frame_callback() is None:
+        if DIRECT_ENTRY and _cache_entries is not None and self._plain and len(args) < len(self._names) and \
+                _frame_callback() is None:
             args = (self.own.__self__, *args)
             if len(args) < len(self._names):
                 args = (*args, *(self._defaults[n] for n in self._names[len(args):]))
