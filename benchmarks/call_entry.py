@@ -11,7 +11,7 @@ norm, its 8,192-row head over the draft vocabulary, the argmax; infer's kernels 
   wrapper; guards on the module's state filtered out; weights installed in the graph), entered through Dynamo's
   frame hook: its frame evaluation, its guards, the compiled region's entry, then the graph's code (its inputs
   gathered, the AOT runtime wrapper, the C++ wrapper);
-- compiled, direct: the same graph entered as the engine enters it since this benchmark (``model.compile``'s
+- compiled, direct: the same graph entered as the engine enters it (``model.compile``'s
   ``_GraphEntry``: Dynamo's cache entries looked up here, their guards checked, the graph's code run);
 - aoti: the same graph exported (``torch.export``) and built ahead of time (``aoti_compile_and_package``), called
   through its Python wrapper (``AOTICompiledModel``: the inputs flattened by pytree);
