@@ -80,6 +80,7 @@ def run(repeats: int) -> dict:
         aoti = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(
             program, package_path=str(package), inductor_configs={"cpp.min_chunk_size": 16384}))
         build_s = time.perf_counter() - t0
+
         def hooked():
             compile_module.DIRECT_ENTRY = False
             try:
