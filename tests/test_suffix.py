@@ -1,7 +1,8 @@
 """Suffix decoding (proposers/suffix.py, suffix_tree.cpp): the tree's counts and eviction, drafts from earlier
 requests, and losslessness: greedy parity (both KV backends, batched, with preemption), the exact joint law under
 sampling (chi-square, both backends) with a lossy rule caught, and a request's output independent of what other
-requests put in the tree."""
+requests put in the tree. The same for "suffix-hybrid" (the tree's copies where it has some, a draft model's drafts
+for the other rows of the same round)."""
 
 import random
 
@@ -334,12 +335,21 @@ LATER = SamplingParams(temperature=1.0, max_tokens=4)
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
-def _pvalue(backend, **cfg):
+def _pvalue(backend, hybrid=False, **cfg):
+    """hybrid: "suffix-hybrid" with a random draft model; the tree copies only after a match of 2+ tokens, so a round
+    holds rows of both kinds (a first token that continues the prompt's text: copies; another: the model's draws)."""
     target = random_llama(V, seed=0)
-    eng = Engine(EngineConfig(model="target", proposer="suffix", spec_length=2, max_batch_size=32, block_size=4,
-                              seed=1234, kv_cache_backend=backend, **cfg), model=target)
+    extra = dict(draft_model="drafter", proposer="suffix-hybrid", suffix_min_match=2) if hybrid else \
+        dict(proposer="suffix")
+    eng = Engine(EngineConfig(model="target", spec_length=2, max_batch_size=32, block_size=4, seed=1234,
+                              kv_cache_backend=backend, **extra, **cfg), model=target,
+                 draft_model=random_llama(V, seed=5) if hybrid else None)
+    if hybrid:
+        asked = _count_model_rows(eng)
     reqs = [eng.add_request(PROMPT, LATER) for _ in range(N)]
     eng.run(reqs)
+    if hybrid:
+        assert asked[0] > N // 10 and asked[1] > N // 10  # rows the model drafted for, and rows that copied
     counts = torch.zeros(V, V)
     for r in reqs:
         counts[r.output_ids[1], r.output_ids[2]] += 1
@@ -372,3 +382,99 @@ def test_lossy_tree_rule_is_caught(monkeypatch):
     monkeypatch.setattr(tree_round_module, "tree_verify", functools.partial(tree_verify,
                                                                             wrong_independent_acceptance=True))
     assert _pvalue("paged", spec_tree="2x2") < 1e-4
+
+
+def _count_model_rows(eng) -> list[int]:
+    """[rows the hybrid's model drafted for, rows it copied for], counted as the engine runs."""
+    hyb, seen = eng.decoder.proposer, [0, 0]
+    propose = hyb.model.propose
+
+    def counted(batch):
+        seen[0] += len(batch.reqs)
+        return propose(batch)
+
+    def hybrid_propose(batch, _orig=hyb.propose):
+        out = _orig(batch)
+        seen[1] += sum(out.free)
+        return out
+    hyb.model.propose, hyb.propose = counted, hybrid_propose
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_suffix_hybrid_greedy_parity_with_preemption(backend):
+    """suffix-hybrid: rows whose context the tree continues copy, the others take the draft model's drafts, in the
+    same rounds; the output is plain decoding's, preempted or not, and both kinds of drafts were proposed."""
+    target, drafter = random_llama(64, seed=0), random_llama(64, seed=0, noise_from=0, noise=0.3)
+    kw = dict(num_kv_blocks=16) if backend == "paged" else dict(max_seq_len=60)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", proposer="suffix-hybrid", spec_length=3,
+                              block_size=4, max_batch_size=6, kv_cache_backend=backend, **kw),
+                 model=target, draft_model=drafter)
+    assert eng.decoder.proposer.name == "suffix-hybrid"
+    asked = _count_model_rows(eng)
+    rnd = random.Random(1)
+    shared = [rnd.randrange(0, 64) for _ in range(6)]
+    prompts = [shared + [rnd.randrange(0, 64) for _ in range(rnd.randrange(1, 8))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for _ in range(2):  # the second pass finds the first pass's outputs in the tree
+        reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
+        assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
+                                                for p in prompts]
+    assert asked[0] > 0 and asked[1] > 0 and eng.stats.num_accepted_tokens > 50
+    assert eng.decoder.proposer.copies.tree.num_tokens() > 300  # finished requests' text stays for the next ones
+    if backend == "paged":
+        assert eng.stats.num_preemptions > 0
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+
+
+def test_suffix_hybrid_prices_copies_by_the_trees_confidence():
+    """The hybrid's offers are the tree's (drafts, confidences, group) where it has a copy, None (a model row, priced
+    with draft steps) where it has none; the proposal copies there and asks the model for the rest only."""
+    from infer.proposers.base import Proposal
+    from infer.proposers.ngram import HybridProposer
+
+    class Model:
+        uses_draft_model = uses_features = supports_tree = False
+        asked = []
+
+        def propose(self, batch):
+            self.asked.append([r.prompt_ids for r in batch.reqs])
+            return Proposal(torch.tensor([[9, 8, 7][:batch.K]] * len(batch.reqs)), list(batch.ks), None)
+
+        def finished(self, req):
+            pass
+
+    tree = SuffixProposer()
+    hyb = HybridProposer(tree, model := Model(), "suffix-hybrid")
+    seen = Request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=10))
+    tree.lookup(seen, 1)  # a round's lookup feeds a request's text to the tree
+    hyb.finished(seen)  # and it stays there for the next requests
+    copying = Request([7, 1, 2], SamplingParams(temperature=0, max_tokens=10))
+    fresh = Request([40, 41], SamplingParams(temperature=0, max_tokens=10))
+    offers = hyb.offers([copying, fresh], [3, 3])
+    assert offers[0] == tree.offers([copying], [3])[0] and offers[0][0] == 2 and offers[0][1] is not None
+    assert offers[1] is None
+    assert hyb.draft_confidence(copying, 3) == tree.draft_confidence(copying, 3)
+    out = hyb.propose(DraftBatch([copying, fresh], [3, 3], None, None, [None, None], 64, torch.device("cpu")))
+    assert out.drafts[0, :2].tolist() == [3, 4] and out.drafts[1].tolist() == [9, 8, 7]
+    assert out.free == [True, False] and model.asked == [[[40, 41]]]
+    hyb.clear()
+    assert tree.tree.num_tokens() == 0
+
+
+def test_suffix_hybrid_options_are_checked():
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        EngineConfig(model="m", proposer="suffix-hybrid")
+    cfg = EngineConfig(model="m", draft_model="d", proposer="suffix-hybrid", suffix_min_prob=0.5)
+    assert cfg.suffix_options["min_prob"] == 0.5 and cfg.draft_vocab_size == "auto"
+    with pytest.raises(ValueError, match="suffix_min_prob"):
+        EngineConfig(model="m", draft_model="d", proposer="suffix-hybrid", suffix_min_prob=1.5)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_suffix_hybrid_joint_law_is_exact(backend):
+    assert _pvalue(backend, hybrid=True) > 0.001
+
+
+def test_suffix_hybrid_lossy_rule_is_caught():
+    assert _pvalue("paged", hybrid=True, acceptance="skip_adjustment") < 1e-4

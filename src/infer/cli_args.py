@@ -28,7 +28,8 @@ HELP = {
                        "intersection (the tokens both vocabularies share, sampled with q)",
     "use_speculative_decoding": "speculate; alone (no --draft-model) it drafts by prompt lookup (n-gram)",
     "proposer": "who drafts: draft (the draft model) | ngram (prompt lookup) | hybrid (n-gram where it matches, "
-                "else the draft model) | suffix (a suffix tree over this engine's earlier and running requests)",
+                "else the draft model) | suffix (a suffix tree over this engine's earlier and running requests) | "
+                "suffix-hybrid (the suffix tree's copies where it has some, else the draft model)",
     "spec_length": "K, drafts per round: auto (goodput-optimal per request per round, 0 allowed) | egag | an integer",
     "spec_length_min": "EGAG's smallest K",
     "spec_length_max": "the largest K of auto and egag (and the KV lookahead)",

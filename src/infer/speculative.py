@@ -78,7 +78,7 @@ def speculative_generate(
     """Decode one sequence speculatively; returns the finished Request (tokens, text, counters) and SpecStats.
 
     ``drafter`` None drafts by prompt lookup (``proposer="ngram"``); with a drafter, ``proposer`` may be "draft"
-    (default) or "hybrid". ``draft_vocab``: the drafter scores only those tokens plus the prompt's (lossless).
+    (default), "hybrid" or "suffix-hybrid". ``draft_vocab``: the drafter scores only those tokens plus the prompt's (lossless).
     ``draft_tokenizer``: the drafter's tokenizer where it is not the target's (``tokenizer`` needed too): drafts
     cross between the vocabularies (proposers.cross_tokenizer; ``cross_tokenizer="string"`` or "intersection").
     ``debug``: True prints each round (colours on a TTY); a callable receives (RoundRecord, Request).

@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("contiguous", "paged")
-PROPOSERS = ("draft", "ngram", "hybrid", "suffix")
+PROPOSERS = ("draft", "ngram", "hybrid", "suffix", "suffix-hybrid")
+MODEL_PROPOSERS = ("draft", "hybrid", "suffix-hybrid")  # those with a draft model
+SUFFIX_PROPOSERS = ("suffix", "suffix-hybrid")  # those with a suffix tree (the suffix_* options)
 SPEC_LENGTHS = ("auto", "egag")
 COMPILE_AUTO_MIN_PARAMS = 50_000_000
 # SuffixProposer's arguments and defaults, as the suffix_* fields below hold them (tests/test_suffix.py checks
@@ -24,7 +26,8 @@ class EngineConfig:
     use_speculative_decoding: bool | None = None
     # Who drafts: "draft" (the draft model), "ngram" (prompt lookup over the request's own tokens), "hybrid" (n-gram
     # where the context matches, else the draft model), "suffix" (a suffix tree over this engine's earlier and running
-    # requests: proposers/suffix.py). None: "draft" with a draft_model, else "ngram".
+    # requests: proposers/suffix.py), "suffix-hybrid" (the suffix tree's copies where it has some, else the draft
+    # model). None: "draft" with a draft_model, else "ngram".
     proposer: str | None = None
     # K, drafts per round: "auto" picks per request per round the K in 0..spec_length_max that maximises expected
     # tokens per second from measured costs (spec_decode.spec_length); "egag" follows the drafter's entropy within
@@ -115,10 +118,11 @@ class EngineConfig:
                 bad(f"proposer={self.proposer!r} needs use_speculative_decoding=True")
             if self.proposer not in PROPOSERS:
                 bad(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
-            if self.proposer in ("draft", "hybrid") and self.draft_model is None:
+            if self.proposer in MODEL_PROPOSERS and self.draft_model is None:
                 bad(f"proposer={self.proposer!r} needs a draft_model")
             if self.proposer in ("ngram", "suffix") and self.draft_model is not None:
-                bad(f"proposer={self.proposer!r} drafts without a model: drop draft_model (or use proposer='hybrid')")
+                bad(f"proposer={self.proposer!r} drafts without a model: drop draft_model (or use proposer='hybrid' "
+                    "or 'suffix-hybrid')")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "spec_length_min", "spec_length_max",
                      "prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
@@ -134,7 +138,7 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
         suffix = self.suffix_options
-        if self.proposer == "suffix":
+        if self.proposer in SUFFIX_PROPOSERS:
             from ..proposers.suffix import check_options
 
             try:
@@ -145,7 +149,7 @@ class EngineConfig:
             changed = [f"suffix_{k}" for k, v in suffix.items() if v != SUFFIX_DEFAULTS[k]]
             if changed:
                 bad(f"{', '.join(changed)}: options of the suffix proposer, which is not on "
-                    f"(proposer={self.proposer!r}); set proposer='suffix' or drop them")
+                    f"(proposer={self.proposer!r}); set proposer='suffix' or 'suffix-hybrid', or drop them")
         if self.spec_tree is not None:
             from ..spec_decode.tree import TreeShape
 
@@ -170,9 +174,9 @@ class EngineConfig:
         except ValueError as e:
             bad(str(e))
         if self.draft_vocab_size == "auto":
-            self.draft_vocab_size = "auto" if self.proposer in ("draft", "hybrid") else None
+            self.draft_vocab_size = "auto" if self.proposer in MODEL_PROPOSERS else None
         elif self.draft_vocab_size is not None:
-            if self.proposer not in ("draft", "hybrid"):
+            if self.proposer not in MODEL_PROPOSERS:
                 bad("draft_vocab_size restricts the drafter's vocabulary: it needs a draft_model")
             if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
                     or self.draft_vocab_size < 1:

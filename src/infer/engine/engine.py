@@ -28,7 +28,7 @@ from ..proposers.draft_vocab import DraftVocab
 from ..structured import GrammarCompiler
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
-from .config import COMPILE_AUTO_MIN_PARAMS, EngineConfig
+from .config import COMPILE_AUTO_MIN_PARAMS, MODEL_PROPOSERS, EngineConfig
 from .kv_manager import KVManager, make_pool
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -80,7 +80,7 @@ class Engine:
         self.stats = EngineStats()
         self.draft_model = draft_model
         self.bridge = None  # a drafter with a vocabulary of its own: the text between the tokenizers
-        if cfg.proposer in ("draft", "hybrid"):
+        if cfg.proposer in MODEL_PROPOSERS:
             if draft_model is None:
                 self.draft_path = resolve_model_path(cfg.draft_model)
                 # a kind this version cannot run is named before anything loads
@@ -184,7 +184,7 @@ class Engine:
         from .tp_executor import TensorParallelExecutor
 
         cfg, world = self.config, self.config.tensor_parallel_size
-        kind = drafter_kind(resolve_model_path(cfg.draft_model)) if cfg.proposer in ("draft", "hybrid") else None
+        kind = drafter_kind(resolve_model_path(cfg.draft_model)) if cfg.proposer in MODEL_PROPOSERS else None
         if kind not in (None, "draft_model"):
             raise ValueError(f"drafter {cfg.draft_model} is {kind} heads, which borrow the target's embedding and LM "
                              "head; under tensor parallelism those are sharded: use a draft model or proposer='ngram'")

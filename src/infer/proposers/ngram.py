@@ -13,7 +13,11 @@ The index is kept per request and grows with the sequence: ``{n-gram: position a
 extended by the tokens appended since the last round (a dictionary update per token and n), so a lookup never
 rescans the prompt.
 
-HybridProposer: the n-gram's drafts where a row has a match, the draft model's for the other rows.
+HybridProposer: copies where a row has them, the draft model's drafts for the other rows. The copies come from prompt
+lookup (proposer "hybrid") or from a suffix tree over this engine's earlier and running requests, each request's own
+text included (proposers.suffix; proposer "suffix-hybrid", ArcticInference's suffix decoding beside its speculator):
+a loop whose requests repeat earlier ones' text (an agent's tool calls, a JSON format) copies long runs, and new text
+goes to the model. The copier's confidences and groups, where it has them (the suffix tree's), price the copies.
 """
 
 from __future__ import annotations
@@ -118,12 +122,11 @@ def _proposal(found: list[list[int]], batch: DraftBatch) -> Proposal:
 
 
 class HybridProposer(Proposer):
-    """Copy where the context offers a match (free drafts), draft with the model elsewhere."""
+    """Copy where the copier offers drafts (free drafts), draft with the model elsewhere. ``copies``: a proposer that
+    drafts without a model (NgramProposer, SuffixProposer): ``lookup(req, k)`` -> its chain, [] where it has none."""
 
-    name = "hybrid"
-
-    def __init__(self, ngram: NgramProposer, model: Proposer):
-        self.ngram, self.model = ngram, model
+    def __init__(self, copies: Proposer, model: Proposer, name: str = "hybrid"):
+        self.copies, self.model, self.name = copies, model, name
 
     @property
     def uses_draft_model(self) -> bool:
@@ -137,19 +140,38 @@ class HybridProposer(Proposer):
         return self.model.pending(req)
 
     def free_drafts(self, req, k: int) -> int | None:
-        """An n-gram match drafts for free; without one the model drafts (priced)."""
-        return len(self.ngram.lookup(req, k)) or None
+        """A copy drafts for free; without one the model drafts (priced)."""
+        return len(self.copies.lookup(req, k)) or None
+
+    def draft_confidence(self, req, k: int) -> list[float] | None:
+        return self.copies.draft_confidence(req, k)
+
+    def confidence_group(self, req, k: int) -> int:
+        return self.copies.confidence_group(req, k)
+
+    def offers(self, reqs, ks):
+        """The copier's offers (the suffix tree's for the batch in one call), None where it has no copy: the model's
+        rows."""
+        return [o if o is not None and o[0] else None for o in self.copies.offers(reqs, ks)]
 
     def observe(self, req, start, hidden) -> None:
         self.model.observe(req, start, hidden)
 
+    def finished(self, req) -> None:
+        self.copies.finished(req)  # a suffix tree keeps the request's text for the next ones
+        self.model.finished(req)
+
+    def clear(self) -> None:
+        """Forget what the copier learnt across requests (a suffix tree's text; prompt lookup keeps nothing)."""
+        getattr(self.copies, "clear", lambda: None)()
+
     @property
     def supports_tree(self) -> bool:
-        return self.model.supports_tree
+        return self.model.supports_tree and self.copies.supports_tree
 
     def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
-        """The n-gram's tree where a row has a match, the model's tree for the other rows."""
-        trees = [self.ngram.tree(r, k) if k else DraftTree(r.last_token) for r, k in zip(batch.reqs, batch.ks)]
+        """The copier's tree where a row has one, the model's tree for the other rows."""
+        trees = self.copies.propose_tree(batch, width)
         rest = [b for b, t in enumerate(trees) if len(t) == 1 and batch.ks[b]]
         if rest:
             for b, t in zip(rest, self.model.propose_tree(_sub_batch(batch, rest), width)):
@@ -160,7 +182,7 @@ class HybridProposer(Proposer):
         self.model.warm_steps(pool, ctx, widths, rows)
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        found = [self.ngram.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
+        found = [self.copies.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
         out = _proposal(found, batch)  # q None: copies are deterministic drafts (verified as prompt lookup's)
         if not rest:

@@ -89,6 +89,10 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         proposer = model_proposer(drafter, kv, runner, draft_vocab, cross, cfg.cross_tokenizer)
         if cfg.proposer == "hybrid":
             proposer = HybridProposer(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max), proposer)
+        elif cfg.proposer == "suffix-hybrid":
+            from ..proposers.suffix import SuffixProposer
+
+            proposer = HybridProposer(SuffixProposer(**cfg.suffix_options), proposer, "suffix-hybrid")
     if proposer.uses_features:
         runner.feature_sink = proposer.observe
     tree = None if cfg.spec_tree is None else "auto" if cfg.spec_tree == "auto" else cfg.tree_shape
