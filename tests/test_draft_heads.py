@@ -86,7 +86,7 @@ def test_greedy_parity(target, kind, backend):
     accepted = 0
     for prompt in ([1, 2, 3], [5, 1, 7, 2, 2, 0, 3, 4, 6, 1, 5, 2, 7, 3, 0, 1, 1, 2, 6, 4, 3]):  # > 16: fed alone
         want = autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids
-        for k, proposer in ((3, "draft"), ("auto", "draft"), (3, "hybrid")):
+        for k, proposer in ((3, "draft"), ("auto", "draft"), (3, "hybrid"), (3, "suffix-hybrid")):
             out, stats = speculative_generate(target, head, prompt, params, spec_length=k, proposer=proposer,
                                               eos_token_ids=[], kv_cache_backend=backend)
             assert out.output_ids == want, (k, proposer)

@@ -42,7 +42,7 @@ REPEATING = [0, 11, 12, 13, 14, 15, 11, 12, 13]  # a prompt with a repeat: promp
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 @pytest.mark.parametrize("proposer,spec_length", [("ngram", 3), ("ngram", "auto"), ("hybrid", 4),
-                                                  ("hybrid", "auto"), ("draft", "auto")])
+                                                  ("hybrid", "auto"), ("suffix-hybrid", "auto"), ("draft", "auto")])
 def test_greedy_parity_every_proposer_and_k(pair, backend, proposer, spec_length):
     target, drafter, _ = pair
     params = SamplingParams(temperature=0, max_tokens=30)

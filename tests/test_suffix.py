@@ -336,11 +336,13 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
 def _pvalue(backend, hybrid=False, **cfg):
-    """hybrid: "suffix-hybrid" with a random draft model; the tree copies only after a match of 2+ tokens, so a round
-    holds rows of both kinds (a first token that continues the prompt's text: copies; another: the model's draws)."""
+    """hybrid: "suffix-hybrid" with a random draft model; the tree copies wherever it has a draft after a match of 2+
+    tokens, so a round holds rows of both kinds (a first token that continues the prompt's text: copies; another: the
+    model's draws)."""
     target = random_llama(V, seed=0)
-    extra = dict(draft_model="drafter", proposer="suffix-hybrid", suffix_min_match=2) if hybrid else \
-        dict(proposer="suffix")
+    extra = dict(proposer="suffix")
+    if hybrid:
+        extra = dict(draft_model="drafter", proposer="suffix-hybrid", suffix_min_match=2, suffix_min_score=0.0)
     eng = Engine(EngineConfig(model="target", spec_length=2, max_batch_size=32, block_size=4, seed=1234,
                               kv_cache_backend=backend, **extra, **cfg), model=target,
                  draft_model=random_llama(V, seed=5) if hybrid else None)
@@ -458,6 +460,11 @@ def test_suffix_hybrid_prices_copies_by_the_trees_confidence():
     out = hyb.propose(DraftBatch([copying, fresh], [3, 3], None, None, [None, None], 64, torch.device("cpu")))
     assert out.drafts[0, :2].tolist() == [3, 4] and out.drafts[1].tolist() == [9, 8, 7]
     assert out.free == [True, False] and model.asked == [[[40, 41]]]
+    # a copy the tree expects fewer than min_copy_score of its drafts accepted from goes to the model instead
+    hyb.min_copy_score = 2.5  # [3, 4] after "1 2": each sure (1.0): 2.0 expected
+    assert hyb.offers([copying], [3]) == [None] and hyb.free_drafts(copying, 3) is None
+    out = hyb.propose(DraftBatch([copying], [3], None, None, [None], 64, torch.device("cpu")))
+    assert out.drafts[0].tolist() == [9, 8, 7] and out.free == [False]
     hyb.clear()
     assert tree.tree.num_tokens() == 0
 
@@ -469,6 +476,13 @@ def test_suffix_hybrid_options_are_checked():
     assert cfg.suffix_options["min_prob"] == 0.5 and cfg.draft_vocab_size == "auto"
     with pytest.raises(ValueError, match="suffix_min_prob"):
         EngineConfig(model="m", draft_model="d", proposer="suffix-hybrid", suffix_min_prob=1.5)
+    with pytest.raises(ValueError, match="suffix_min_score must be a number >= 0"):
+        EngineConfig(model="m", draft_model="d", proposer="suffix-hybrid", suffix_min_score=-1)
+    with pytest.raises(ValueError, match="only proposer='suffix-hybrid'"):
+        EngineConfig(model="m", proposer="suffix", suffix_min_score=2.0)
+    eng = Engine(EngineConfig(model="t", draft_model="d", proposer="suffix-hybrid", suffix_min_score=0.5,
+                              suffix_min_prob=0.4), model=random_llama(16), draft_model=random_llama(16, seed=1))
+    assert eng.decoder.proposer.min_copy_score == 0.5 and eng.decoder.proposer.copies.min_prob == 0.4
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])

@@ -43,6 +43,8 @@ HELP = {
     "suffix_min_prob": "suffix proposer: the least estimated probability a drafted continuation keeps",
     "suffix_length_factor": "suffix proposer: at most this many drafts per token of the context's match",
     "suffix_min_match": "suffix proposer: the shortest match (tokens) that drafts",
+    "suffix_min_score": "suffix-hybrid: copy from the tree (not the draft model) where it expects at least this many "
+                        "of its drafts accepted (0: wherever it has a draft)",
     "suffix_own_length_factor": "suffix proposer: drafts per matched token from each request's tree of its own "
                                 "text; none: no such tree",
     "acceptance": "verification of sampled rows: exact (lossless) | typical | lenient (LOSSY opt-ins)",
@@ -81,7 +83,7 @@ MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth",
                "suffix_max_tokens", "suffix_min_prob", "suffix_length_factor", "suffix_min_match",
-               "suffix_own_length_factor", "acceptance", "lenience",
+               "suffix_own_length_factor", "suffix_min_score", "acceptance", "lenience",
                "draft_vocab_size", "draft_quantization", "cross_tokenizer")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos")

@@ -56,6 +56,10 @@ class EngineConfig:
     suffix_length_factor: float = SUFFIX_DEFAULTS["length_factor"]
     suffix_min_match: int = SUFFIX_DEFAULTS["min_match"]
     suffix_own_length_factor: float | None = SUFFIX_DEFAULTS["own_length_factor"]
+    # "suffix-hybrid": a row copies from the tree, instead of taking the draft model's drafts, where the tree expects
+    # at least this many of its drafts accepted (the sum of their prefixes' probabilities; 0: wherever it has a draft).
+    # 1.0: on SmolLM2's held-out chat the tree's unsure copies lost to the EAGLE head's drafts (docs/benchmarks.md).
+    suffix_min_score: float = 1.0
     # Verification of sampled rows: "exact" (lossless). "typical" and "lenient" are LOSSY opt-ins that accept more
     # drafts at the price of the output distribution (spec_decode.acceptance).
     acceptance: str = "exact"
@@ -138,6 +142,12 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             bad(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})")
         suffix = self.suffix_options
+        if isinstance(self.suffix_min_score, bool) or not isinstance(self.suffix_min_score, (int, float)) \
+                or not self.suffix_min_score >= 0:
+            bad(f"suffix_min_score must be a number >= 0, got {self.suffix_min_score!r}")
+        if self.suffix_min_score != 1.0 and self.proposer != "suffix-hybrid":
+            bad(f"suffix_min_score weighs the suffix tree's copies against a draft model's drafts, which only "
+                f"proposer='suffix-hybrid' does (proposer={self.proposer!r}): drop it")
         if self.proposer in SUFFIX_PROPOSERS:
             from ..proposers.suffix import check_options
 

@@ -125,8 +125,25 @@ class HybridProposer(Proposer):
     """Copy where the copier offers drafts (free drafts), draft with the model elsewhere. ``copies``: a proposer that
     drafts without a model (NgramProposer, SuffixProposer): ``lookup(req, k)`` -> its chain, [] where it has none."""
 
-    def __init__(self, copies: Proposer, model: Proposer, name: str = "hybrid"):
+    def __init__(self, copies: Proposer, model: Proposer, name: str = "hybrid", min_copy_score: float = 0.0):
         self.copies, self.model, self.name = copies, model, name
+        self.min_copy_score = min_copy_score
+
+    def _copies_pay(self, conf) -> bool:
+        """Whether a copy whose drafts have these confidences (each given the ones before; None: unknown, prompt
+        lookup's) is taken over the model's drafts: its expected accepted drafts (the sum of their prefixes'
+        probabilities) reach ``min_copy_score``."""
+        if conf is None or not self.min_copy_score:
+            return True
+        run, score = 1.0, 0.0
+        for c in conf:
+            run *= c
+            score += run
+        return score >= self.min_copy_score
+
+    def _copy(self, req, k: int) -> list[int]:
+        drafts = self.copies.lookup(req, k)
+        return drafts if drafts and self._copies_pay(self.copies.draft_confidence(req, k)) else []
 
     @property
     def uses_draft_model(self) -> bool:
@@ -141,7 +158,7 @@ class HybridProposer(Proposer):
 
     def free_drafts(self, req, k: int) -> int | None:
         """A copy drafts for free; without one the model drafts (priced)."""
-        return len(self.copies.lookup(req, k)) or None
+        return len(self._copy(req, k)) or None
 
     def draft_confidence(self, req, k: int) -> list[float] | None:
         return self.copies.draft_confidence(req, k)
@@ -152,7 +169,7 @@ class HybridProposer(Proposer):
     def offers(self, reqs, ks):
         """The copier's offers (the suffix tree's for the batch in one call), None where it has no copy: the model's
         rows."""
-        return [o if o is not None and o[0] else None for o in self.copies.offers(reqs, ks)]
+        return [o if o is not None and o[0] and self._copies_pay(o[1]) else None for o in self.copies.offers(reqs, ks)]
 
     def observe(self, req, start, hidden) -> None:
         self.model.observe(req, start, hidden)
@@ -171,7 +188,8 @@ class HybridProposer(Proposer):
 
     def propose_tree(self, batch: DraftBatch, width: int) -> list[DraftTree]:
         """The copier's tree where a row has one, the model's tree for the other rows."""
-        trees = self.copies.propose_tree(batch, width)
+        trees = [t if len(t) == 1 or self._copy(r, k) else DraftTree(r.last_token)
+                 for t, r, k in zip(self.copies.propose_tree(batch, width), batch.reqs, batch.ks)]
         rest = [b for b, t in enumerate(trees) if len(t) == 1 and batch.ks[b]]
         if rest:
             for b, t in zip(rest, self.model.propose_tree(_sub_batch(batch, rest), width)):
@@ -182,7 +200,7 @@ class HybridProposer(Proposer):
         self.model.warm_steps(pool, ctx, widths, rows)
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        found = [self.copies.lookup(r, k) for r, k in zip(batch.reqs, batch.ks)]
+        found = [self._copy(r, k) for r, k in zip(batch.reqs, batch.ks)]
         rest = [b for b, f in enumerate(found) if not f and batch.ks[b]]
         out = _proposal(found, batch)  # q None: copies are deterministic drafts (verified as prompt lookup's)
         if not rest:

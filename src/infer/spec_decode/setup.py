@@ -92,7 +92,8 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         elif cfg.proposer == "suffix-hybrid":
             from ..proposers.suffix import SuffixProposer
 
-            proposer = HybridProposer(SuffixProposer(**cfg.suffix_options), proposer, "suffix-hybrid")
+            proposer = HybridProposer(SuffixProposer(**cfg.suffix_options), proposer, "suffix-hybrid",
+                                      cfg.suffix_min_score)
     if proposer.uses_features:
         runner.feature_sink = proposer.observe
     tree = None if cfg.spec_tree is None else "auto" if cfg.spec_tree == "auto" else cfg.tree_shape
