@@ -465,6 +465,11 @@ def test_suffix_hybrid_prices_copies_by_the_trees_confidence():
     assert hyb.offers([copying], [3]) == [None] and hyb.free_drafts(copying, 3) is None
     out = hyb.propose(DraftBatch([copying], [3], None, None, [None], 64, torch.device("cpu")))
     assert out.drafts[0].tolist() == [9, 8, 7] and out.free == [False]
+    # auto K decides at the row's cap and may propose fewer: the copy priced is the copy proposed
+    hyb.min_copy_score = 1.5
+    assert hyb.offers([copying], [3])[0][0] == 2  # [3, 4]: 2.0 expected
+    out = hyb.propose(DraftBatch([copying], [1], None, None, [None], 64, torch.device("cpu")))
+    assert out.drafts[0].tolist() == [3] and out.free == [True]  # [3] alone would score 1.0
     hyb.clear()
     assert tree.tree.num_tokens() == 0
 

@@ -128,6 +128,10 @@ class HybridProposer(Proposer):
     def __init__(self, copies: Proposer, model: Proposer, name: str = "hybrid", min_copy_score: float = 0.0):
         self.copies, self.model, self.name = copies, model, name
         self.min_copy_score = min_copy_score
+        # Request -> (its length, whether its copy pays): auto K's offers decide on the copy at the row's cap, and
+        # the proposal at the K chosen (often fewer drafts, a smaller score) keeps that decision, so a row priced as
+        # a copy is proposed as one
+        self._decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _copies_pay(self, conf) -> bool:
         """Whether a copy whose drafts have these confidences (each given the ones before; None: unknown, prompt
@@ -143,7 +147,12 @@ class HybridProposer(Proposer):
 
     def _copy(self, req, k: int) -> list[int]:
         drafts = self.copies.lookup(req, k)
-        return drafts if drafts and self._copies_pay(self.copies.draft_confidence(req, k)) else []
+        if not drafts:
+            return []
+        decided = self._decided.get(req)
+        if decided is not None and decided[0] == req.num_tokens:
+            return drafts if decided[1] else []
+        return drafts if self._copies_pay(self.copies.draft_confidence(req, k)) else []
 
     @property
     def uses_draft_model(self) -> bool:
@@ -169,7 +178,13 @@ class HybridProposer(Proposer):
     def offers(self, reqs, ks):
         """The copier's offers (the suffix tree's for the batch in one call), None where it has no copy: the model's
         rows."""
-        return [o if o is not None and o[0] and self._copies_pay(o[1]) else None for o in self.copies.offers(reqs, ks)]
+        out = []
+        for r, o in zip(reqs, self.copies.offers(reqs, ks)):
+            pays = o is not None and o[0] > 0 and self._copies_pay(o[1])
+            if o is not None:
+                self._decided[r] = (r.num_tokens, pays)
+            out.append(o if pays else None)
+        return out
 
     def observe(self, req, start, hidden) -> None:
         self.model.observe(req, start, hidden)
