@@ -292,6 +292,19 @@ def _engine(target, **cfg):
     return Engine(EngineConfig(model="target", proposer="suffix", spec_length=3, block_size=4, **cfg), model=target)
 
 
+def _repeating_prompts_decode_plainly(eng, target) -> None:
+    """Two passes over 8 prompts that share a prefix (the second pass finds the first's outputs in the tree), batched:
+    every output is plain decoding's."""
+    rnd = random.Random(1)
+    shared = [rnd.randrange(0, 64) for _ in range(6)]
+    prompts = [shared + [rnd.randrange(0, 64) for _ in range(rnd.randrange(1, 8))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for _ in range(2):
+        reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
+        assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
+                                                for p in prompts]
+
+
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 def test_batched_greedy_parity_with_preemption(backend):
     """Requests that repeat each other's text (a shared prefix, loops): the tree drafts a lot, the output is plain
@@ -299,14 +312,7 @@ def test_batched_greedy_parity_with_preemption(backend):
     target = random_llama(64, seed=0)
     kw = dict(num_kv_blocks=14) if backend == "paged" else dict(max_seq_len=60)
     eng = _engine(target, max_batch_size=6, kv_cache_backend=backend, **kw)
-    rnd = random.Random(1)
-    shared = [rnd.randrange(0, 64) for _ in range(6)]
-    prompts = [shared + [rnd.randrange(0, 64) for _ in range(rnd.randrange(1, 8))] for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for _ in range(2):  # the second pass finds the first pass's outputs in the tree
-        reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
-        assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
-                                                for p in prompts]
+    _repeating_prompts_decode_plainly(eng, target)
     assert eng.stats.num_accepted_tokens > 50
     if backend == "paged":
         assert eng.stats.num_preemptions > 0
@@ -414,14 +420,7 @@ def test_suffix_hybrid_greedy_parity_with_preemption(backend):
                  model=target, draft_model=drafter)
     assert eng.decoder.proposer.name == "suffix-hybrid"
     asked = _count_model_rows(eng)
-    rnd = random.Random(1)
-    shared = [rnd.randrange(0, 64) for _ in range(6)]
-    prompts = [shared + [rnd.randrange(0, 64) for _ in range(rnd.randrange(1, 8))] for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for _ in range(2):  # the second pass finds the first pass's outputs in the tree
-        reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
-        assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
-                                                for p in prompts]
+    _repeating_prompts_decode_plainly(eng, target)
     assert asked[0] > 0 and asked[1] > 0 and eng.stats.num_accepted_tokens > 50
     assert eng.decoder.proposer.copies.tree.num_tokens() > 300  # finished requests' text stays for the next ones
     if backend == "paged":
