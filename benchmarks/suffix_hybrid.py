@@ -1,5 +1,5 @@
-"""SmolLM2's speculation with the suffix tree's copies beside the EAGLE-3 head ("suffix-hybrid", the default since
-2026-11-30) against prompt lookup beside the head ("hybrid", the default before), and plain decoding (issues 33, 35).
+"""SmolLM2's speculation with the suffix tree's copies beside the EAGLE-3 head ("suffix-hybrid") against prompt lookup
+beside the head ("hybrid", SmolLM2's default), and plain decoding (issues 33, 35).
 
     python benchmarks/suffix_hybrid.py [--passes 2] [--workloads held-0 held-0.7 "JSON extraction-0"]
                                        [--min-scores 0]

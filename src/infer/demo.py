@@ -5,9 +5,8 @@ The real model is SmolLM2-135M-Instruct, quantized Q4_1 in GGUF, from the PyPI p
 It is found without importing that package. The shipped demo pair (trained by scripts/train_demo_pair.py) is a
 ~23M-parameter Llama target and a ~1.5M-parameter drafter distilled from it, trained on the Python standard
 library's source: a demo, not a language model, it completes Python-looking code. SmolLM2 speculates with its best
-shipped drafter (``real_model_speculation``: copies from a suffix tree of this engine's requests where it expects
-them accepted, else the EAGLE-3 head, auto K), which gains ~1.2-1.3x greedy on held-out prompts
-(benchmarks/drafters.py) and ~2x on a loop of requests that repeat each other's text; the pair shows larger gains.
+shipped drafter (``real_model_speculation``: prompt lookup where the context matches, else the EAGLE-3 head, auto
+K), which gains ~1.1-1.3x greedy on held-out prompts (benchmarks/drafters.py); the pair shows larger gains.
 """
 
 from __future__ import annotations
@@ -50,13 +49,11 @@ def real_model_path() -> Path:
 
 
 def real_model_speculation() -> dict:
-    """LLM keywords for SmolLM2's best shipped drafter (docs/benchmarks.md, "suffix-hybrid"): the suffix tree's copies
-    (this engine's earlier and running requests, each request's own text) where it expects at least one accepted,
-    else the EAGLE-3 head, K chosen per round (0 where drafting does not pay). Against prompt lookup + the head: the
-    same speed on held-out chat and code prompts within the runs' noise, ~1.5x on a loop of JSON extractions. {}
-    when the head is not shipped."""
+    """LLM keywords for SmolLM2's best shipped drafter on held-out prompts (docs/benchmarks.md, drafters): the hybrid
+    of prompt lookup and the EAGLE-3 head, K chosen per round (0 where drafting does not pay). {} when the head is
+    not shipped."""
     head = drafter_paths().get("eagle3")
-    return {} if head is None else {"draft_model": head, "proposer": "suffix-hybrid"}
+    return {} if head is None else {"draft_model": head, "proposer": "hybrid"}
 
 
 def with_default_drafter(engine_kwargs: dict) -> dict:
