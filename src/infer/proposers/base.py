@@ -135,6 +135,14 @@ class Proposer(ABC):
         proposer may answer for the batch at once (the suffix tree: one C++ call)."""
         return row_offers(reqs, ks, self.free_drafts, self.draft_confidence, self.confidence_group)
 
+    # True: a row offered free drafts (``offers``) may be drafted by the proposer's model instead, where the caller
+    # says so before ``propose`` (``decline``): a hybrid's copy or its draft model. Auto K prices such a row both ways.
+    drafts_either_way = False
+
+    def decline(self, req: Request) -> None:
+        """This round, draft ``req`` with the model, not the free drafts offered (only with ``drafts_either_way``)."""
+        raise NotImplementedError(f"the {self.name} proposer has one way to draft a row")
+
     def pending(self, req: Request) -> int:
         """Tokens of ``req`` the proposer must consume before it can draft, beyond an ordinary step's one or two
         (a draft model's lazy prefill of the prompt, or of the text decoded while the row sat at K = 0): a one-time

@@ -133,6 +133,12 @@ class HybridProposer(Proposer):
         # a copy is proposed as one
         self._decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    drafts_either_way = True  # a row with a copy on offer can take the model's drafts instead (auto K's choice)
+
+    def decline(self, req) -> None:
+        """Auto K priced ``req``'s copy below the model's drafts: this round it takes the model's."""
+        self._decided[req] = (req.num_tokens, False)
+
     def _copies_pay(self, conf) -> bool:
         """Whether a copy whose drafts have these confidences (each given the ones before; None: unknown, prompt
         lookup's) is taken over the model's drafts: its expected accepted drafts (the sum of their prefixes'

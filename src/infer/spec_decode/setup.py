@@ -117,6 +117,8 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         costs = costs or cache.get(key) or store.load()
         decoder.spec_length = GoodputSpecLength(cfg.spec_length_max, costs)  # costs None: no drafts until profiled
         decoder.spec_length.pending, decoder.spec_length.offers = proposer.pending, proposer.offers
+        if proposer.drafts_either_way:
+            decoder.spec_length.decline = proposer.decline
 
         def profile_now() -> None:
             with progress.stage("profiling what a speculative round costs (first start with these settings)"):

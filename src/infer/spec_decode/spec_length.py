@@ -30,6 +30,13 @@ Free drafts. A proposer that copies drafts from the context (prompt lookup; a hy
 ``Proposer.free_drafts``) spends no model step on them: such a row is priced without draft steps, capped at the match's
 length, and its acceptance is estimated apart from the model's (a copy is right far more often than a head's guess).
 
+Either way. A hybrid (``Proposer.drafts_either_way``: a copier beside a draft model) can draft a row offered a copy
+with its model instead. Such a row is priced both ways: the round is priced with every offered row copying, then with
+every one drafting with the model, then (two or more such rows) with each row flipped from the better of the two; the
+best round wins and the proposer is told which rows take the model's drafts (``decline``). Without it a row priced as
+a copy only decoded plainly where its copy did not pay (a sampled row accepts a copy's token with p(t) only), though
+the model's drawn drafts would have (suffix-hybrid at temperature 0.7: docs/benchmarks.md).
+
 Confident free drafts. A proposer may also say how sure it is of each free draft (``Proposer.draft_confidence``: a
 suffix tree's counts give the probability of each draft after the ones before it). Acceptance is then no longer one
 rate per row: a row's curve is E(k) = 1 + sum_{j<=k} prod_{i<=j} c(p_i), where c maps the proposer's probability to
@@ -231,6 +238,10 @@ class GoodputSpecLength:
         self.group = lambda req, k: 0
         # the three for every row at once: setup wires the proposer's Proposer.offers; else from the three above
         self.offers = lambda reqs, caps: row_offers(reqs, caps, self.free, self.confidence, self.group)
+        # a proposer that drafts a row either way (Proposer.drafts_either_way): its ``decline``, called for the rows
+        # offered a copy that are priced higher with the model's drafts; None: an offered row copies
+        self.decline = None
+        self.dual = True  # False: offered rows copy whatever the model's drafts are worth (benchmarks' A/B)
         self.calibrations: defaultdict[int, Calibration] = defaultdict(Calibration)  # confidence group -> its own
         self.calibration = self.calibrations[0]  # group 0's
         # rounds since a model draft step was last timed, and after how many an exploration round drafts anyway
@@ -323,6 +334,16 @@ class GoodputSpecLength:
                     best = (rate, k, m)
         return best
 
+    def _price(self, free: list[bool], copy: list, model: list, horizon: int) -> tuple:
+        """The best round (``_best``) with row b copying where ``free[b]`` (priced by ``copy[b]``), else drafting with
+        the model (``model[b]``) -> (tokens/s, k, m, free, and the per-row estimates, caps, confidences and groups
+        it was priced by)."""
+        rows = [copy[b] if f else model[b] for b, f in enumerate(free)]
+        alphas, caps, confidence, groups, curves, setup = (list(x) for x in zip(*rows))
+        # no row has a draft to offer (a copying proposer found no match anywhere): plain decoding, nothing to price
+        rate, k, m = self._best(alphas, caps, setup, horizon, free, curves) if any(caps) else (0.0, 0, 0)
+        return rate, k, m, free, alphas, caps, confidence, groups
+
     @staticmethod
     def _order(alphas: list[float], caps: list[int]) -> list[int]:
         """The rows in the order they start drafting: the rows that can (cap > 0) by acceptance estimate, then the
@@ -352,28 +373,22 @@ class GoodputSpecLength:
         """-> (ks, the predicted gain of the round over plain decoding, in plain steps: 0 at k = 0)."""
         B = len(reqs)
         offers = self.offers(reqs, caps)  # per row (free drafts available, their confidences, group), or None
-        # per row in one pass (auto K prices every row every round): its state, cap, estimate, curve and set-up
-        states, is_free, alphas, confidence, groups, curves, setup = [], [], [], [], [], [], []
-        caps = list(caps)  # cut to the free drafts on offer; the caller's list is its own
+        # per row in one pass (auto K prices every row every round): its state, and how it drafts: as a copy where
+        # offered one, else with the model, each priced by (estimate, cap, confidences, group, curve, set-up)
+        states, model, copy = [], [], []
         for b, (r, o) in enumerate(zip(reqs, offers)):
             s = self._state(r)
             states.append(s)
-            free = o is not None
-            is_free.append(free)
-            alphas.append(self._alpha(s, free))
             left = r.params.max_tokens - len(r.output_ids)
-            if free:
-                caps[b] = min(caps[b], o[0])
+            if o is not None:
                 p, g = (o[1], o[2]) if o[0] else (None, 0)
-                confidence.append(p)
-                groups.append(g)
-                curves.append(None if p is None else self.calibrations[g].curve(p, self.k_max))
-                setup.append((0.0, left))
+                curve = None if p is None else self.calibrations[g].curve(p, self.k_max)
+                copy.append((self._alpha(s, True), min(caps[b], o[0]), p, g, curve, (0.0, left)))
             else:
-                confidence.append(None)
-                groups.append(0)
-                curves.append(None)
-                setup.append((self.costs.catch_up * self.pending(r), left))
+                copy.append(None)
+            model.append(None if o is not None and self.decline is None else
+                         (self._alpha(s, False), caps[b], None, 0, None,
+                          (self.costs.catch_up * self.pending(r), left)))
         if B < self.last_size:  # a row left (finished, or preempted): the batch may grow back next round
             self.rounds_at_size = 1
         elif B > self.last_size:  # a request joined: it stays for its tokens
@@ -381,9 +396,27 @@ class GoodputSpecLength:
         elif self.rounds_at_size:
             self.rounds_at_size += 1
         self.last_size = B
-        # no row has a draft to offer (a copying proposer found no match anywhere): plain decoding, nothing to price
-        rate, k, m = self._best(alphas, caps, setup, self.rounds_at_size or 1 << 30, is_free, curves) if any(caps) \
-            else (0.0, 0, 0)
+        horizon = self.rounds_at_size or 1 << 30
+        # which offered rows copy: all, then (a proposer that can draft them either way) all with the model, then
+        # each row flipped from the better of the two: a copy auto K would decline (a sampled row accepts a copy's
+        # token with p(t) only) may still be worth the model's drawn drafts, and a row priced as a copy alone would
+        # decode plainly (suffix-hybrid at 0.7: docs/benchmarks.md)
+        either = [b for b in range(B) if copy[b] is not None and model[b] is not None]
+        best = self._price([c is not None for c in copy], copy, model, horizon)
+        if either and self.dual:
+            priced = self._price([c is not None and b not in either for b, c in enumerate(copy)], copy, model,
+                                 horizon)
+            best = priced if priced[0] > best[0] else best
+            start = best[3]
+            for b in either if len(either) > 1 else ():  # one row: the two above were every choice
+                free = list(start)
+                free[b] = not free[b]
+                priced = self._price(free, copy, model, horizon)
+                best = priced if priced[0] > best[0] else best
+            for b in either:
+                if not best[3][b]:
+                    self.decline(reqs[b])
+        rate, k, m, is_free, alphas, caps, confidence, groups = best
         # what drafting is predicted to gain, in plain steps (rate over plain's, MARGIN taken out of plain's rate)
         gain = rate * (self.costs.verify_cost(B, 1) + self.overhead.get((B, False), 0.0)) / B - 1.0 if k else 0.0
         order = self._order(alphas, caps)
