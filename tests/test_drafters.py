@@ -139,12 +139,13 @@ def test_evaluation_prompts_are_held_out_of_training():
 
 @needs_real
 def test_smollm2_gets_its_best_drafter_by_default_in_chat_and_demo(tmp_path):
-    """`infer chat --model <SmolLM2's GGUF>` and the demo's SmolLM2 chat speculate with the hybrid of prompt lookup
-    and the EAGLE-3 head unless told otherwise; any other model, or any speculation flag, is left as given."""
+    """`infer chat --model <SmolLM2's GGUF>` and the demo's SmolLM2 chat speculate with the suffix tree's copies
+    beside the EAGLE-3 head ("suffix-hybrid") unless told otherwise; any other model, or any speculation flag, is left
+    as given."""
     from infer.demo import with_default_drafter
 
     got = with_default_drafter({"model": str(REAL)})
-    assert got["draft_model"] == drafter_paths()["eagle3"] and got["proposer"] == "hybrid"
+    assert got["draft_model"] == drafter_paths()["eagle3"] and got["proposer"] == "suffix-hybrid"
     for asked in ({"use_speculative_decoding": False}, {"proposer": "ngram"}, {"draft_model": "x"}):
         assert with_default_drafter({"model": str(REAL), **asked}) == {"model": str(REAL), **asked}
     other = tmp_path / "other.gguf"
