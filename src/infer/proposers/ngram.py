@@ -125,15 +125,15 @@ class HybridProposer(Proposer):
     """Copy where the copier offers drafts (free drafts), draft with the model elsewhere. ``copies``: a proposer that
     drafts without a model (NgramProposer, SuffixProposer): ``lookup(req, k)`` -> its chain, [] where it has none."""
 
+    drafts_either_way = True  # a row with a copy on offer can take the model's drafts instead (auto K's choice)
+
     def __init__(self, copies: Proposer, model: Proposer, name: str = "hybrid", min_copy_score: float = 0.0):
         self.copies, self.model, self.name = copies, model, name
         self.min_copy_score = min_copy_score
         # Request -> (its length, whether its copy pays): auto K's offers decide on the copy at the row's cap, and
         # the proposal at the K chosen (often fewer drafts, a smaller score) keeps that decision, so a row priced as
-        # a copy is proposed as one
+        # a copy is proposed as one; ``decline`` overrides it where auto K priced the model's drafts higher
         self._decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    drafts_either_way = True  # a row with a copy on offer can take the model's drafts instead (auto K's choice)
 
     def decline(self, req) -> None:
         """Auto K priced ``req``'s copy below the model's drafts: this round it takes the model's."""
