@@ -169,11 +169,12 @@ def commands(env: dict, wait_compiled: bool) -> dict:
 
 FILL = """
 from infer import LLM
-from infer.demo import CHAT_ENGINE, REAL_MODEL_SETTINGS, real_model_path, real_model_speculation, with_real_model_defaults
+from infer.demo import (CHAT_ENGINE, REAL_MODEL_SETTINGS, real_model_path, real_model_speculation,
+                        with_real_model_defaults, with_serve_defaults)
 path = real_model_path()
 for kw in (dict(**CHAT_ENGINE, **with_real_model_defaults({"model": path})),  # infer chat --model <gguf>
            dict(model=path, **REAL_MODEL_SETTINGS, **CHAT_ENGINE, **real_model_speculation()),  # infer demo
-           dict(model=path)):  # infer serve --model <gguf>
+           with_serve_defaults({"model": path})):  # infer serve --model <gguf>
     llm = LLM(**kw)
     llm.engine.wait_until_ready()
     llm.close()
@@ -226,7 +227,7 @@ def main() -> None:
                for cell, rs in runs.items()}
     res = {"machine": machine(), "model": real_model_path().name, "speculation": {
         "chat/demo": {k: Path(v).name if k == "draft_model" else v for k, v in real_model_speculation().items()},
-        "serve": "none (its default)"}, "prompt": PROMPT, "fill_s": fill_s, "runs": runs, "summary": summary}
+        "serve": "the same, rounds while at most 2 requests decode (its default)"}, "prompt": PROMPT, "fill_s": fill_s, "runs": runs, "summary": summary}
     write_json("startup", res)
 
     def cell(s):
@@ -234,7 +235,8 @@ def main() -> None:
 
     m = res["machine"]
     md = [f"Process start to ready and to the first streamed token, SmolLM2-135M-Instruct ({res['model']}), each "
-          f"command's default speculation (chat/demo: {res['speculation']['chat/demo']}; serve: none). {m['cpu']}, "
+          f"command's default speculation (chat/demo: {res['speculation']['chat/demo']}; serve: "
+          f"{res['speculation']['serve']}). {m['cpu']}, "
           f"{m['cores']} cores, torch {m['torch']}, {m['date']}. Cold: empty `XDG_CACHE_HOME` per run; warm: caches "
           f"filled once ({fill_s:.0f} s of compiling and profiling). Median of {a.runs} runs (min-max). "
           "`python benchmarks/startup.py`.", "",

