@@ -39,7 +39,7 @@ from common import free_port, machine, median, update_doc_section, write_json  #
 from infer.demo import real_model_path, real_model_speculation  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."
-LIMIT_S = 300  # a run that has not answered by then is recorded as failed
+LIMIT_S = 420  # a run that has not answered by then is recorded as failed
 COMPILED_MARK = "compiled steps ready after"  # engine.warmup's last line: from then on at full speed
 
 

@@ -299,18 +299,19 @@ class _GraphEntry:
         self._names = names
         self._defaults = dict(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
         self._direct = {}  # transformed code -> a function running it
+        self._entries, self._callback = _dynamo_lookup()
         # positional parameters only (every compiled step's): their names are the frame's first locals
         self._plain = not (self._code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)) and \
             self._code.co_kwonlyargcount == 0
 
     def __call__(self, *args):
-        if DIRECT_ENTRY and _cache_entries is not None and self._plain and len(args) < len(self._names) and \
-                _frame_callback() is None:
+        if DIRECT_ENTRY and self._entries is not None and self._plain and len(args) < len(self._names) and \
+                self._callback() is None:
             args = (self.own.__self__, *args)
             if len(args) < len(self._names):
                 args = (*args, *(self._defaults[n] for n in self._names[len(args):]))
             local = dict(zip(self._names, args))
-            for entry in _cache_entries(self._code):
+            for entry in self._entries(self._code):
                 if entry.guard_manager.check(local):
                     run = self._direct.get(entry.code)
                     if run is None:
@@ -335,12 +336,17 @@ def _installed_globals(code, module_globals: dict) -> dict:
     return lean
 
 
-try:  # Dynamo's cache entries of a code object, and the thread's frame callback (private helpers: without them,
-    # calls go through the frame hook)
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_callback
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as _cache_entries
-except ImportError:  # pragma: no cover
-    _cache_entries = None
+def _dynamo_lookup() -> tuple[Callable | None, Callable | None]:
+    """(Dynamo's cache entries of a code object, the thread's frame callback): private helpers; (None, None) without
+    them, and calls go through the frame hook. Imported here, at the first _GraphEntry (a build, in the warm-up
+    thread), not with this module: importing torch._dynamo is ~1 s of Python, and at start it held up the first
+    token (infer serve with SmolLM2's defaults: /health 4.8 -> 3.3 s, first token 4.9 -> 3.4 s, medians of 5)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover
+        return None, None
+    return _debug_get_cache_entry_list, get_eval_frame_callback
 
 
 def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | None = None):
