@@ -9,7 +9,8 @@
 // Semantics, as torch.argmax: the first maximal entry (-0.0 and +0.0 are equal); a row holding a NaN answers its first
 // NaN (NaN propagates through torch's max); a row of -inf answers 0. float32 and bfloat16 (widened exactly).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 

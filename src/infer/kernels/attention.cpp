@@ -17,7 +17,8 @@
 // attention output is therefore the same alone (decode, L = its position + 1), among K+1 (verify, larger L,
 // later keys masked) and as a node of a tree (its siblings' keys masked between its ancestors'). With lens ([B]), a
 // row's queries from lens[b] on are pads (rows.h) and get zeros without being computed.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -16,7 +16,8 @@
 // a fixed horizontal sum; the scalar tail in order; then the scale). A token's logits are therefore bit-identical
 // whether the target computes it alone (decode) or among K+1 (speculative verify), which keeps greedy speculation
 // exactly equal to greedy decoding.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -161,8 +162,8 @@ void run(const W* w, const float* scale, int64_t N, int64_t K, const float* x, i
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows(w, scale, n0, n1, K, xp, x, M, y, N); });
 }
 
-torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
-                          const c10::optional<torch::Tensor>& scale) {
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "infer::linear: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "infer::linear runs on the CPU");
@@ -206,12 +207,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& weight,
 }  // namespace
 
 // lens: [B] real tokens a row of a padded [B, T] forward (rows.h); None: every row
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale,
-                     const c10::optional<torch::Tensor>& lens) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& lens) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "infer::linear: x [M, K] and weight [N, K] expected, got ", x.sizes(),
               " and ", weight.sizes());
   return infer_kernels::on_real_rows(x, lens, weight.size(0),
-                                     [&](const torch::Tensor& xs) { return linear_rows(xs, weight, scale); });
+                                     [&](const at::Tensor& xs) { return linear_rows(xs, weight, scale); });
 }
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {

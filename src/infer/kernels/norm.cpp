@@ -12,7 +12,8 @@
 // row's result does not depend on the rows beside it; with FP contraction off (kernels._flags) the compiler may
 // vectorise but not reorder, so the AVX2 and AVX-512 builds agree too.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include "rows.h"

@@ -14,7 +14,8 @@
 // Every element is computed alone, with FP contraction off (kernels._flags): the AVX2 and AVX-512 builds, a
 // vectorised body and a scalar tail all give the same bits, so the result does not depend on the rows beside it.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -31,7 +31,8 @@
 // Batch invariance: a row's activations are quantized alone; S is exact; the float work for one (row, activation)
 // pair is one lane's fma chain over the blocks in order, the same in every tile shape and whatever other rows share
 // the call. A row's result is bit-identical alone (decode) or among 16 (verify): decode and verify share one numerics.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -619,8 +620,8 @@ const char* format_name(int64_t f) {
 // lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row.
 // float_out: y in float32 whatever x's dtype, holding what x's dtype would have held (a bfloat16 x: y.float()'s bits;
 // a verify's 5 x 49,152 logits were a 1 MB copy after the product: 0.01-0.55 ms in a round's profile)
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out_features,
-                      const c10::optional<torch::Tensor>& lens, bool float_out) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
+                      const c10::optional<at::Tensor>& lens, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "infer::qlinear runs on the CPU");
   TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
               " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");

@@ -8,7 +8,8 @@
 // rows' bits: a row's result does not depend on which rows share the call.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -17,7 +18,7 @@
 namespace infer_kernels {
 
 // x's real rows in order (b * T + t for t < lens[b]), checked against M; empty lens: every row (the list not built)
-inline std::vector<int64_t> real_rows(const c10::optional<torch::Tensor>& lens, int64_t M, bool& all_real) {
+inline std::vector<int64_t> real_rows(const c10::optional<at::Tensor>& lens, int64_t M, bool& all_real) {
   std::vector<int64_t> keep;
   all_real = true;
   if (!lens.has_value() || !lens->defined()) return keep;
@@ -37,7 +38,7 @@ inline std::vector<int64_t> real_rows(const c10::optional<torch::Tensor>& lens, 
 
 // real(first, count) for each run of consecutive real rows, pad(first, count) for each run of pads
 template <typename Real, typename Pad>
-void for_row_runs(const c10::optional<torch::Tensor>& lens, int64_t M, Real&& real, Pad&& pad) {
+void for_row_runs(const c10::optional<at::Tensor>& lens, int64_t M, Real&& real, Pad&& pad) {
   if (!lens.has_value() || !lens->defined()) {
     real(int64_t(0), M);
     return;
@@ -61,14 +62,14 @@ void for_row_runs(const c10::optional<torch::Tensor>& lens, int64_t M, Real&& re
 // fn(x_rows) -> y_rows [m, N] for x's real rows, scattered into [M, N] (the pads unwritten); fn(x) itself where every
 // row is real
 template <typename Fn>
-torch::Tensor on_real_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& lens, int64_t N, Fn&& fn) {
+at::Tensor on_real_rows(const at::Tensor& x, const c10::optional<at::Tensor>& lens, int64_t N, Fn&& fn) {
   const int64_t M = x.size(0);
   bool all_real;
   auto keep = real_rows(lens, M, all_real);
   if (all_real) return fn(x);
   auto y = at::empty({M, N}, x.options());
   if (keep.empty()) return y;
-  const auto idx = torch::from_blob(keep.data(), {static_cast<int64_t>(keep.size())}, at::kLong).clone();
+  const auto idx = at::from_blob(keep.data(), {static_cast<int64_t>(keep.size())}, at::kLong).clone();
   y.index_copy_(0, idx, fn(x.index_select(0, idx)));
   return y;
 }

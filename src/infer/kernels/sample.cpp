@@ -15,7 +15,8 @@
 //   rounding of a boundary. A token of zero weight is never drawn. tokens: the n accepted drafts, then the final
 //   token, then -1 (verify.py's output layout).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
