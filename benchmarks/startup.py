@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, machine, median, update_doc_section, write_json  # noqa: E402
 
-from infer.demo import real_model_path, real_model_speculation  # noqa: E402
+from infer.demo import SERVE_SPEC_MAX_BATCH, real_model_path, real_model_speculation  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."
 LIMIT_S = 420  # a run that has not answered by then is recorded as failed
@@ -227,7 +227,8 @@ def main() -> None:
                for cell, rs in runs.items()}
     res = {"machine": machine(), "model": real_model_path().name, "speculation": {
         "chat/demo": {k: Path(v).name if k == "draft_model" else v for k, v in real_model_speculation().items()},
-        "serve": "the same, rounds while at most 2 requests decode (its default)"}, "prompt": PROMPT, "fill_s": fill_s, "runs": runs, "summary": summary}
+        "serve": f"the same, rounds while at most {SERVE_SPEC_MAX_BATCH} requests decode (its default)"},
+        "prompt": PROMPT, "fill_s": fill_s, "runs": runs, "summary": summary}
     write_json("startup", res)
 
     def cell(s):
