@@ -421,24 +421,29 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   T* op = out.data_ptr<T>();  // [B, T, H, D] contiguous
   const auto qst = q.strides(), ks = k.strides(), vs = v.strides();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // one item per (batch row, KV head, group): the KV head's G x T queries (index t * G + g) in groups of <= QB
   [[maybe_unused]] const bool wide_d = kWide && D % 16 == 0;
   // groups of at most 6 at D = 64 on the wide path: values64 keeps all of a group's outputs in registers
   const int64_t qb = wide_d && D == 64 ? 6 : QB;
-  const int64_t per_head = G * Tq, groups = (per_head + qb - 1) / qb, items = B * Hkv * groups;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D * qb));
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+  // The step's queries, (batch row, KV head, query index t * G + g) in that order, split into one contiguous range
+  // per thread: a thread walks its range in groups of <= qb that never cross a KV head (a group shares every K and V
+  // load), near-equal in size. A query's arithmetic does not depend on its group, so the split changes no bits. Whole
+  // KV heads per thread left a thread idle: a decode's 3 heads (SmolLM2's 9 query heads over 3) ran as 2 + 1.
+  const int64_t per_head = G * Tq, total = B * Hkv * per_head;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, L * D));
+  at::parallel_for(0, total, grain, [&](int64_t x0, int64_t x1) {
     thread_local std::vector<float> buf;
     buf.resize(QB * (D + L) + L + 4 * D);  // + L: the softmax's scratch; + 4 D: four keys widened
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t grp = item % groups, hk = (item / groups) % Hkv, b = item / (groups * Hkv);
-      // groups of near-equal size: 15 queries -> 4 + 4 + 4 + 3
-      const int64_t first = grp * per_head / groups, last = (grp + 1) * per_head / groups;
+    while (x0 < x1) {
+      const int64_t head = x0 / per_head, hk = head % Hkv, b = head / Hkv;
+      const int64_t end = std::min(x1, (head + 1) * per_head);  // this thread's queries of this KV head
+      const int64_t n_groups = (end - x0 + qb - 1) / qb;
+      const int64_t first = x0, last = x0 + (end - x0 + n_groups - 1) / n_groups;  // 15 queries -> 5 + 5 + 5
+      x0 = last;
       Query qs[QB];
       T* outs[QB];
       int nq = 0;
       int64_t maxlen = 0;
-      for (int64_t x = first; x < last; ++x) {
+      for (int64_t x = first - head * per_head; x < last - head * per_head; ++x) {
         const int64_t t = x / G, h = hk * G + x % G;
         const bool* mrow = mask ? mask + b * mstride[0] + t * mstride[1] : nullptr;
         T* o = op + ((b * Tq + t) * H + h) * D;
