@@ -7,7 +7,10 @@ matched), a round of k drafts (with the drafts it accepted), or a prefill. Per k
 accepted drafts a round, and the tokens a millisecond each kind yields (accepted + 1 over its median). Beside them
 the cost model the engine priced its K with (``verify_cost(1, T)`` for T = 1..9, the draft steps, the bookkeeping)
 and, for the model drafter, where a round's first draft step goes (timers around the proposer's parts). This is what
-Leviathan's formula needs (alpha, c, v) measured in the engine itself, on this machine, in one run.
+Leviathan's formula needs (alpha, c, v) measured in the engine itself, on this machine, in one run. Where a
+proposer can draft both ways (suffix-hybrid: the tree's copies, the head's drafts), a round's kind says which, and
+each kind carries auto K's price for it: the cost model's verify of k + 1 tokens, its bookkeeping and (the head) its
+k draft steps, read just before the step, against the step's time.
 
 Workloads: "defaults-T": SmolLM2 as ``infer chat`` runs it (bfloat16 over its Q4_1 blocks, compiled, one request)
 with its default speculation (prompt lookup, else the EAGLE-3 head; auto K), 8 held-out prompts (4 chat, 4 code) x
@@ -34,21 +37,56 @@ from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculat
 from infer.drafters import eval_prompts  # noqa: E402
 
 
+def _prices(spec) -> dict | None:
+    """What auto K prices each kind of step at, from its cost model now (seconds): the plain step, and a round of k
+    drafts as copies (no draft steps) or the model's; None without a cost model."""
+    costs = getattr(spec, "costs", None)
+    if costs is None:
+        return None
+    verify = costs.verify_costs(1, costs.k_max + 1)
+    plain_o, spec_o = spec.overhead.get((1, False), 0.0), spec.overhead.get((1, True), 0.0)
+    return {"plain": verify[1] + plain_o,
+            **{f"{k} copy": verify[1 + k] + spec_o for k in range(1, costs.k_max + 1)},
+            **{f"{k} model": verify[1 + k] + spec_o + costs.draft_cost(1, k) for k in range(1, costs.k_max + 1)}}
+
+
 def _timed_steps(llm, into: dict) -> None:
-    """Wrap the engine's step: each step's seconds and accepted drafts, filed under its kind."""
+    """Wrap the engine's step: each step's seconds, accepted drafts and price (None: not priced), filed under its
+    kind."""
     eng = llm.engine
     step = eng.step
+    decoder = eng.decoder
+    spec = getattr(decoder, "spec_length", None)
+    proposer = getattr(decoder, "proposer", None)
+    both = hasattr(proposer, "copies") and hasattr(proposer, "model")  # rounds of copies and of the model's drafts
+    used_model = [False]
+    if both:
+        propose = proposer.propose
+
+        def noted(batch):
+            prop = propose(batch)
+            used_model[0] = bool(prop.model_steps)
+            return prop
+        proposer.propose = noted
 
     def timed():
         st = eng.runner.stats
         d0, a0, f0, pt0 = st.num_draft_tokens, st.num_accepted_tokens, st.num_drafts, st.prompt_tokens
+        prices = _prices(spec) if spec is not None else None
+        used_model[0] = False
         t0 = time.perf_counter()
         out = step()
         dt = time.perf_counter() - t0
         # a lone request's step is one of: its prompt's prefill, a round of k drafts, or a plain decode step
-        kind = "prefill" if st.prompt_tokens > pt0 else f"k={st.num_draft_tokens - d0}" if st.num_drafts > f0 \
-            else "plain"
-        into[kind].append((dt, st.num_accepted_tokens - a0))
+        k = st.num_draft_tokens - d0
+        how = "model" if used_model[0] else "copy"
+        kind = "prefill" if st.prompt_tokens > pt0 else (f"k={k} " + ("head" if how == "model" else "copy") if both
+                                                          else f"k={k}") if st.num_drafts > f0 else "plain"
+        if not both:  # one way of drafting: the model's, or copies (prompt lookup, the suffix tree)
+            how = "model" if getattr(proposer, "uses_draft_model", False) else "copy"
+        price = None if prices is None or kind == "prefill" else \
+            prices["plain"] if kind == "plain" else prices.get(f"{k} {how}")
+        into[kind].append((dt, st.num_accepted_tokens - a0, price))
         return out
 
     eng.step = timed
@@ -120,8 +158,10 @@ def run(workload: str, passes: int) -> dict:
     res = {"prompts": len(ids), "passes": passes,
            "decode_tokens_per_s": decode,
            "over_plain": [a / b for a, b in zip(decode["speculating"], decode["plain"])],
-           "steps": {n: {kind: {"n": len(v), "median_ms": 1e3 * statistics.median(t for t, _ in v),
-                                "accepted": statistics.mean(a for _, a in v)} for kind, v in sorted(kinds.items())}
+           "steps": {n: {kind: {"n": len(v), "median_ms": 1e3 * statistics.median(t for t, _, _ in v),
+                                "accepted": statistics.mean(a for _, a, _ in v),
+                                "priced_ms": 1e3 * statistics.median(p) if (p := [x for _, _, x in v if x])
+                                else None} for kind, v in sorted(kinds.items())}
                      for n, kinds in steps.items()},
            "verify_ms": [1e3 * costs.verify_cost(1, t) for t in range(1, 10)],
            # a round of one draft, then what each further draft adds (rounds of 4: CostModel.draft_cost)
@@ -139,19 +179,22 @@ def render(res: dict) -> None:
     lines = [f"`python benchmarks/round_anatomy.py` ({m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}). "
              "SmolLM2-135M-Instruct, bfloat16 over its GGUF's Q4_1 blocks, compiled, one request; each engine step "
              "timed and filed by what it did; medians over the recorded passes. tokens / ms = (accepted + 1) / median "
-             "(a plain step: 1 / median); \"over a plain step\": that rate times the plain engine's step."]
+             "(a plain step: 1 / median); \"over a plain step\": that rate times the plain engine's step; \"auto K's price\": "
+             "the median of what its cost model priced that kind of step at just before it ran."]
     for wl, r in res["workloads"].items():
         base = r["steps"]["plain"]["plain"]["median_ms"]  # the plain engine's decode step
         lines += ["", f"**{wl}** ({r['prompts']} prompts, {r['passes']} passes): the speculating engine's decode "
                   "over the plain engine's by pass " + ", ".join(f"{x:.2f}x" for x in r["over_plain"])
                   + f"; the plain engine's step {base:.2f} ms.", "",
-                  "| speculating engine's step | count | median ms | accepted drafts | tokens / ms | over a plain step |",
-                  "|---|---|---|---|---|---|"]
+                  "| speculating engine's step | count | median ms | auto K's price, ms | accepted drafts | tokens / ms "
+                  "| over a plain step |",
+                  "|---|---|---|---|---|---|---|"]
         for kind, v in r["steps"]["speculating"].items():
             if kind != "prefill":
                 rate = (v["accepted"] + 1) / v["median_ms"]
-                lines.append(f"| {kind} | {v['n']} | {v['median_ms']:.2f} | {v['accepted']:.2f} | {rate:.3f} | "
-                             f"{rate * base:.2f}x |")
+                price = f"{v['priced_ms']:.2f}" if v.get("priced_ms") else "-"
+                lines.append(f"| {kind} | {v['n']} | {v['median_ms']:.2f} | {price} | {v['accepted']:.2f} | "
+                             f"{rate:.3f} | {rate * base:.2f}x |")
         lines += ["", "Cost model (ms): verify of T = 1..9 tokens " + ", ".join(f"{x:.2f}" for x in r["verify_ms"])
                   + f"; drafts, a round of one / each further one {r['draft_ms'][0]:.2f} / {r['draft_ms'][1]:.2f}; "
                   + "bookkeeping "
