@@ -168,13 +168,12 @@ def test_attention_query_is_the_same_in_any_group(D):
             assert torch.equal(alone[0, :, 0], verify[b, :, t])
 
 
-
-@pytest.mark.parametrize("T", [1, 2, 5])
-def test_attention_is_the_same_on_any_number_of_threads(T):
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 2), (2, 1), (2, 5)])
+def test_attention_is_the_same_on_any_number_of_threads(B, T):
     """Each thread takes a contiguous range of the step's queries, cut into groups that never cross a KV head: the
     split moves with the thread count (and a KV head's queries may be shared by two threads), the bits must not."""
-    q, k, v = _qkv(torch.bfloat16, B=2, H=9, Hkv=3, T=T, L=300, D=64, seed=3)
-    mask = torch.ones(2, 1, T, k.shape[2], dtype=torch.bool)
+    q, k, v = _qkv(torch.bfloat16, B=B, H=9, Hkv=3, T=T, L=300, D=64, seed=3)
+    mask = torch.ones(B, 1, T, k.shape[2], dtype=torch.bool)
     for t in range(T):
         mask[:, 0, t, k.shape[2] - T + t + 1:] = False
     threads = torch.get_num_threads()
@@ -188,6 +187,7 @@ def test_attention_is_the_same_on_any_number_of_threads(T):
     assert (outs[0].double() - _sdpa(q, k, v, mask)).abs().max() < 0.05
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_attention_with_holes_equals_the_visible_keys_alone(dt):
