@@ -13,7 +13,7 @@ each kind carries auto K's price for it: the cost model's verify of k + 1 tokens
 k draft steps, read just before the step, against the step's time.
 
 Workloads: "defaults-T": SmolLM2 as ``infer chat`` runs it (bfloat16 over its Q4_1 blocks, compiled, one request)
-with its default speculation (prompt lookup, else the EAGLE-3 head; auto K), 8 held-out prompts (4 chat, 4 code) x
+with its default speculation (the suffix tree's copies, else the EAGLE-3 head; auto K), 8 held-out prompts (4 chat, 4 code) x
 128 tokens at temperature T; "suffix-json": the suffix proposer on benchmarks/suffix.py's 48-input JSON loop, greedy
 (the tree cleared before each pass). Each beside a plain engine on the same inputs, passes alternating (the first a
 warm-up). Writes benchmarks/results/round_anatomy.json and the "round-anatomy" section of docs/benchmarks.md.
@@ -79,13 +79,17 @@ def _timed_steps(llm, into: dict) -> None:
         dt = time.perf_counter() - t0
         # a lone request's step is one of: its prompt's prefill, a round of k drafts, or a plain decode step
         k = st.num_draft_tokens - d0
-        how = "model" if used_model[0] else "copy"
-        kind = "prefill" if st.prompt_tokens > pt0 else (f"k={k} " + ("head" if how == "model" else "copy") if both
-                                                          else f"k={k}") if st.num_drafts > f0 else "plain"
-        if not both:  # one way of drafting: the model's, or copies (prompt lookup, the suffix tree)
-            how = "model" if getattr(proposer, "uses_draft_model", False) else "copy"
-        price = None if prices is None or kind == "prefill" else \
-            prices["plain"] if kind == "plain" else prices.get(f"{k} {how}")
+        # how a round drafted: noted per round where the proposer does both, else its one way (the model's, or
+        # copies: prompt lookup, the suffix tree)
+        how = ("model" if used_model[0] else "copy") if both else \
+            "model" if getattr(proposer, "uses_draft_model", False) else "copy"
+        if st.prompt_tokens > pt0:
+            kind, price = "prefill", None
+        elif st.num_drafts > f0:
+            kind = f"k={k} " + ("head" if how == "model" else "copy") if both else f"k={k}"
+            price = prices and prices.get(f"{k} {how}")
+        else:
+            kind, price = "plain", prices and prices["plain"]
         into[kind].append((dt, st.num_accepted_tokens - a0, price))
         return out
 
@@ -160,7 +164,7 @@ def run(workload: str, passes: int) -> dict:
            "over_plain": [a / b for a, b in zip(decode["speculating"], decode["plain"])],
            "steps": {n: {kind: {"n": len(v), "median_ms": 1e3 * statistics.median(t for t, _, _ in v),
                                 "accepted": statistics.mean(a for _, a, _ in v),
-                                "priced_ms": 1e3 * statistics.median(p) if (p := [x for _, _, x in v if x])
+                                "priced_ms": 1e3 * statistics.median(p) if (p := [x for _, _, x in v if x is not None])
                                 else None} for kind, v in sorted(kinds.items())}
                      for n, kinds in steps.items()},
            "verify_ms": [1e3 * costs.verify_cost(1, t) for t in range(1, 10)],
