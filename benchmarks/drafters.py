@@ -257,7 +257,9 @@ def main() -> None:
 def render(res: dict, tag: str = "drafters") -> str:
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     llama = res.get("llama_cpp") or {}
-    md = ["## SmolLM2-135M-Instruct with trained drafters (issues 16, 33)", "",
+    # each machine's run keeps a section of its own: its heading names the run (the default tag's stays as it was)
+    md = ["## SmolLM2-135M-Instruct with trained drafters (issues 16, 33)" + ("" if tag == "drafters" else f": {tag}"),
+          "",
           f"`python benchmarks/drafters.py` ({res['machine']['cpu']}, {res['machine']['cores']} cores, "
           f"{res['machine']['date']}). Target: {res['model']}, {res['settings']}; {len(res['prompts'])} held-out "
           f"prompts (half chat, half code, never seen in drafter training), one request at a time, "
