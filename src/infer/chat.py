@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
+from . import progress
+
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
 
@@ -57,7 +59,8 @@ def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
         if interactive:
             out.write("\n> ")
             out.flush()
-        line = inp.readline()
+        with progress.held():  # the warm-up's lines wait while a person types (then print after their line)
+            line = inp.readline()
         if not line:  # end of input
             return 0
         text = line.strip()
@@ -73,6 +76,7 @@ def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
             print(f"[unknown command {text.split()[0]!r}; {HELP}]", file=out)
             continue
         messages.append({"role": "user", "content": text})
-        reply, stats = stream_reply(llm, messages, params, out)
+        with progress.held():  # ... and while the reply streams: after its figures, on lines of their own
+            reply, stats = stream_reply(llm, messages, params, out)
+            print(f"\n{format_stats(stats)}", file=out)
         messages.append({"role": "assistant", "content": reply})
-        print(f"\n{format_stats(stats)}", file=out)

@@ -127,6 +127,7 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
                   t_start: float | None = None, **settings) -> dict:
     """SmolLM2 answering fixed prompts, greedy, streamed, with tokens/s per reply; speculating with its best shipped
     drafter unless ``settings`` say otherwise."""
+    from . import progress
     from .chat import format_stats, stream_reply
     from .llm import LLM
     from .sampling import SamplingParams
@@ -146,9 +147,10 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
     replies = []
     for prompt in CHAT_PROMPTS[:num_prompts]:
         print(f"\n> {prompt}", file=out)
-        text, stats = stream_reply(llm, [{"role": "user", "content": prompt}], params, out)
-        stats["since_start_s"] = time.perf_counter() - t_start
-        print(f"\n{format_stats(stats)}", file=out)
+        with progress.held():  # the warm-up's lines wait for the reply's end (progress.held)
+            text, stats = stream_reply(llm, [{"role": "user", "content": prompt}], params, out)
+            stats["since_start_s"] = time.perf_counter() - t_start
+            print(f"\n{format_stats(stats)}", file=out)
         replies.append({"prompt": prompt, "text": text, **stats})
     # a warm-up still compiling in the background would share the cores with whatever is timed next (the demo pair's
     # cost profile read its verifies 2-3x too slow beside it); graphs already built stay in the on-disk cache

@@ -6,8 +6,14 @@ The library is silent by default; the commands (`infer chat | demo | serve | gen
         ...
     progress.note("decode step compiled in 8.1 s")                            # one line, e.g. from a background stage
 
-On a terminal a stage is a live spinner with its elapsed seconds (rich), so nothing waits silently; elsewhere (a
-log, a pipe, a benchmark's capture) a stage prints one line when it starts and one when it ends.
+On a terminal a stage run by the main thread is a live spinner with its elapsed seconds (rich), so nothing waits
+silently; elsewhere (a log, a pipe, a benchmark's capture) and in a background thread (engine.warmup's compiling) a
+stage prints one line when it starts and one when it ends.
+
+A background stage never spins: the chat streams its replies and reads what a person types on the same terminal,
+and a spinner redraws its line (a carriage return and an erase) over whatever was written there since. For the same
+reason a command that streams (``infer chat``, ``infer demo``) wraps each reply, and each wait for input, in
+``held()``: background threads' lines wait there and are printed, whole, when it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from contextlib import contextmanager
 
 _out = None  # the stream stages report to; None: silent (the library's default)
 _lock = threading.Lock()  # background stages report from their own thread
+_held: list[str] | None = None  # background threads' lines while held() (None: printed at once)
+_depth = 0  # held() blocks open
 
 
 def enable(stream=None) -> None:
@@ -37,10 +45,37 @@ def enabled() -> bool:
 
 
 def note(message: str) -> None:
-    """One line (when enabled)."""
+    """One line (when enabled); a background thread's waits while ``held()``."""
     if _out is not None:
         with _lock:
-            print(f"infer: {message}", file=_out, flush=True)
+            if _held is not None and threading.current_thread() is not threading.main_thread():
+                _held.append(message)
+            else:
+                print(f"infer: {message}", file=_out, flush=True)
+
+
+@contextmanager
+def held():
+    """Background threads' lines wait while the block runs (a reply streaming, a person typing), then are printed
+    on lines of their own; a stage that both began and ended meanwhile is printed as its end line alone."""
+    global _held, _depth
+    with _lock:
+        _depth += 1
+        if _held is None:
+            _held = []
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            lines, done = (_held, _depth == 0)
+            if done:
+                _held = None
+            if done and _out is not None:
+                ends = {m.split(": ", 1)[0] for m in lines if ": " in m}
+                for m in lines:
+                    if not (m.endswith(" ...") and m[:-4] in ends):
+                        print(f"infer: {m}", file=_out, flush=True)
 
 
 @contextmanager
@@ -70,8 +105,8 @@ def stage(name: str):
 
 
 def _spinner(name: str):
-    """A running rich status on a terminal (None elsewhere, or without rich)."""
-    if not getattr(_out, "isatty", lambda: False)():
+    """A running rich status on a terminal, from the main thread (None elsewhere, or without rich)."""
+    if not getattr(_out, "isatty", lambda: False)() or threading.current_thread() is not threading.main_thread():
         return None
     try:
         from rich.console import Console
