@@ -86,3 +86,18 @@ def test_chat_prints_a_background_line_after_the_reply_not_inside_it(out):
     assert text.index("infer: compiling the decode step: done") > reply_end
     assert text.index("infer: compiled steps ready") > reply_end
     assert "compiling the decode step ..." not in text
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_a_reply_streamed_while_warming_up_says_so_beside_its_speed(out, ready):
+    """A reply the engine ran before its compiled steps were built (eagerly, without speculation) must not have its
+    tok/s read as the engine's speed."""
+    def stream(ids, params):
+        yield SimpleNamespace(text="Hi.", token_id=1, finish_reason="stop", acceptance_rate=None)
+
+    llm = SimpleNamespace(model_path="m", stream=stream, engine=SimpleNamespace(warmup=SimpleNamespace(ready=ready)),
+                          tokenizer=SimpleNamespace(has_chat_template=True,
+                                                    apply_chat_template=lambda messages, **kw: [1, 2]))
+    run_chat(llm, None, inp=io.StringIO("hello\n"), out=out)
+    (line,) = [x for x in out.getvalue().splitlines() if x.startswith("[1 tokens")]
+    assert ("still warming up" in line) == (not ready)

@@ -19,6 +19,7 @@ def stream_reply(llm, messages: list[dict], params, out=None) -> tuple[str, dict
     import: a caller may have redirected it since); return its text and figures."""
     out = out or sys.stdout
     ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    warming = _warming(llm)
     t0 = time.perf_counter()
     first = None
     parts, n, last = [], 0, None
@@ -32,15 +33,25 @@ def stream_reply(llm, messages: list[dict], params, out=None) -> tuple[str, dict
         last = o
     dt = time.perf_counter() - t0
     stats = {"tokens": n, "seconds": dt, "tok_s": n / dt if dt > 0 else 0.0, "ttft_s": first,
-             "finish_reason": last.finish_reason if last else None}
+             "finish_reason": last.finish_reason if last else None, "warming_up": warming}
     if last is not None and last.acceptance_rate is not None:
         stats.update(acceptance_rate=last.acceptance_rate, num_draft_tokens=last.num_draft_tokens,
                      num_accepted_tokens=last.num_accepted_tokens)
     return "".join(parts), stats
 
 
+def _warming(llm) -> bool:
+    """Whether the engine's compiled steps are still being built in the background (engine.warmup): its steps run
+    eagerly or partly compiled meanwhile, and without speculation, so a reply's tok/s is not the engine's speed."""
+    warmup = getattr(getattr(llm, "engine", None), "warmup", None)
+    return warmup is not None and not warmup.ready
+
+
 def format_stats(s: dict) -> str:
-    line = f"[{s['tokens']} tokens, {s['tok_s']:.1f} tok/s, first token {s['ttft_s'] or 0:.2f}s"
+    line = f"[{s['tokens']} tokens, {s['tok_s']:.1f} tok/s"
+    if s.get("warming_up"):  # the figure a person reads first must not pass for the engine's speed
+        line += " (still warming up: the compiled steps are being built)"
+    line += f", first token {s['ttft_s'] or 0:.2f}s"
     if "acceptance_rate" in s:
         line += (f"; speculation: {s['num_accepted_tokens']}/{s['num_draft_tokens']} drafts accepted "
                  f"({s['acceptance_rate']:.0%})")
