@@ -308,6 +308,13 @@ def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
                 if rate > want[0]:
                     want = (rate, k, m)
         assert got[1:] == want[1:] and got[0] == pytest.approx(want[0])
+    # The bound that answers without the search (no k beats plain decoding if a row's most at its cap cannot) reads
+    # each row at its cap: where a round's bookkeeping makes one draft a loss and six a gain, six drafts it is.
+    policy.overhead = {(1, False): 0.0, (1, True): 1.0}
+    for curve in (None, policy.calibration.curve([0.99] * 6, 6)):
+        rate, k, m = policy._best([0.95], [6], None, 1 << 30, [curve is not None], [curve])
+        one = (sl.expected_tokens(0.95, 1) if curve is None else curve[1]) / (costs.verify_cost(1, 2) + 1.0)
+        assert one < 1 / costs.verify_cost(1, 1) and k >= 3 and m == 1
 
 def test_a_long_catch_up_is_fed_alone_and_the_budget_counts_one_token_a_row(pair, gqa_dir):
     """A request that joins a drafting batch brings its whole prompt to the drafter: fed alone, not padded into the

@@ -297,6 +297,15 @@ class GoodputSpecLength:
         k_top = min(self.k_max, max(caps, default=0))
         verify = self.costs.verify_costs(B, k_top + 1)  # [T = 0 .. k_top + 1]
         best = (B / (verify[1] + plain_o) * (1.0 + MARGIN), 0, 0)
+        # No k can beat plain decoding if even the most each row could add (its expected tokens at its cap: a curve and
+        # E(a, k) only grow with k), over the cheapest verify alone (no draft steps, no set-up), does not: the answer
+        # without the search. At 8 rows auto K prices almost every draft out, and the search over k and m was most of
+        # choose (~0.1 ms a step); a lone row answered k = 0 (a third of greedy steps) is priced cold every step, so
+        # the bound reads one value a row, not its whole curve. An upper bound: the search finds the same answer.
+        top = sum((curves[b][min(caps[b], len(curves[b]) - 1)] if curves is not None and curves[b] is not None else
+                   expected_tokens(alphas[b], min(caps[b], self.k_max))) - 1.0 for b in range(B) if caps[b])
+        if (B + top) / (min(verify[1:]) + spec_o) <= best[0]:
+            return best
         order = self._order(alphas, caps)
         # per row that can draft, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds
         # and tokens left, whether its drafts are free. A row of cap 0 adds no token and no cost at any k: it never
@@ -305,12 +314,6 @@ class GoodputSpecLength:
                    [expected_tokens(alphas[b], j) for j in range(self.k_max + 1)], caps[b],
                    *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
                   for b in order if caps[b]]
-        # No k can beat plain decoding if even the most each row could add (its curve's top: curves only grow with k),
-        # over the cheapest verify alone (no draft steps, no set-up), does not: the answer without the search. At 8
-        # rows auto K prices almost every draft out, and the search over k and m was most of choose (~0.1 ms a step).
-        ceiling = (B + sum(max(e[:cap + 1]) - 1.0 for e, cap, *_ in e_rows)) / (min(verify[1:]) + spec_o)
-        if ceiling <= best[0]:
-            return best
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
         for k in range(1, k_top + 1):
             total, setup_s, models, drafts = float(B), 0.0, 0, 0
