@@ -309,7 +309,7 @@ def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
                     want = (rate, k, m)
         assert got[1:] == want[1:] and got[0] == pytest.approx(want[0])
     # The bound that answers without the search (no k beats plain decoding if a row's most at its cap cannot) reads
-    # each row at its cap: where a round's bookkeeping makes one draft a loss and six a gain, six drafts it is.
+    # each row at its cap: where a round's bookkeeping makes one draft a loss and six a gain, the row drafts several.
     policy.overhead = {(1, False): 0.0, (1, True): 1.0}
     for curve in (None, policy.calibration.curve([0.99] * 6, 6)):
         rate, k, m = policy._best([0.95], [6], None, 1 << 30, [curve is not None], [curve])
