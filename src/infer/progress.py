@@ -51,7 +51,11 @@ def note(message: str) -> None:
             if _held is not None and threading.current_thread() is not threading.main_thread():
                 _held.append(message)
             else:
-                print(f"infer: {message}", file=_out, flush=True)
+                _print(message)
+
+
+def _print(message: str) -> None:
+    print(f"infer: {message}", file=_out, flush=True)
 
 
 @contextmanager
@@ -75,7 +79,7 @@ def held():
                 ends = {m.split(": ", 1)[0] for m in lines if ": " in m}
                 for m in lines:
                     if not (m.endswith(" ...") and m[:-4] in ends):
-                        print(f"infer: {m}", file=_out, flush=True)
+                        _print(m)
 
 
 @contextmanager
