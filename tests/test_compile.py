@@ -260,6 +260,48 @@ def test_compiled_graphs_are_entered_directly_and_by_their_guards():
         assert torch.equal(compiling(small), mod._forward(small)) and len(fallbacks) == 5
 
 
+def test_the_entry_that_ran_last_is_asked_first():
+    """Dynamo moves the cache entry that passes to the front of its list; the direct entry, which leaves that list
+    as it is, asks the entry that ran last first, then the others in Dynamo's order: a step that repeats its graph
+    walks one guard tree (a cold walk is ~10-20 us an entry), and a change of graph still finds the right one."""
+    from infer.model import compile as compile_module
+
+    torch._dynamo.reset()
+    mod = _Branchy()
+    compiling, _ = compile_module._compile_method(mod, "_forward", {}, dynamic=True)
+    big, small = torch.randn(5, 8), torch.randn(2, 8)
+    asked = []
+    lookup = compiling._entries
+
+    class _Counted:  # a cache entry whose guard checks are logged
+        def __init__(self, entry):
+            self.entry, self.code = entry, entry.code
+
+        @property
+        def guard_manager(self):
+            entry = self.entry
+
+            class _Check:
+                def check(self, local):
+                    asked.append(entry.code)
+                    return entry.guard_manager.check(local)
+            return _Check()
+
+    with torch.inference_mode():
+        compiling(big), compiling(small)  # two graphs (either side of the branch)
+        compiling._entries = lambda code: [_Counted(e) for e in lookup(code)]
+        for x, other in ((small, big), (big, small)):
+            asked.clear()
+            assert torch.equal(compiling(x), mod._forward(x))
+            ran = compiling._last
+            asked.clear()
+            assert torch.equal(compiling(x), mod._forward(x))
+            assert asked == [ran]  # the same graph again: one guard check
+            asked.clear()
+            assert torch.equal(compiling(other), mod._forward(other))
+            assert asked[0] == ran and len(asked) == 2 and compiling._last == asked[1] != ran
+
+
 class _Broken(_Branchy):
     def _forward(self, x, scale=None):
         y = x * self.w

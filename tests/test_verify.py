@@ -6,7 +6,7 @@ import torch
 from scipy.stats import binomtest, chisquare
 
 from infer.spec_decode.acceptance import LenientAcceptance, SkipAdjustment, TypicalAcceptance
-from infer.spec_decode.verify import PAD, greedy_verify, rejection_sample, verify
+from infer.spec_decode.verify import PAD, greedy_verify, rejection_sample, rejection_sample_tempered, verify
 
 N = 40000  # rows = independent trials, one batched call
 
@@ -198,6 +198,94 @@ def test_the_cpu_kernel_rejects_bad_input():
         torch.ops.infer.rejection_sample(p, d.clamp(max=4), None, nd, u, uf.float())
     with pytest.raises(RuntimeError, match="q must be float32"):
         torch.ops.infer.rejection_sample(p, d.clamp(max=4), torch.rand(1, 2, 4), nd, u, uf)
+
+
+def _tempered_case(B, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(B, K + 1, V, generator=g)
+    logits[..., V // 2:] -= 30 * (torch.rand(B, K + 1, 1, generator=g) < 0.3)  # some rows nearly truncated
+    temperature = 0.3 + torch.rand(B, generator=g)
+    q = torch.softmax(logits[:, :K] / temperature[:, None, None] + torch.randn(B, K, V, generator=g), -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    nd = torch.randint(1, K + 1, (B,), generator=g)
+    return logits, temperature, q, drafts, nd
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("rows", [1, 2000], ids=["one row a call", "2000 rows a call"])
+def test_the_tempered_kernel_draws_what_softmax_and_the_rule_draw(monkeypatch, with_q, rows):
+    """rejection_sample_tempered: p = softmax(logits / T) computed by the kernel where the rule reads it
+    (infer::rejection_sample_logits), against p computed first and the torch rule. The same uniforms: the same
+    acceptances and the same final tokens but where a uniform falls within rounding of a boundary (p's last bits,
+    the residual's order of summation); a lone row's passes run over the threads, a batch's rows apart."""
+    from infer import kernels
+    from infer.spec_decode import verify as vmod
+
+    if not kernels.available():
+        pytest.skip("no C++ toolchain to build infer's kernels")
+    B, K, V = 2000, 3, 300
+    logits, temperature, q, drafts, nd = _tempered_case(B, K, V, 11)
+
+    def run():
+        gens = [torch.Generator().manual_seed(100 + b) for b in range(B)]
+        parts = [rejection_sample_tempered(drafts[b:b + rows], q[b:b + rows] if with_q else None, logits[b:b + rows],
+                                           temperature[b:b + rows], gens[b:b + rows], nd[b:b + rows])
+                 for b in range(0, B, rows)]
+        return (torch.cat([r.num_accepted for r in parts]), torch.cat([r.is_bonus for r in parts]),
+                torch.cat([r.output_tokens for r in parts]))
+
+    fast = run()
+    monkeypatch.setattr(vmod, "_kernel_applies", lambda *a: False)
+    ref = run()
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    assert 0 < int(fast[1].sum()) < B  # bonus and recovered tokens both drawn
+    same = (fast[2] == ref[2]).all(1).float().mean()
+    assert same > 0.995, same
+
+
+def test_the_tempered_kernel_samples_p():
+    """The final token's law under rejection_sample_tempered (kernel path) is p = softmax(logits / T): drafts
+    from a q far from p, recovered and bonus tokens together; a lossy rule on the same check fails it."""
+    from infer import kernels
+
+    if not kernels.available():
+        pytest.skip("no C++ toolchain to build infer's kernels")
+    V, T = 6, 0.7
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -3.0], [0.3, 0.3, 1.5, -1.0, 0.5, 0.0]])
+    p = (logits / T).softmax(-1)
+    q = torch.tensor([0.4, 0.3, 0.1, 0.05, 0.1, 0.05])
+    g = torch.Generator().manual_seed(5)
+    drafts = torch.multinomial(q.expand(N, V), 1, replacement=True, generator=g)
+    res = rejection_sample_tempered(drafts, q[None, None].expand(N, 1, V).contiguous(),
+                                    logits[None].expand(N, 2, V).contiguous(), torch.full((N,), T), g)
+    first = torch.bincount(res.output_tokens[:, 0], minlength=V).float()
+    assert chisquare(first.numpy(), (p[0] * N).numpy()).pvalue > 0.001
+    bonus = res.num_accepted == 1
+    assert binomtest(int(bonus.sum()), N, torch.minimum(p[0], q).sum().item()).pvalue > 0.001
+    second = torch.bincount(res.output_tokens[bonus, 1], minlength=V).float()
+    assert chisquare(second.numpy(), (p[1] * bonus.sum()).numpy()).pvalue > 0.001
+    lossy = rejection_sample_tempered(drafts, q[None, None].expand(N, 1, V).contiguous(),
+                                      logits[None].expand(N, 2, V).contiguous(), torch.full((N,), T),
+                                      torch.Generator().manual_seed(5), policy=SkipAdjustment())
+    counts = torch.bincount(lossy.output_tokens[:, 0], minlength=V).float()
+    assert chisquare(counts.numpy(), (p[0] * N).numpy()).pvalue < 1e-6
+
+
+def test_the_tempered_kernel_rejects_bad_input():
+    from infer import kernels
+
+    if not kernels.available():
+        pytest.skip("no C++ toolchain to build infer's kernels")
+    logits, d, nd = torch.randn(1, 3, 5), torch.tensor([[0, 9]]), torch.tensor([2])
+    u, uf, t = torch.zeros(1, 2), torch.zeros(1, dtype=torch.float64), torch.tensor([0.7])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        torch.ops.infer.rejection_sample_logits(logits, t, d, None, nd, u, uf)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        torch.ops.infer.rejection_sample_logits(logits, torch.tensor([0.0]), d.clamp(max=4), None, nd, u, uf)
+    with pytest.raises(RuntimeError, match="temperature must be float32"):
+        torch.ops.infer.rejection_sample_logits(logits, t.double(), d.clamp(max=4), None, nd, u, uf)
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        torch.ops.infer.rejection_sample_logits(logits.double(), t, d.clamp(max=4), None, nd, u, uf)
 
 
 def test_float64_uniforms_take_the_kernel_too():

@@ -125,6 +125,13 @@ class SamplingBatch:
             rows=list(params),
         )
 
+    @property
+    def tempered_only(self) -> bool:
+        """Every row samples from its plain temperature law, softmax(logits / T): no greedy row, no top-k, top-p,
+        min-p or penalty (known from the host's flags, no device sync)."""
+        return bool(self.rows) and not (self.use_top_k or self.use_top_p or self.use_min_p or self.use_penalty) \
+            and not any(p.greedy for p in self.rows)
+
     def expand(self, n: int) -> SamplingBatch:
         """Repeat each row ``n`` times (row-major), e.g. for K+1 verification positions per request."""
         rep = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731

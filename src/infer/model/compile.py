@@ -281,7 +281,8 @@ class _GraphEntry:
     through the caches), where that walk costs most (benchmarks/call_entry.py). Dynamo keeps, on the method's code
     object, a list of cache entries: each a guard manager and the transformed code that runs its graph (its inputs
     gathered, the compiled function called, its outputs rebuilt). This does what Dynamo's C lookup does with them:
-    the first entry, in Dynamo's order, whose guards pass the call's arguments runs its code. Nothing is skipped
+    the first entry whose guards pass the call's arguments runs its code, the entry that ran last asked first (Dynamo
+    moves the entry that passes to the front of its list), then the others in Dynamo's order. Nothing is skipped
     that decides which graph runs (the same guards, read afresh at every call: entries added by a compile, or
     dropped by ``torch._dynamo.reset``, are seen at once); what is skipped is the frame hook's own work. A call no
     entry accepts goes to ``fallback`` (the compiling callable, or the run-only twin), which compiles or runs
@@ -299,6 +300,7 @@ class _GraphEntry:
         self._names = names
         self._defaults = dict(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
         self._direct = {}  # transformed code -> a function running it
+        self._last = None  # the transformed code of the entry that ran last
         self._entries, self._callback = _dynamo_lookup()
         # positional parameters only (every compiled step's): their names are the frame's first locals
         self._plain = not (self._code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)) and \
@@ -311,12 +313,24 @@ class _GraphEntry:
             if len(args) < len(self._names):
                 args = (*args, *(self._defaults[n] for n in self._names[len(args):]))
             local = dict(zip(self._names, args))
-            for entry in self._entries(self._code):
-                if entry.guard_manager.check(local):
+            entries = self._entries(self._code)
+            # the entry that ran last is asked first, as Dynamo's own lookup moves the entry that passes to the front
+            # of its list (a list these direct calls leave as it is): a speculating target alternates runs of
+            # one-token steps and verifies, and the head's round has a graph per draft count; each entry asked in
+            # vain walks its guards cold (~10-20 us)
+            last = self._last
+            for entry in entries:
+                if entry.code is last:
+                    if entry.guard_manager.check(local):
+                        return self._direct[last](*args)
+                    break
+            for entry in entries:
+                if entry.code is not last and entry.guard_manager.check(local):
                     run = self._direct.get(entry.code)
                     if run is None:
                         run = self._direct[entry.code] = types.FunctionType(
                             entry.code, _installed_globals(entry.code, self._globals), None, None, self._closure)
+                    self._last = entry.code
                     return run(*args)
             args = args[1:]
         return self.fallback(*args)

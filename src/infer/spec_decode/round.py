@@ -34,7 +34,7 @@ from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
 from .tree import MAX_NODES, TreeShape
 from .tree_round import tree_fits, tree_round
-from .verify import greedy_accept, verify
+from .verify import greedy_accept, rejection_sample_tempered, verify
 
 
 # spec_tree="auto": the shape a lone request gets without a cost model, and the lookahead "auto" reserves
@@ -182,13 +182,16 @@ class SpeculativeDecoder:
             res = None
         else:
             nd_t = torch.tensor(nd, device=dev)
-            p_seen = None
-            if seen is not None:  # position j sees the context plus t_1 .. t_j
-                grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
-                p_seen = torch.cat([seen[:, None], seen[:, None] | grow], 1).view(B * (K + 1), V)
-            p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
-            res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance,
-                         diagnostics=self.on_round is not None)  # E[accept] etc.: the debug view's alone
+            if sampling.tempered_only and self.on_round is None:  # p = softmax(logits / T), read where judged
+                res = rejection_sample_tempered(drafts, q, logits, sampling.temperature, gens, nd_t, self.acceptance)
+            else:
+                p_seen = None
+                if seen is not None:  # position j sees the context plus t_1 .. t_j
+                    grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
+                    p_seen = torch.cat([seen[:, None], seen[:, None] | grow], 1).view(B * (K + 1), V)
+                p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
+                res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance,
+                             diagnostics=self.on_round is not None)  # E[accept] etc.: the debug view's alone
             # the round's one host sync
             n_acc, out_tokens, is_bonus = res.num_accepted.tolist(), res.output_tokens.tolist(), res.is_bonus.tolist()
         t2 = time.perf_counter()

@@ -204,6 +204,27 @@ def rejection_sample(
     return VerifyResult(_assemble(draft_tokens, n, final), n, bonus, expected, p_t, q_t)
 
 
+def rejection_sample_tempered(draft_tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
+                              temperature: torch.Tensor, generators, num_draft=None,
+                              policy: AcceptancePolicy | None = None) -> VerifyResult:
+    """``rejection_sample`` for rows that all sample from the plain temperature law: p = softmax(logits / T)
+    (logits [B, K+1, V], temperature [B] > 0; sampling.logits_to_probs with no other stage: no top-k, top-p, min-p
+    or penalty, no greedy row). On CPU with the exact rule one kernel computes p at the positions the rule reads
+    (infer::rejection_sample_logits: a position's law where a draft is judged, the final token's once) instead of
+    the whole [B, K+1, V] first; the same uniforms in the same order, so the same draws as computing p and calling
+    ``rejection_sample`` but where a uniform falls within rounding of a boundary (p's last bits). No diagnostics."""
+    policy = policy or ExactAcceptance()
+    B, K = draft_tokens.shape
+    nd = _num_draft(num_draft, B, K, logits.device)
+    if _kernel_applies(logits, q, policy, K):
+        u = _uniforms(generators, B, K, logits.device, nd)
+        n, tokens = torch.ops.infer.rejection_sample_logits(logits, temperature, draft_tokens, q, nd, u,
+                                                            _final_uniforms(generators, B, logits.device))
+        return VerifyResult(tokens, n, n == nd)
+    p = (logits.float() / temperature[:, None, None]).softmax(-1)
+    return rejection_sample(draft_tokens, q, p, generators, nd, policy, diagnostics=False)
+
+
 def _draft_probs(draft_tokens, q, p) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t_k) and q(t_k) of each draft, [B, K] each (q = 1 for deterministic drafts)."""
     K = draft_tokens.shape[1]
