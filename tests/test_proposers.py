@@ -635,3 +635,62 @@ def test_hybrid_q_is_one_hot_on_copies_and_the_models_elsewhere(with_q):
         assert torch.allclose(both.q[1].sum(-1), torch.ones(3)) and (both.q[1] < 1).all()  # the model's q
     else:
         assert both.q is None
+
+
+def test_q_over_a_draft_vocabulary_is_built_only_when_read():
+    """A compiled round's drafts of every row keep q over the draft vocabulary (DraftDrawer.put -> Proposal.q_sub):
+    the sampled verify reads it there (q_over_draft_vocab), and anyone reading ``q`` gets it scattered into
+    [B, K, V], 0 outside the ids; the hybrid passes it on as it is where every row is the model's, and builds one
+    q where rows of both kinds meet. Rows put apart, or a position drawn step by step, use the full q from the start."""
+    import torch
+
+    from infer.proposers.base import DraftBatch, DraftDrawer, Proposal
+    from infer.proposers.ngram import HybridProposer
+    from infer.sampling import SamplingBatch
+
+    V, K = 32, 3
+    ids = torch.tensor([2, 5, 9, 20, 31])
+
+    class _Vocab:
+        pass
+
+    dv = _Vocab()
+    dv.ids = ids
+
+    def batch(reqs, ks):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * len(reqs), V, "cpu")
+        return DraftBatch(reqs, ks, sb, None, [torch.Generator()] * len(reqs), V, torch.device("cpu"))
+
+    def scattered(q_sub):
+        return torch.zeros(q_sub.shape[0], K, V).scatter_(2, ids.expand(*q_sub.shape), q_sub)
+
+    q_sub = torch.softmax(torch.randn(1, K, len(ids)), -1)
+    drawer = DraftDrawer(batch([_req([1, 2])], [K]), None, dv)
+    drawer.put(0, [0], ids[torch.tensor([[0, 3, 4]])], q_sub)
+    prop = drawer.proposal([K])
+    assert prop.has_q and prop.q_over_draft_vocab()[0] is q_sub and prop.q_over_draft_vocab()[1] is ids
+    assert torch.equal(prop.q, scattered(q_sub))  # built when read ...
+    assert prop.q_over_draft_vocab() is None and prop.q is prop.q  # ... once
+    split = DraftDrawer(batch([_req([1, 2])], [K]), None, dv)  # a round's first steps, then a chain
+    split.put(0, [0], ids[torch.tensor([[0, 3]])], q_sub[:, :2])
+    split.put(2, [0], ids[torch.tensor([[4]])], q_sub[:, 2:])
+    assert torch.equal(split.proposal([K]).q_over_draft_vocab()[0], q_sub)
+    rows = DraftDrawer(batch([_req([1, 2]), _req([3])], [K, K]), None, dv)  # one row of two put: the full q
+    rows.put(0, [1], ids[torch.tensor([[0, 3, 4]])], q_sub)
+    two = rows.proposal([0, K])
+    assert two.q_over_draft_vocab() is None and torch.equal(two.q[1], scattered(q_sub)[0]) and not two.q[0].any()
+
+    class _SubModel(_FixedModel):
+        def propose(self, batch):
+            out = Proposal(torch.tensor([[2, 9, 31]] * len(batch.reqs)), list(batch.ks))
+            out.q_sub, out.vocab_size = (q_sub.expand(len(batch.reqs), K, len(ids)).contiguous(), ids), V
+            return out
+
+    hyb = HybridProposer(NgramProposer(1, 3), _SubModel(True))
+    copying, fresh = _req([1, 2, 3, 1, 2]), _req([4, 5, 6])
+    only_model = hyb.propose(batch([fresh], [K]))
+    assert torch.equal(only_model.q_over_draft_vocab()[0], q_sub) and torch.equal(only_model.q, scattered(q_sub))
+    both = hyb.propose(batch([copying, fresh], [K, K]))
+    assert both.q_over_draft_vocab() is None
+    assert torch.equal(both.q[0], torch.nn.functional.one_hot(torch.tensor([3, 1, 2]), V).float())
+    assert torch.equal(both.q[1], scattered(q_sub)[0])

@@ -211,7 +211,7 @@ def _tempered_case(B, K, V, seed):
     return logits, temperature, q, drafts, nd
 
 
-@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("with_q", [True, False, "over a draft vocabulary"])
 @pytest.mark.parametrize("rows", [1, 2000], ids=["one row a call", "2000 rows a call"])
 def test_the_tempered_kernel_draws_what_softmax_and_the_rule_draw(monkeypatch, with_q, rows):
     """rejection_sample_tempered: p = softmax(logits / T) computed by the kernel where the rule reads it
@@ -225,11 +225,16 @@ def test_the_tempered_kernel_draws_what_softmax_and_the_rule_draw(monkeypatch, w
         pytest.skip("no C++ toolchain to build infer's kernels")
     B, K, V = 2000, 3, 300
     logits, temperature, q, drafts, nd = _tempered_case(B, K, V, 11)
+    ids = None
+    if with_q == "over a draft vocabulary":  # q over 100 of the 300 tokens, in no order (drafts drawn there)
+        ids = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:100]
+        q = torch.softmax(torch.randn(B, K, len(ids), generator=torch.Generator().manual_seed(4)), -1)
+        drafts = ids[torch.multinomial(q.reshape(-1, len(ids)), 1).view(B, K)]
 
     def run():
         gens = [torch.Generator().manual_seed(100 + b) for b in range(B)]
         parts = [rejection_sample_tempered(drafts[b:b + rows], q[b:b + rows] if with_q else None, logits[b:b + rows],
-                                           temperature[b:b + rows], gens[b:b + rows], nd[b:b + rows])
+                                           temperature[b:b + rows], gens[b:b + rows], nd[b:b + rows], q_ids=ids)
                  for b in range(0, B, rows)]
         return (torch.cat([r.num_accepted for r in parts]), torch.cat([r.is_bonus for r in parts]),
                 torch.cat([r.output_tokens for r in parts]))
@@ -286,6 +291,12 @@ def test_the_tempered_kernel_rejects_bad_input():
         torch.ops.infer.rejection_sample_logits(logits, t.double(), d.clamp(max=4), None, nd, u, uf)
     with pytest.raises(RuntimeError, match="logits must be float32"):
         torch.ops.infer.rejection_sample_logits(logits.double(), t, d.clamp(max=4), None, nd, u, uf)
+    with pytest.raises(RuntimeError, match="q_ids must be distinct"):
+        torch.ops.infer.rejection_sample_logits(logits, t, d.clamp(max=4), torch.rand(1, 2, 2), nd, u, uf,
+                                                torch.tensor([3, 3]))
+    with pytest.raises(RuntimeError, match=r"q must be float32 \[1, 2, 2\]"):
+        torch.ops.infer.rejection_sample_logits(logits, t, d.clamp(max=4), torch.rand(1, 2, 5), nd, u, uf,
+                                                torch.tensor([1, 3]))
 
 
 def test_float64_uniforms_take_the_kernel_too():

@@ -15,13 +15,15 @@
 //   rounding of a boundary. A token of zero weight is never drawn. tokens: the n accepted drafts, then the final
 //   token, then -1 (verify.py's output layout).
 //
-// rejection_sample_logits(logits [B, K+1, V], temperature [B], drafts, q?, nd, u, u_final): the same rule with p the
-//   plain temperature law, p = softmax(logits / T) (sampling.logits_to_probs without its other stages), computed
-//   here for the positions the rule reads: a position's max and normaliser where a draft is judged, the weights of
-//   the final token's law once. The torch path computed p over all K+1 positions first (a division, a max, an exp
-//   and a sum over [K+1, V]: ~0.14 ms of a SmolLM2 round at 0.7, AMD EPYC Zen 4, 2 cores), and the rule then read
-//   it; a round judges 2.2 positions on average there. p differs from torch's softmax in the last bits (another
-//   order of summation), as any two implementations of the law do.
+// rejection_sample_logits(logits [B, K+1, V], temperature [B], drafts, q?, nd, u, u_final, q_ids?): the same rule
+//   with p the plain temperature law, p = softmax(logits / T) (sampling.logits_to_probs without its other stages),
+//   computed here for the positions the rule reads: a position's max and normaliser where a draft is judged, the
+//   weights of the final token's law once. The torch path computed p over all K+1 positions first (a division, a
+//   max, an exp and a sum over [K+1, V]: ~0.14 ms of a SmolLM2 round at 0.7, AMD EPYC Zen 4, 2 cores), and the rule
+//   then read it; a round judges 2.2 positions on average there. p differs from torch's softmax in the last bits
+//   (another order of summation), as any two implementations of the law do. q is [B, K, V], or with q_ids
+//   (distinct token ids [N]) [B, K, N] over those ids and 0 elsewhere: a drafter's draft vocabulary, judged
+//   without a [B, K, V] built for it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -254,7 +256,8 @@ inline Law law(const float* l, float inv_t, int64_t V, float* e, double* sums, b
 std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& logits, const at::Tensor& temperature,
                                                            const at::Tensor& drafts,
                                                            const c10::optional<at::Tensor>& q, const at::Tensor& nd,
-                                                           const at::Tensor& u, const at::Tensor& u_final) {
+                                                           const at::Tensor& u, const at::Tensor& u_final,
+                                                           const c10::optional<at::Tensor>& q_ids) {
   TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat, "infer::rejection_sample_logits: logits "
               "must be float32 [B, K+1, V], got ", logits.scalar_type(), " ", logits.sizes());
   const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
@@ -272,13 +275,35 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
   TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
               "infer::rejection_sample_logits: u_final must be float64 [", B, "]");
   const bool has_q = q.has_value() && q->defined();
-  at::Tensor qc;
+  const bool sub = has_q && q_ids.has_value() && q_ids->defined();
+  at::Tensor qc, ic;
+  int64_t N = V;  // q's columns: the vocabulary, or the draft vocabulary's ids
+  if (sub) {
+    TORCH_CHECK(q_ids->dim() == 1 && q_ids->scalar_type() == at::kLong && q_ids->size(0) <= V,
+                "infer::rejection_sample_logits: q_ids must be int64 [N <= ", V, "], got ", q_ids->sizes());
+    ic = q_ids->contiguous();
+    N = ic.size(0);
+    const int64_t* I = ic.data_ptr<int64_t>();
+    std::vector<uint8_t> seen(V, 0);
+    for (int64_t k = 0; k < N; ++k) {
+      TORCH_CHECK(I[k] >= 0 && I[k] < V && !seen[I[k]], "infer::rejection_sample_logits: q_ids must be distinct "
+                  "token ids in [0, ", V, ")");
+      seen[I[k]] = 1;
+    }
+  }
   if (has_q) {
-    TORCH_CHECK(q->dim() == 3 && q->size(0) == B && q->size(1) == K && q->size(2) == V &&
+    TORCH_CHECK(q->dim() == 3 && q->size(0) == B && q->size(1) == K && q->size(2) == N &&
                 q->scalar_type() == at::kFloat, "infer::rejection_sample_logits: q must be float32 [", B, ", ", K,
-                ", ", V, "], got ", q->sizes());
+                ", ", N, "], got ", q->sizes());
     qc = q->contiguous();
   }
+  const int64_t* IDS = sub ? ic.data_ptr<int64_t>() : nullptr;
+  // q(t) of position row qr: column t, or t's column among the ids (0 outside them; a few drafts a row: a scan)
+  auto q_at = [&](const float* qr, int64_t t) -> float {
+    if (!sub) return qr[t];
+    const int64_t* it = std::find(IDS, IDS + N, t);
+    return it != IDS + N ? qr[it - IDS] : 0.0f;
+  };
   const auto lc = logits.contiguous(), tc = temperature.contiguous(), dc = drafts.contiguous(),
              nc = nd.contiguous(), uc = u.contiguous(), fc = u_final.contiguous();
   const float* T = tc.data_ptr<float>();
@@ -318,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
         if (n == nb) break;
         const int64_t t = D[b * K + n];
         const float p_t = pn(t);
-        const float q_t = has_q ? Q[(b * K + n) * V + t] : 1.0f;
+        const float q_t = has_q ? q_at(Q + (b * K + n) * N, t) : 1.0f;
         const bool accept = u64 ? U64[b * K + n] * static_cast<double>(q_t) < static_cast<double>(p_t)
                                 : U[b * K + n] * q_t < p_t;
         if (!accept) break;
@@ -329,16 +354,24 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
       if (n == nb) {
         tok = draw_blocks(whole, es.data(), V, UF[b]);
       } else if (has_q) {  // max(0, p - q) in float32, as the torch rule computes it
-        const float* qn = Q + (b * K + n) * V;
+        const float* qn = Q + (b * K + n) * N;
         float* r = rw.data();
         const Vec iz(pn.iz), zero(0.0f);
+        if (sub) {  // q is 0 outside the ids: p there, max(0, p - q) at them
+          int64_t i = 0;
+          for (; i + Vec::size() <= V; i += Vec::size()) (Vec::loadu(e + i) * iz).store(r + i);
+          for (; i < V; ++i) r[i] = e[i] * pn.iz;
+          for (int64_t k = 0; k < N; ++k) r[IDS[k]] = std::max(r[IDS[k]] - qn[k], 0.0f);
+        }
         double mass = 0.0;
         for (int64_t i = 0; i < V; i += kBlock) {
           const int64_t m = std::min(kBlock, V - i);
-          int64_t k = 0;
-          for (; k + Vec::size() <= m; k += Vec::size())
-            at::vec::maximum(Vec::loadu(e + i + k) * iz - Vec::loadu(qn + i + k), zero).store(r + i + k);
-          for (; k < m; ++k) r[i + k] = std::max(e[i + k] * pn.iz - qn[i + k], 0.0f);
+          if (!sub) {
+            int64_t k = 0;
+            for (; k + Vec::size() <= m; k += Vec::size())
+              at::vec::maximum(Vec::loadu(e + i + k) * iz - Vec::loadu(qn + i + k), zero).store(r + i + k);
+            for (; k < m; ++k) r[i + k] = std::max(e[i + k] * pn.iz - qn[i + k], 0.0f);
+          }
           mass += (rs[i / kBlock] = fsum(r + i, m));
         }
         tok = mass > 0.0 ? draw_blocks([r](int64_t i) { return static_cast<double>(r[i]); }, rs.data(), V, UF[b])
@@ -372,7 +405,7 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("rejection_sample(Tensor p, Tensor drafts, Tensor? q, Tensor nd, Tensor u, Tensor u_final) -> (Tensor, "
         "Tensor)");
   m.def("rejection_sample_logits(Tensor logits, Tensor temperature, Tensor drafts, Tensor? q, Tensor nd, Tensor u, "
-        "Tensor u_final) -> (Tensor, Tensor)");
+        "Tensor u_final, Tensor? q_ids=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

@@ -5,6 +5,8 @@
     proposal.num_draft   [B]           <= ks[b]: a proposer may guess fewer (an n-gram with no match: none)
     proposal.q           [B, K, V] or None: the distribution each draft was drawn from; None means every draft is
                                        deterministic (q = one-hot on it), which verification handles exactly
+                                       (a drafter's q over a draft vocabulary is kept so, ``q_sub``, and built
+                                       into [B, K, V] when ``q`` is first read)
     proposal.logits      [B, K, V] or None: raw draft logits, only when ``keep_logits`` (EGAG, debug)
     proposal.free        [B] bool or None: rows whose drafts cost no model step (copies from the context)
     proposal.confidence  [B, K] float32 or None: only when ``batch.confidence``: the drafter's probability of each
@@ -66,7 +68,7 @@ class DraftBatch:
 class Proposal:
     drafts: torch.Tensor  # [B, K] long
     num_draft: list[int]  # [B]
-    q: torch.Tensor | None = None  # [B, K, V]
+    q: torch.Tensor | None = None  # [B, K, V] (a property, below: given over a draft vocabulary, built when read)
     logits: torch.Tensor | None = None  # [B, K, V]
     confidence: torch.Tensor | None = None  # [B, K] float32, NaN where none (module docstring)
     catch_up: int = 0  # most tokens a row brought to the batched first draft step (beyond K + 1: some catching up)
@@ -80,6 +82,36 @@ class Proposal:
     model_steps: int = 0
     first_s: float = 0.0
     steps_s: float = 0.0
+    # q as a drafter drew it over a draft vocabulary: (q [B, K, N], the vocabulary's token ids [N]), 0
+    # outside them; ``q`` is this scattered into [B, K, V] when first read (~0.1 ms of a SmolLM2 round at 0.7: a
+    # [1, 4, 49,152] tensor zeroed and written), which a sampled verify reading q where it needs it never does
+    # (``q_over_draft_vocab``: spec_decode.verify.rejection_sample_tempered)
+    q_sub: tuple[torch.Tensor, torch.Tensor] | None = None
+    vocab_size: int = 0  # V, with q_sub
+
+    @property
+    def has_q(self) -> bool:
+        """Whether the drafts were drawn from a q (False: deterministic), without building q."""
+        return self._q is not None or self.q_sub is not None
+
+    def q_over_draft_vocab(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [B, K, N], ids [N]) where q is given over a draft vocabulary and not built yet, else None."""
+        return self.q_sub if self._q is None else None
+
+
+def _get_q(self: Proposal) -> torch.Tensor | None:
+    if self._q is None and self.q_sub is not None:
+        q_sub, ids = self.q_sub
+        B, K, N = q_sub.shape
+        self._q = torch.zeros(B, K, self.vocab_size, device=q_sub.device).scatter_(2, ids.expand(B, K, N), q_sub)
+    return self._q
+
+
+def _set_q(self: Proposal, value: torch.Tensor | None) -> None:
+    self._q = value
+
+
+Proposal.q = property(_get_q, _set_q)  # after @dataclass: __init__ assigns q through the setter
 
 
 Offer = tuple[int, "list[float] | None", int]  # (free drafts, their confidences, confidence group): Proposer.offers
@@ -182,7 +214,9 @@ class DraftDrawer:
         B, K, V, dev = len(batch.reqs), batch.K, batch.vocab_size, batch.device
         self.batch, self.head, self.dv = batch, head, dv
         self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        self.q = None if batch.sampling is None else torch.zeros(B, K, V, device=dev)
+        # q [B, K, V] (0 outside a draft vocabulary), built when a draw needs it (``full_q``); drafts put by a
+        # compiled round for every row keep theirs over the draft vocabulary alone (``q_sub``: Proposal.q_sub)
+        self._q, self.q_sub = None, None
         self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
         self.conf = torch.full((B, K), float("nan"), device=dev) if batch.confidence else None
         self.ctx_seen = None if batch.seen is None else batch.seen.clone()
@@ -204,6 +238,17 @@ class DraftDrawer:
             if j == 0:
                 self.t_first, self.rows = self.t_last, len(idx)
 
+    @property
+    def q(self) -> torch.Tensor | None:
+        """q [B, K, V] of a sampled batch (None: greedy), built from ``q_sub`` the first time it is needed."""
+        if self._q is None and self.batch.sampling is not None:
+            B, K, V = len(self.batch.reqs), self.batch.K, self.batch.vocab_size
+            self._q = torch.zeros(B, K, V, device=self.batch.device)
+            if self.q_sub is not None:
+                self._q.scatter_(2, self.dv.ids.expand(*self.q_sub.shape), self.q_sub)
+                self.q_sub = None
+        return self._q
+
     def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:
         """Drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of steps:
         EagleHead.draft_chain; from j = 0, a round's first steps: draft_round) over the draft vocabulary, with the
@@ -214,8 +259,15 @@ class DraftDrawer:
         rows_t = torch.tensor(idx, device=self.batch.device)
         rows = slice(None) if every else rows_t
         self.drafts[rows, j:j + m] = drafts
-        if self.q is not None:  # 0 outside S (a fresh tensor each proposal)
-            if every:  # one scatter for the m positions: 37 against 183 us at m = 4
+        if self.batch.sampling is not None:
+            if every and self._q is None and self.conf is None:  # kept over S: Proposal.q_sub
+                if j == 0 and m == self.batch.K:
+                    self.q_sub = q
+                else:
+                    if self.q_sub is None:
+                        self.q_sub = q.new_zeros(q.shape[0], self.batch.K, q.shape[2])
+                    self.q_sub[:, j:j + m] = q
+            elif every:  # one scatter for the m positions: 37 against 183 us at m = 4
                 self.q[:, j:j + m].scatter_(2, self.dv.ids.expand(*q.shape), q)  # over SmolLM2's 49,152 (m index_puts)
             else:
                 for i in range(m):
@@ -281,7 +333,10 @@ class DraftDrawer:
         timing = {} if not self.steps else dict(
             model_rows=self.rows, model_steps=self.steps, steps_s=self.t_last - self.t_first,
             first_s=max(0.0, self.t_first - self.t_start - kw.get("catch_up_s", 0.0)))
-        return Proposal(self.drafts, num_draft, self.q, self.logits, self.conf, **timing, **kw)
+        prop = Proposal(self.drafts, num_draft, self._q, self.logits, self.conf, **timing, **kw)
+        if self._q is None and self.q_sub is not None:
+            prop.q_sub, prop.vocab_size = (self.q_sub, self.dv.ids), self.batch.vocab_size
+        return prop
 
 
 def temperature_law_drafts(sampling: SamplingBatch) -> bool:

@@ -234,7 +234,7 @@ class HybridProposer(Proposer):
         for i, b in enumerate(rest):
             out.num_draft[b] = mp.num_draft[i]
         copied = [b for b, f in enumerate(found) if f]
-        if batch.keep_logits or (mp.q is not None and (copied or len(rest) < len(found))):
+        if batch.keep_logits or (mp.has_q and (copied or len(rest) < len(found))):
             # rows of both kinds (or EGAG's logits): one q [B, K, V], one-hot on the copies (the same law as
             # deterministic drafts: accept t with probability p(t), else draw from p without t)
             out.q = one_hot_q(out.drafts, batch.vocab_size)
@@ -243,8 +243,8 @@ class HybridProposer(Proposer):
                 out.q[rows, :mp.q.shape[1]] = mp.q
             else:  # the model's drafts are deterministic too (a drafter of another vocabulary)
                 out.q[rows] = one_hot_q(out.drafts[rows], batch.vocab_size)
-        else:  # every row the model's (its q as it is) or every draft deterministic (None)
-            out.q = mp.q
+        else:  # every row the model's (its q as it is, over a draft vocabulary if so) or every draft deterministic
+            out.q, out.q_sub, out.vocab_size = mp._q, mp.q_sub, mp.vocab_size
         if mp.confidence is not None:  # the model's rows' confidences; the copies have none (NaN)
             out.confidence = torch.full(out.drafts.shape, float("nan"), device=batch.device)
             out.confidence[rows, :mp.confidence.shape[1]] = mp.confidence

@@ -167,7 +167,11 @@ class SpeculativeDecoder:
             return self._plain(reqs, t_in)
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
-        q = None if prop.q is None else prop.q[:, :K]  # [B, K, V]
+        # a sampled batch of plain temperature laws is judged where the rule reads p and q (verify's
+        # rejection_sample_tempered): q over the drafter's vocabulary as it drew it, p computed there
+        tempered = sampling is not None and sampling.tempered_only and self.on_round is None
+        q_sub = prop.q_over_draft_vocab() if tempered else None
+        q = q_sub[0][:, :K] if q_sub is not None else None if prop.q is None else prop.q[:, :K]  # [B, K, V or N]
 
         # -- verify: [g, t_1 .. t_n] per row in one target forward -> p_0 .. p_K --------------------------------
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
@@ -181,10 +185,11 @@ class SpeculativeDecoder:
             n_acc, out_tokens, is_bonus = greedy_accept(host, nd, top)
             res = None
         else:
-            nd_t = torch.tensor(nd, device=dev)
-            if sampling.tempered_only and self.on_round is None:  # p = softmax(logits / T), read where judged
-                res = rejection_sample_tempered(drafts, q, logits, sampling.temperature, gens, nd_t, self.acceptance)
+            if tempered:  # p = softmax(logits / T), read where judged
+                res = rejection_sample_tempered(drafts, q, logits, sampling.temperature, gens, nd, self.acceptance,
+                                                None if q_sub is None else q_sub[1])
             else:
+                nd_t = torch.tensor(nd, device=dev)
                 p_seen = None
                 if seen is not None:  # position j sees the context plus t_1 .. t_j
                     grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]

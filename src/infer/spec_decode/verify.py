@@ -118,6 +118,20 @@ def _final_uniforms(generators, B, device) -> torch.Tensor:
     return torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=device) for g in generators])
 
 
+def _row_uniforms(generators, B, K, device, nd: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u [B, K], u_final [B] float64) as _uniforms and _final_uniforms draw them, each row from its own generator
+    (nd[b] uniforms, then the final one), for the kernels, which never read u past a row's nd: a lone row's in two
+    draws, its u padded with 1 (a sampled round's host work runs cold: ~0.09 ms for the general form's five ops)."""
+    if B != 1 or isinstance(generators, torch.Generator) or generators is None:
+        nd_t = torch.tensor(nd, device=device)
+        return _uniforms(generators, B, K, device, nd_t), _final_uniforms(generators, B, device)
+    g, n = generators[0], nd[0]
+    u = torch.rand(1, n, generator=g, device=device)
+    if n < K:
+        u = torch.nn.functional.pad(u, (0, K - n), value=1.0)
+    return u, torch.rand(1, dtype=torch.float64, generator=g, device=device)
+
+
 def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     """One draw per row of probs [B, V], one uniform a row (sampling.inverse_cdf)."""
     return inverse_cdf(probs, _final_uniforms(generators, probs.shape[0], probs.device))
@@ -206,21 +220,29 @@ def rejection_sample(
 
 def rejection_sample_tempered(draft_tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
                               temperature: torch.Tensor, generators, num_draft=None,
-                              policy: AcceptancePolicy | None = None) -> VerifyResult:
+                              policy: AcceptancePolicy | None = None,
+                              q_ids: torch.Tensor | None = None) -> VerifyResult:
     """``rejection_sample`` for rows that all sample from the plain temperature law: p = softmax(logits / T)
     (logits [B, K+1, V], temperature [B] > 0; sampling.logits_to_probs with no other stage: no top-k, top-p, min-p
-    or penalty, no greedy row). On CPU with the exact rule one kernel computes p at the positions the rule reads
+    or penalty, no greedy row); ``num_draft`` a tensor or a host list. On CPU with the exact rule one kernel computes p at the positions the rule reads
     (infer::rejection_sample_logits: a position's law where a draft is judged, the final token's once) instead of
     the whole [B, K+1, V] first; the same uniforms in the same order, so the same draws as computing p and calling
-    ``rejection_sample`` but where a uniform falls within rounding of a boundary (p's last bits). No diagnostics."""
+    ``rejection_sample`` but where a uniform falls within rounding of a boundary (p's last bits). No diagnostics.
+    ``q_ids``: q is given over a draft vocabulary, [B, K, N] over these distinct token ids (0 elsewhere:
+    Proposal.q_sub), and is read there, never scattered into [B, K, V]."""
     policy = policy or ExactAcceptance()
     B, K = draft_tokens.shape
-    nd = _num_draft(num_draft, B, K, logits.device)
     if _kernel_applies(logits, q, policy, K):
-        u = _uniforms(generators, B, K, logits.device, nd)
-        n, tokens = torch.ops.infer.rejection_sample_logits(logits, temperature, draft_tokens, q, nd, u,
-                                                            _final_uniforms(generators, B, logits.device))
+        nd_host = [K] * B if num_draft is None else \
+            num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft)
+        u, u_final = _row_uniforms(generators, B, K, logits.device, nd_host)
+        nd = torch.tensor(nd_host, device=logits.device)
+        n, tokens = torch.ops.infer.rejection_sample_logits(logits, temperature, draft_tokens, q, nd, u, u_final,
+                                                            q_ids)
         return VerifyResult(tokens, n, n == nd)
+    nd = _num_draft(num_draft, B, K, logits.device)
+    if q is not None and q_ids is not None:
+        q = torch.zeros(B, K, logits.shape[-1], device=q.device).scatter_(2, q_ids.expand(*q.shape), q)
     p = (logits.float() / temperature[:, None, None]).softmax(-1)
     return rejection_sample(draft_tokens, q, p, generators, nd, policy, diagnostics=False)
 
