@@ -104,6 +104,10 @@ class EagleProposer(Proposer):
         uniforms from its generator, what m single draws would take (greedy: zeros, nothing drawn)."""
         if batch.sampling is None:
             return torch.zeros(len(idx), device=dev), torch.zeros(len(idx), m, dtype=torch.float64, device=dev)
+        if len(idx) == 1:  # a lone row's in one draw (the same stream): a round's host work runs cold, ~20 us an op
+            b = idx[0]
+            temp = batch.sampling.temperature if len(batch.reqs) == 1 else batch.sampling.temperature[idx]
+            return temp, torch.rand((1, m), dtype=torch.float64, generator=batch.generators[b], device=dev)
         u = torch.stack([torch.rand((m,), dtype=torch.float64, generator=batch.generators[b], device=dev)
                          for b in idx])
         return batch.sampling.temperature[idx], u
