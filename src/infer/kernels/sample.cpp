@@ -89,6 +89,57 @@ int64_t draw(W w, int64_t V, double u) {
   return draw_blocks(w, sums.data(), V, u);
 }
 
+// What both kernels share: the drafts, their counts and the uniforms, checked and read; exact acceptance; the
+// outputs. `op` names the kernel in the errors.
+struct Rule {
+  int64_t B, K;
+  at::Tensor dc, nc, uc, fc, n_out, tokens;
+  const int64_t* D;
+  const int64_t* ND;
+  const float* U;     // float32 uniforms, or
+  const double* U64;  // float64 ones (under a float64 default dtype)
+  const double* UF;
+  int64_t *NO, *TO;
+
+  Rule(const char* op, const at::Tensor& drafts, const at::Tensor& nd, const at::Tensor& u, const at::Tensor& u_final,
+       int64_t B_, int64_t K_, int64_t V) : B(B_), K(K_) {
+    TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == B && drafts.size(1) == K &&
+                drafts.scalar_type() == at::kLong, op, ": drafts must be int64 [", B, ", ", K, "], got ",
+                drafts.sizes());
+    TORCH_CHECK(nd.dim() == 1 && nd.size(0) == B && nd.scalar_type() == at::kLong, op, ": nd must be int64 [", B,
+                "]");
+    TORCH_CHECK(u.dim() == 2 && u.size(0) == B && u.size(1) == K &&
+                (u.scalar_type() == at::kFloat || u.scalar_type() == at::kDouble),
+                op, ": u must be float32 or float64 [", B, ", ", K, "]");
+    TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
+                op, ": u_final must be float64 [", B, "]");
+    dc = drafts.contiguous(), nc = nd.contiguous(), uc = u.contiguous(), fc = u_final.contiguous();
+    n_out = at::empty({B}, dc.options());
+    tokens = at::full({B, K + 1}, -1, dc.options());
+    D = dc.data_ptr<int64_t>(), ND = nc.data_ptr<int64_t>(), UF = fc.data_ptr<double>();
+    const bool u64 = uc.scalar_type() == at::kDouble;
+    U = u64 ? nullptr : uc.data_ptr<float>(), U64 = u64 ? uc.data_ptr<double>() : nullptr;
+    NO = n_out.data_ptr<int64_t>(), TO = tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t k = 0; k < drafts_of(r); ++k)
+        TORCH_CHECK(D[r * K + k] >= 0 && D[r * K + k] < V, op, ": draft ", D[r * K + k], " outside the vocabulary of ",
+                    V);
+  }
+  // the drafts row b may have judged: nd[b], within 0..K
+  int64_t drafts_of(int64_t b) const { return std::min<int64_t>(std::max<int64_t>(ND[b], 0), K); }
+  int64_t draft(int64_t b, int64_t n) const { return D[b * K + n]; }
+  // exact acceptance: u q(t) < p(t), i.e. u < p(t) / q(t) without a division, in u's precision (as torch promotes)
+  bool accepts(int64_t b, int64_t n, float p_t, float q_t) const {
+    return U64 ? U64[b * K + n] * static_cast<double>(q_t) < static_cast<double>(p_t) : U[b * K + n] * q_t < p_t;
+  }
+  // row b accepted its first n drafts and ends with tok
+  void emit(int64_t b, int64_t n, int64_t tok) {
+    NO[b] = n;
+    for (int64_t k = 0; k < n; ++k) TO[b * (K + 1) + k] = D[b * K + k];
+    TO[b * (K + 1) + n] = tok;
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const at::Tensor& drafts,
                                                     const c10::optional<at::Tensor>& q, const at::Tensor& nd,
                                                     const at::Tensor& u, const at::Tensor& u_final) {
@@ -97,15 +148,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
   const int64_t B = p.size(0), K = p.size(1) - 1, V = p.size(2);
   TORCH_CHECK(K >= 1 && V > 0, "infer::rejection_sample: p must hold K+1 >= 2 positions over a vocabulary, got ",
               p.sizes());
-  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == B && drafts.size(1) == K && drafts.scalar_type() == at::kLong,
-              "infer::rejection_sample: drafts must be int64 [", B, ", ", K, "], got ", drafts.sizes());
-  TORCH_CHECK(nd.dim() == 1 && nd.size(0) == B && nd.scalar_type() == at::kLong,
-              "infer::rejection_sample: nd must be int64 [", B, "]");
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == B && u.size(1) == K &&
-              (u.scalar_type() == at::kFloat || u.scalar_type() == at::kDouble),
-              "infer::rejection_sample: u must be float32 or float64 [", B, ", ", K, "]");
-  TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
-              "infer::rejection_sample: u_final must be float64 [", B, "]");
+  Rule rule("infer::rejection_sample", drafts, nd, u, u_final, B, K, V);
   const bool has_q = q.has_value() && q->defined();
   at::Tensor qc;
   if (has_q) {
@@ -114,38 +157,21 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
                 "], got ", q->sizes());
     qc = q->contiguous();
   }
-  const auto pc = p.contiguous(), dc = drafts.contiguous(), nc = nd.contiguous(), uc = u.contiguous(),
-             fc = u_final.contiguous();
-  auto n_out = at::empty({B}, dc.options());
-  auto tokens = at::full({B, K + 1}, -1, dc.options());
-  int64_t* NO = n_out.data_ptr<int64_t>();
-  int64_t* TO = tokens.data_ptr<int64_t>();
+  const auto pc = p.contiguous();
   const float* P = pc.data_ptr<float>();
   const float* Q = has_q ? qc.data_ptr<float>() : nullptr;
-  const int64_t* D = dc.data_ptr<int64_t>();
-  const int64_t* ND = nc.data_ptr<int64_t>();
-  // u q(t) < p(t) in u's precision, as torch promotes it (float32 uniforms by default; float64 under a float64
-  // default dtype)
-  const bool u64 = uc.scalar_type() == at::kDouble;
-  const float* U = u64 ? nullptr : uc.data_ptr<float>();
-  const double* U64 = u64 ? uc.data_ptr<double>() : nullptr;
-  const double* UF = fc.data_ptr<double>();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t nb = std::min<int64_t>(std::max<int64_t>(ND[b], 0), K);
+    const int64_t nb = rule.drafts_of(b);
     int64_t n = 0;
-    for (; n < nb; ++n) {  // exact acceptance: u q(t) < p(t), i.e. u < p(t) / q(t) without a division
-      const int64_t t = D[b * K + n];
-      TORCH_CHECK(t >= 0 && t < V, "infer::rejection_sample: draft ", t, " outside the vocabulary of ", V);
-      const float p_t = P[(b * (K + 1) + n) * V + t];
-      const float q_t = has_q ? Q[(b * K + n) * V + t] : 1.0f;
-      const bool accept = u64 ? U64[b * K + n] * static_cast<double>(q_t) < static_cast<double>(p_t)
-                              : U[b * K + n] * q_t < p_t;
-      if (!accept) break;
+    for (; n < nb; ++n) {
+      const int64_t t = rule.draft(b, n);
+      if (!rule.accepts(b, n, P[(b * (K + 1) + n) * V + t], has_q ? Q[(b * K + n) * V + t] : 1.0f)) break;
     }
     const float* pn = P + (b * (K + 1) + n) * V;
+    const double UF = rule.UF[b];
     int64_t tok;
     if (n == nb) {  // every draft accepted: the bonus, from p after the last one
-      tok = draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF[b]);
+      tok = draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF);
     } else if (has_q) {
       const float* qn = Q + (b * K + n) * V;
       auto r = [pn, qn](int64_t i) {  // max(0, p - q) in float32, as the torch rule computes it
@@ -154,19 +180,17 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
       };
       bool mass = false;
       for (int64_t i = 0; i < V && !mass; ++i) mass = pn[i] - qn[i] > 0.0f;
-      tok = mass ? draw(r, V, UF[b]) : draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF[b]);
+      tok = mass ? draw(r, V, UF) : draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF);
     } else {
-      const int64_t t = D[b * K + n];
+      const int64_t t = rule.draft(b, n);
       auto r = [pn, t](int64_t i) { return i == t ? 0.0 : static_cast<double>(pn[i]); };
       bool mass = false;
       for (int64_t i = 0; i < V && !mass; ++i) mass = i != t && pn[i] > 0.0f;
-      tok = mass ? draw(r, V, UF[b]) : draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF[b]);
+      tok = mass ? draw(r, V, UF) : draw([pn](int64_t i) { return static_cast<double>(pn[i]); }, V, UF);
     }
-    NO[b] = n;
-    for (int64_t k = 0; k < n; ++k) TO[b * (K + 1) + k] = D[b * K + k];
-    TO[b * (K + 1) + n] = tok;
+    rule.emit(b, n, tok);
   }
-  return {n_out, tokens};
+  return {rule.n_out, rule.tokens};
 }
 
 // A position's temperature law over logits row l: e_i = exp(l_i / T - m) (l times 1 / T: the law's own rounding,
@@ -265,15 +289,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
               "vocabulary, got ", logits.sizes());
   TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == B && temperature.scalar_type() == at::kFloat,
               "infer::rejection_sample_logits: temperature must be float32 [", B, "]");
-  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == B && drafts.size(1) == K && drafts.scalar_type() == at::kLong,
-              "infer::rejection_sample_logits: drafts must be int64 [", B, ", ", K, "], got ", drafts.sizes());
-  TORCH_CHECK(nd.dim() == 1 && nd.size(0) == B && nd.scalar_type() == at::kLong,
-              "infer::rejection_sample_logits: nd must be int64 [", B, "]");
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == B && u.size(1) == K &&
-              (u.scalar_type() == at::kFloat || u.scalar_type() == at::kDouble),
-              "infer::rejection_sample_logits: u must be float32 or float64 [", B, ", ", K, "]");
-  TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
-              "infer::rejection_sample_logits: u_final must be float64 [", B, "]");
+  Rule rule("infer::rejection_sample_logits", drafts, nd, u, u_final, B, K, V);
   const bool has_q = q.has_value() && q->defined();
   const bool sub = has_q && q_ids.has_value() && q_ids->defined();
   at::Tensor qc, ic;
@@ -304,28 +320,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
     const int64_t* it = std::find(IDS, IDS + N, t);
     return it != IDS + N ? qr[it - IDS] : 0.0f;
   };
-  const auto lc = logits.contiguous(), tc = temperature.contiguous(), dc = drafts.contiguous(),
-             nc = nd.contiguous(), uc = u.contiguous(), fc = u_final.contiguous();
+  const auto lc = logits.contiguous(), tc = temperature.contiguous();
   const float* T = tc.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(T[b] > 0.0f, "infer::rejection_sample_logits: temperature must be > 0, got ", T[b], " (row ", b,
                 ")");
-  auto n_out = at::empty({B}, dc.options());
-  auto tokens = at::full({B, K + 1}, -1, dc.options());
-  int64_t* NO = n_out.data_ptr<int64_t>();
-  int64_t* TO = tokens.data_ptr<int64_t>();
   const float* L = lc.data_ptr<float>();
   const float* Q = has_q ? qc.data_ptr<float>() : nullptr;
-  const int64_t* D = dc.data_ptr<int64_t>();
-  const int64_t* ND = nc.data_ptr<int64_t>();
-  const bool u64 = uc.scalar_type() == at::kDouble;
-  const float* U = u64 ? nullptr : uc.data_ptr<float>();
-  const double* U64 = u64 ? uc.data_ptr<double>() : nullptr;
-  const double* UF = fc.data_ptr<double>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t k = 0; k < std::min<int64_t>(std::max<int64_t>(ND[b], 0), K); ++k)
-      TORCH_CHECK(D[b * K + k] >= 0 && D[b * K + k] < V, "infer::rejection_sample_logits: draft ", D[b * K + k],
-                  " outside the vocabulary of ", V);
   // rows apart: a row's draws read its own uniforms only; a lone row's passes over the vocabulary go over the threads
   const bool threads = B == 1;
   const int64_t blocks = (V + kBlock - 1) / kBlock;
@@ -334,25 +335,22 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
     std::vector<double> es(blocks), rs(blocks);
     float* e = ew.data();
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t nb = std::min<int64_t>(std::max<int64_t>(ND[b], 0), K);
+      const int64_t nb = rule.drafts_of(b);
       const float inv_t = 1.0f / T[b];
       int64_t n = 0;
       Law pn{};
       for (;; ++n) {
         pn = law(L + (b * (K + 1) + n) * V, inv_t, V, e, es.data(), threads);
         if (n == nb) break;
-        const int64_t t = D[b * K + n];
-        const float p_t = pn(t);
-        const float q_t = has_q ? q_at(Q + (b * K + n) * N, t) : 1.0f;
-        const bool accept = u64 ? U64[b * K + n] * static_cast<double>(q_t) < static_cast<double>(p_t)
-                                : U[b * K + n] * q_t < p_t;
-        if (!accept) break;
+        const int64_t t = rule.draft(b, n);
+        if (!rule.accepts(b, n, pn(t), has_q ? q_at(Q + (b * K + n) * N, t) : 1.0f)) break;
       }
       // the final token: p's weights e (unnormalised: draw_blocks scales its uniform by their total)
       auto whole = [e](int64_t i) { return static_cast<double>(e[i]); };
+      const double UF = rule.UF[b];
       int64_t tok;
       if (n == nb) {
-        tok = draw_blocks(whole, es.data(), V, UF[b]);
+        tok = draw_blocks(whole, es.data(), V, UF);
       } else if (has_q) {  // max(0, p - q) in float32, as the torch rule computes it
         const float* qn = Q + (b * K + n) * N;
         float* r = rw.data();
@@ -374,10 +372,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
           }
           mass += (rs[i / kBlock] = fsum(r + i, m));
         }
-        tok = mass > 0.0 ? draw_blocks([r](int64_t i) { return static_cast<double>(r[i]); }, rs.data(), V, UF[b])
-                         : draw_blocks(whole, es.data(), V, UF[b]);
+        tok = mass > 0.0 ? draw_blocks([r](int64_t i) { return static_cast<double>(r[i]); }, rs.data(), V, UF)
+                         : draw_blocks(whole, es.data(), V, UF);
       } else {  // p without the rejected draft t
-        const int64_t t = D[b * K + n], j = t / kBlock;
+        const int64_t t = rule.draft(b, n), j = t / kBlock;
         const float et = e[t];
         std::copy(es.begin(), es.end(), rs.begin());
         e[t] = 0.0f;
@@ -385,18 +383,16 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
         double mass = 0.0;
         for (double x : rs) mass += x;
         if (mass > 0.0) {
-          tok = draw_blocks(whole, rs.data(), V, UF[b]);
+          tok = draw_blocks(whole, rs.data(), V, UF);
         } else {
           e[t] = et;
-          tok = draw_blocks(whole, es.data(), V, UF[b]);
+          tok = draw_blocks(whole, es.data(), V, UF);
         }
       }
-      NO[b] = n;
-      for (int64_t k = 0; k < n; ++k) TO[b * (K + 1) + k] = D[b * K + k];
-      TO[b * (K + 1) + n] = tok;
+      rule.emit(b, n, tok);
     }
   });
-  return {n_out, tokens};
+  return {rule.n_out, rule.tokens};
 }
 
 }  // namespace
