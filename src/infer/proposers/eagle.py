@@ -90,6 +90,9 @@ class EagleProposer(Proposer):
     def _padded(self, tokens: list[list[int]], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of entries -> tokens [n, T] and features [n, T, W], zero-padded to the longest row."""
         T, dev = max(len(t) for t in tokens), self.head.device
+        if len(tokens) == 1 and feats[0].dtype == self.head.dtype and feats[0].device == dev:
+            # a lone row needs no padding: two ops, not six (a round's host work runs cold, ~10-20 us an op)
+            return torch.tensor(tokens, device=dev), feats[0][None]
         x = torch.zeros(len(tokens), T, dtype=torch.long)
         # true features (catch-up entries) or the previous step's outputs (draft entries): one kind per call
         f = torch.zeros(len(tokens), T, feats[0].shape[-1], dtype=self.head.dtype, device=dev)
