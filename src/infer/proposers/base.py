@@ -214,8 +214,8 @@ class DraftDrawer:
         B, K, V, dev = len(batch.reqs), batch.K, batch.vocab_size, batch.device
         self.batch, self.head, self.dv = batch, head, dv
         self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        # q [B, K, V] (0 outside a draft vocabulary), built when a draw needs it (``full_q``); drafts put by a
-        # compiled round for every row keep theirs over the draft vocabulary alone (``q_sub``: Proposal.q_sub)
+        # q [B, K, V] (0 outside a draft vocabulary), built when a draw needs it (the ``q`` property); drafts put by
+        # a compiled round for every row keep theirs over the draft vocabulary alone (``q_sub``: Proposal.q_sub)
         self._q, self.q_sub = None, None
         self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
         self.conf = torch.full((B, K), float("nan"), device=dev) if batch.confidence else None
