@@ -39,6 +39,7 @@ import torch
 from ..request import Request
 from ..sampling import SamplingBatch, argmax, logits_to_probs, sample
 from ..spec_decode.tree import DraftTree
+from ..spec_decode.verify import over_vocab
 
 if TYPE_CHECKING:
     from ..spec_decode.grammar import RoundGrammar
@@ -101,9 +102,7 @@ class Proposal:
 
 def _get_q(self: Proposal) -> torch.Tensor | None:
     if self._q is None and self.q_sub is not None:
-        q_sub, ids = self.q_sub
-        B, K, N = q_sub.shape
-        self._q = torch.zeros(B, K, self.vocab_size, device=q_sub.device).scatter_(2, ids.expand(B, K, N), q_sub)
+        self._q = over_vocab(*self.q_sub, self.vocab_size)
     return self._q
 
 
@@ -242,11 +241,10 @@ class DraftDrawer:
     def q(self) -> torch.Tensor | None:
         """q [B, K, V] of a sampled batch (None: greedy), built from ``q_sub`` the first time it is needed."""
         if self._q is None and self.batch.sampling is not None:
-            B, K, V = len(self.batch.reqs), self.batch.K, self.batch.vocab_size
-            self._q = torch.zeros(B, K, V, device=self.batch.device)
-            if self.q_sub is not None:
-                self._q.scatter_(2, self.dv.ids.expand(*self.q_sub.shape), self.q_sub)
-                self.q_sub = None
+            batch = self.batch
+            self._q = torch.zeros(len(batch.reqs), batch.K, batch.vocab_size, device=batch.device) \
+                if self.q_sub is None else over_vocab(self.q_sub, self.dv.ids, batch.vocab_size)
+            self.q_sub = None
         return self._q
 
     def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:

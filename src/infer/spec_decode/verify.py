@@ -132,6 +132,11 @@ def _row_uniforms(generators, B, K, device, nd: list[int]) -> tuple[torch.Tensor
     return u, torch.rand(1, dtype=torch.float64, generator=g, device=device)
 
 
+def over_vocab(q: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q [B, K, N] over a draft vocabulary's token ids [N] -> [B, K, vocab_size], 0 outside them (one scatter)."""
+    return torch.zeros(*q.shape[:2], vocab_size, device=q.device).scatter_(2, ids.expand(*q.shape), q)
+
+
 def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     """One draw per row of probs [B, V], one uniform a row (sampling.inverse_cdf)."""
     return inverse_cdf(probs, _final_uniforms(generators, probs.shape[0], probs.device))
@@ -224,10 +229,11 @@ def rejection_sample_tempered(draft_tokens: torch.Tensor, q: torch.Tensor | None
                               q_ids: torch.Tensor | None = None) -> VerifyResult:
     """``rejection_sample`` for rows that all sample from the plain temperature law: p = softmax(logits / T)
     (logits [B, K+1, V], temperature [B] > 0; sampling.logits_to_probs with no other stage: no top-k, top-p, min-p
-    or penalty, no greedy row); ``num_draft`` a tensor or a host list. On CPU with the exact rule one kernel computes p at the positions the rule reads
-    (infer::rejection_sample_logits: a position's law where a draft is judged, the final token's once) instead of
-    the whole [B, K+1, V] first; the same uniforms in the same order, so the same draws as computing p and calling
-    ``rejection_sample`` but where a uniform falls within rounding of a boundary (p's last bits). No diagnostics.
+    or penalty, no greedy row); ``num_draft`` a tensor or a host list. On CPU with the exact rule one kernel computes
+    p at the positions the rule reads (infer::rejection_sample_logits: a position's law where a draft is judged, the
+    final token's once) instead of the whole [B, K+1, V] first; the same uniforms in the same order, so the same
+    draws as computing p and calling ``rejection_sample`` but where a uniform falls within rounding of a boundary
+    (p's last bits). No diagnostics.
     ``q_ids``: q is given over a draft vocabulary, [B, K, N] over these distinct token ids (0 elsewhere:
     Proposal.q_sub), and is read there, never scattered into [B, K, V]."""
     policy = policy or ExactAcceptance()
@@ -242,7 +248,7 @@ def rejection_sample_tempered(draft_tokens: torch.Tensor, q: torch.Tensor | None
         return VerifyResult(tokens, n, n == nd)
     nd = _num_draft(num_draft, B, K, logits.device)
     if q is not None and q_ids is not None:
-        q = torch.zeros(B, K, logits.shape[-1], device=q.device).scatter_(2, q_ids.expand(*q.shape), q)
+        q = over_vocab(q, q_ids, logits.shape[-1])
     p = (logits.float() / temperature[:, None, None]).softmax(-1)
     return rejection_sample(draft_tokens, q, p, generators, nd, policy, diagnostics=False)
 
