@@ -9,9 +9,11 @@ REAL_MODEL_SETTINGS). Prompts: the held-out chat and code prompts of src/infer/d
 training never saw them), chat template applied, one request at a time, greedy and temperature 0.7. Every variant
 runs every prompt once per round, rounds repeated (A B C A B C ...; round 0 is a warm-up and not recorded); per
 variant and prompt the median time, tokens/s = all tokens / sum of medians, end to end (prefill included, as for
-transformers). Per drafter: acceptance per draft position (conditional: accepted at i / accepted at i-1), alpha (all
-accepted / all judged), mean accepted length (tokens per target forward), c (a draft step over a target decode step,
-from the engine's cost model) and Leviathan's predicted speedup (1 - a^(K+1)) / ((1 - a)(K c + v)) at the pinned K,
+transformers). A proposer that learns across requests (the defaults' suffix tree) is emptied before each generation,
+so every prompt meets it unseen (the rounds repeat the prompts). Per drafter: acceptance per draft position
+(conditional: accepted at i / accepted at i-1), alpha (all accepted / all judged), mean accepted length (tokens per
+target forward), c (a draft step over a target decode step, from the engine's cost model) and Leviathan's predicted
+speedup (1 - a^(K+1)) / ((1 - a)(K c + v)) at the pinned K,
 with v the measured cost of verifying K+1 tokens over one decode step.
 Drafters: every one shipped (src/infer/drafters: the distilled LM, the EAGLE-style and EAGLE-3 heads, the
 Medusa-style heads), each with its defaults (auto K) and with K pinned, plus prompt lookup, and "ours defaults":
@@ -168,6 +170,11 @@ def main() -> None:
                 return None if r is None else {"tokens": r.tokens, "e2e_s": r.encode_s + r.decode_s,
                                                "decode_s": r.decode_s, "decode_tokens": r.tokens,
                                                "drafted": r.drafted, "accepted": r.accepted}
+            if n in ours and ours[n].engine.decoder is not None:
+                # a proposer that learns across requests (the suffix tree of the defaults) starts each one empty:
+                # the rounds repeat each prompt, and a tree holding the last round's answer copies it whole
+                # (2.8x "plain decoding" greedy, alpha 1.00), which says nothing of a prompt it has not seen
+                getattr(ours[n].engine.decoder.proposer, "clear", lambda: None)()
             t0 = time.perf_counter()
             if n in ours:
                 o = ours[n].generate([ids[i]], params)[0]
@@ -221,9 +228,13 @@ def main() -> None:
                 r["decode_speedup_vs_ours_AR"] = r["decode_tok_s"] / base["decode_tok_s"]
         for kind in [k for k in KINDS if k in drafters]:  # Leviathan's prediction at the pinned K, per drafter
             name = drafters[kind].name
-            if f"ours + {name} (defaults)" not in ours or f"ours + {name} K={PINNED_K}" not in rows:
+            # the cost model of an auto-K engine drafting with this drafter: its own defaults, else "ours defaults"
+            # where that is the drafter the defaults draft with (a run with --only may leave either out)
+            source = next((n for n in (f"ours + {name} (defaults)", "ours defaults") if n in ours and
+                           Path(specs[n].get("draft_model", "")) == Path(drafters[kind])), None)
+            if source is None or f"ours + {name} K={PINNED_K}" not in rows:
                 continue
-            costs = getattr(ours[f"ours + {name} (defaults)"].engine.decoder.spec_length, "costs", None)
+            costs = getattr(ours[source].engine.decoder.spec_length, "costs", None)
             pinned = rows[f"ours + {name} K={PINNED_K}"]
             if costs is not None and pinned.get("alpha") is not None:
                 # c: a draft step's mean cost in a round of PINNED_K (rounds are priced whole, per number of drafts:
@@ -232,7 +243,7 @@ def main() -> None:
                 c = costs.draft_cost(1, PINNED_K) / PINNED_K / d1
                 v = costs.verify_cost(1, PINNED_K + 1) / d1
                 results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {
-                    "c": c, "v": v, "c_first": costs.draft_cost(1, 1) / d1,
+                    "c": c, "v": v, "c_first": costs.draft_cost(1, 1) / d1, "cost_model_of": source,
                     "c_step": (costs.draft_cost(1, PINNED_K) - costs.draft_cost(1, 1)) / max(1, PINNED_K - 1) / d1}
                 pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, c, v)
         results[str(temp)] = rows
@@ -271,7 +282,8 @@ def render(res: dict, tag: str = "drafters") -> str:
           "v)), v = verify of K+1 tokens / decode step. transformers "
           f"{_hf_version()}: {res.get('transformers_dtype')}. llama.cpp: "
           f"{llama.get('build') or 'not run'}{'; drafter: ' + llama['drafter_gguf'] if llama.get('drafter_gguf') else ''}"
-          " (llama.cpp's acceptance column is its own n_accept / n_drafted).", ""]
+          " (llama.cpp's acceptance column is its own n_accept / n_drafted). A proposer that learns across requests "
+          "(the defaults' suffix tree) is emptied before each generation: every prompt meets it unseen.", ""]
     for temp, rows in res["results"].items():
         if temp in ("model_costs", "llama_bench_tg"):
             continue
@@ -295,6 +307,7 @@ def render(res: dict, tag: str = "drafters") -> str:
             md += ["", "; ".join(f"{n}: c = {x['c']:.3f}"
                                  + (f" (a round of one {x['c_first']:.3f}, each further draft {x['c_step']:.3f})"
                                     if "c_first" in x else "") + f", v = {x['v']:.2f}"
+                                 + (f" (the cost model of \"{x['cost_model_of']}\")" if "cost_model_of" in x else "")
                                  for n, x in mc.items())
                    + f" (K = {res['pinned_k']})"]
         md.append("")

@@ -405,6 +405,8 @@ def test_a_round_is_priced_by_its_number_of_drafts():
     # more drafts never cost less: a price above a longer round's (a stall's EMA) is cut to it
     assert c.draft_cost(1, 2) == pytest.approx(0.02) and c.rounds[1][2] == pytest.approx(0.56, rel=1e-3)
     assert c.draft_cost(1, 1) == pytest.approx(0.02)  # not measured: the line's price, cut the same way
+    # a round's prices at every k at once (auto K's search: the line fitted once) are the prices one by one
+    assert c.draft_costs(1, 6) == [c.draft_cost(1, k) for k in range(7)] and c.draft_costs(0, 3) == [0.0] * 4
 
 
 def test_an_overpriced_drafter_is_re_measured_by_exploration_rounds():

@@ -128,25 +128,37 @@ class CostModel:
         else the profile scaled to the one measured, else the profile; at most what a longer round measured (more
         drafts never cost less: a k whose price a stall raised, and which auto K therefore stopped drafting, is not
         held there by its own stale EMA)."""
-        if not B or not k:
-            return 0.0
+        return self.draft_costs(B, k)[k] if k > 0 else 0.0
+
+    def draft_costs(self, B: int, k_max: int) -> list[float]:
+        """[draft_cost(B, k) for k = 0..k_max], the measured rounds' line fitted once (auto K prices every k of a round,
+        as ``verify_costs`` reads a batch size's line once)."""
+        if not B:
+            return [0.0] * (k_max + 1)
         b = min(B, self.max_batch)
         cells = self.rounds[b]
-        longer = min((s for j, s in cells.items() if j > k), default=float("inf"))
-        if k in cells:
-            return min(cells[k], longer)
-        profiled = lambda k: self.draft_first[b] + (k - 1) * self.draft[b]  # noqa: E731
-        if not cells:
-            return profiled(k)
-        if len(cells) == 1:
+        first, step = self.draft_first[b], self.draft[b]
+        profiled = lambda k: first + (k - 1) * step  # noqa: E731
+        if len(cells) > 1:  # the line through the k measured
+            n = len(cells)
+            mx, my = sum(cells) / n, sum(cells.values()) / n
+            slope = sum((x - mx) * (y - my) for x, y in cells.items()) / sum((x - mx) ** 2 for x in cells)
+            floor = 0.1 * my / mx  # a tenth of the mean step
+            slope = max(slope, floor)
+        elif cells:
             (k0, s0), = cells.items()
-            return min(s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0, longer)
-        n = len(cells)
-        mx, my = sum(cells) / n, sum(cells.values()) / n
-        slope = sum((x - mx) * (y - my) for x, y in cells.items()) / sum((x - mx) ** 2 for x in cells)
-        floor = 0.1 * my / mx  # a tenth of the mean step
-        slope = max(slope, floor)
-        return min(max(my + slope * (k - mx), floor * k), longer)
+        out = [0.0]
+        for k in range(1, k_max + 1):
+            longer = min((s for j, s in cells.items() if j > k), default=float("inf"))
+            if k in cells:
+                out.append(min(cells[k], longer))
+            elif not cells:
+                out.append(profiled(k))
+            elif len(cells) == 1:
+                out.append(min(s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0, longer))
+            else:
+                out.append(min(max(my + slope * (k - mx), floor * k), longer))
+        return out
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample
     # moves an estimate by at most OUTLIER x its value, so a stall does not switch speculation off on its own. For the

@@ -315,9 +315,9 @@ class GoodputSpecLength:
                    *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
                   for b in order if caps[b]]
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
+        draft_s = {}  # n model rows -> a round's drafts over them at k = 0 .. k_top, priced when first needed
         for k in range(1, k_top + 1):
             total, setup_s, models, drafts = float(B), 0.0, 0, 0
-            draft_s = {}  # k steps over n model rows, priced when first needed
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
                 x = e[min(k, cap)]
                 total += x - 1.0  # extra tokens of the m-th drafting row
@@ -331,8 +331,8 @@ class GoodputSpecLength:
                 if once and not is_free:  # its set-up seconds, amortised over min(its rounds left, horizon)
                     setup_s += once * max(x / max(x, left), 1.0 / horizon)
                 if models not in draft_s:
-                    draft_s[models] = self.costs.draft_cost(models, k)
-                rate = total / (fixed + draft_s[models] + setup_s)
+                    draft_s[models] = self.costs.draft_costs(models, k_top)
+                rate = total / (fixed + draft_s[models][k] + setup_s)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
