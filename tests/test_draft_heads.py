@@ -78,6 +78,20 @@ def target():
     return random_llama(V, seed=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_heads_device_and_dtype_follow_its_weights_through_casts_and_quantization(target, kind):
+    """A head's ``device`` and ``dtype`` read one parameter (DraftHead._anchor), not a walk of its modules: they must
+    still say where its weights are after a cast, and after its projections are quantized away."""
+    from infer.model.quant import quantize_linears
+
+    head = random_heads(target, kind, seed=3)
+    assert (head.device, head.dtype) == (next(head.parameters()).device, next(head.parameters()).dtype)
+    head.to(torch.bfloat16)
+    assert head.dtype == torch.bfloat16 == next(head.parameters()).dtype
+    quantize_linears(head, "int8")
+    assert head.dtype == torch.bfloat16 and head.device == next(head.parameters()).device
+
+
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_parity(target, kind, backend):

@@ -281,6 +281,7 @@ def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
     rnd = random.Random(0)
     costs = CostModel.from_points(8, 6, {(1, 1): 1.0, (1, 7): 2.5, (8, 1): 2.0, (8, 7): 12.0}, {1: 0.1, 8: 0.3})
     policy = GoodputSpecLength(6, costs)
+    sheets = {B: sl._Sheet(costs, B, 6) for B in range(1, 9)}  # one per batch size, shared by every pricing below
     for _ in range(300):
         B = rnd.randint(1, 8)
         alphas = [rnd.random() for _ in range(B)]
@@ -290,6 +291,8 @@ def test_best_k_is_the_best_rate_over_every_k_and_rows_drafting():
                   for f in free]
         setup = [(rnd.choice([0.0, 0.05]), rnd.randint(1, 50)) for _ in range(B)]
         got = policy._best(alphas, caps, setup, 1 << 30, free, curves)
+        # the prices read once for a choose's every pricing (its row caps and copies differ) give the same answer
+        assert policy._best(alphas, caps, setup, 1 << 30, free, curves, sheets[B]) == got
         order = policy._order(alphas, caps)
         want = (B / costs.verify_cost(B, 1) * (1 + sl.MARGIN), 0, 0)
         rows = [b for b in order if caps[b]]

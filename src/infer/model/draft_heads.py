@@ -66,11 +66,19 @@ class DraftHead(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self._anchor().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        return self._anchor().dtype
+
+    def _anchor(self) -> torch.Tensor:
+        """A parameter that moves and casts with the head and that quantization never replaces: the final norm's
+        weight where the head has one. ``next(self.parameters())`` walks the module tree at every read, and a draft
+        round read the head's device and dtype ~10 times (a Python generator each, run cold after the target's
+        weights streamed through the caches)."""
+        norm = self._modules.get("norm")
+        return norm.weight if norm is not None else next(self.parameters())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

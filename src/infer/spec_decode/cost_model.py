@@ -147,17 +147,21 @@ class CostModel:
             slope = max(slope, floor)
         elif cells:
             (k0, s0), = cells.items()
+        # longer[k]: the cheapest measured round of more than k drafts (a price never rises above it)
+        longer = [float("inf")] * (k_max + 1)
+        for j, s in cells.items():
+            for k in range(1, min(j, k_max + 1)):
+                longer[k] = min(longer[k], s)
         out = [0.0]
         for k in range(1, k_max + 1):
-            longer = min((s for j, s in cells.items() if j > k), default=float("inf"))
             if k in cells:
-                out.append(min(cells[k], longer))
+                out.append(min(cells[k], longer[k]))
             elif not cells:
                 out.append(profiled(k))
             elif len(cells) == 1:
-                out.append(min(s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0, longer))
+                out.append(min(s0 * profiled(k) / profiled(k0) if profiled(k0) > 0 else s0 * k / k0, longer[k]))
             else:
-                out.append(min(max(my + slope * (k - mx), floor * k), longer))
+                out.append(min(max(my + slope * (k - mx), floor * k), longer[k]))
         return out
 
     # A shared machine only ever slows a step down, sometimes by a lot (another process, a page fault): one sample

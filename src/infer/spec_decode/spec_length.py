@@ -219,6 +219,18 @@ class _Pricing:
     skipped: int = 0  # rounds answered unpriced since the last priced one
 
 
+class _Sheet:
+    """A round's prices for one batch size, read off the cost model once for every pricing of one ``choose`` (a row
+    offered a copy is priced copying and drafting, and each pricing read the verify widths' line and fitted the
+    measured draft rounds' line again): the verify of T = 0 .. k_max + 1 tokens a row, and per number of drafting
+    model rows, its drafts' price at k = 0 .. k_max (filled when first needed)."""
+
+    __slots__ = ("B", "verify", "drafts")
+
+    def __init__(self, costs: CostModel, B: int, k_max: int):
+        self.B, self.verify, self.drafts = B, costs.verify_costs(B, k_max + 1), {}
+
+
 class GoodputSpecLength:
     """``spec_length="auto"``: per round, the K per request that maximises expected tokens per second, and, once
     drafted, the prefix of each row's drafts worth verifying (``cut``)."""
@@ -282,7 +294,7 @@ class GoodputSpecLength:
 
     def _best(self, alphas: list[float], caps: list[int], setup: list[tuple[float, int]] | None = None,
               horizon: int = 1 << 30, free: list[bool] | None = None,
-              curves: list[list[float] | None] | None = None) -> tuple[float, int, int]:
+              curves: list[list[float] | None] | None = None, sheet: _Sheet | None = None) -> tuple[float, int, int]:
         """(tokens/s, k, m): the m most promising rows draft k (<= their caps), the others 0; k = 0 (plain decoding,
         its tokens/s raised by MARGIN) unless some k beats it. Rows with ``free[b]`` draft without model steps.
         ``curves[b]``, where given, is row b's expected tokens at k = 0..k_max (confident free drafts), in place of
@@ -291,11 +303,14 @@ class GoodputSpecLength:
         ``setup[b]`` = (seconds, tokens left): a one-time cost row b pays when it starts drafting (its drafter's lazy
         prefill of what it has not seen), spread over the rounds it will draft: its rounds left at that k (tokens
         left / E(a, k)), but at most ``horizon``. A row about to finish does not start drafting, and neither does a
-        row whose batch has just shrunk and may grow back (its neighbour's replacement prefilling for a step)."""
+        row whose batch has just shrunk and may grow back (its neighbour's replacement prefilling for a step).
+
+        ``sheet``: the round's prices read once for every pricing of one ``choose`` (else read here)."""
         B = len(alphas)
         plain_o, spec_o = self.overhead.get((B, False), 0.0), self.overhead.get((B, True), 0.0)
         k_top = min(self.k_max, max(caps, default=0))
-        verify = self.costs.verify_costs(B, k_top + 1)  # [T = 0 .. k_top + 1]
+        sheet = sheet if sheet is not None and sheet.B == B else _Sheet(self.costs, B, self.k_max)
+        verify = sheet.verify  # [T = 0 .. k_max + 1]; this pricing reads T <= k_top + 1
         best = (B / (verify[1] + plain_o) * (1.0 + MARGIN), 0, 0)
         # No k can beat plain decoding if even the most each row could add (its expected tokens at its cap: a curve and
         # E(a, k) only grow with k), over the cheapest verify alone (no draft steps, no set-up), does not: the answer
@@ -304,7 +319,7 @@ class GoodputSpecLength:
         # the bound reads one value a row, not its whole curve. An upper bound: the search finds the same answer.
         top = sum((curves[b][min(caps[b], len(curves[b]) - 1)] if curves is not None and curves[b] is not None else
                    expected_tokens(alphas[b], min(caps[b], self.k_max))) - 1.0 for b in range(B) if caps[b])
-        if (B + top) / (min(verify[1:]) + spec_o) <= best[0]:
+        if (B + top) / (min(verify[1:k_top + 2]) + spec_o) <= best[0]:
             return best
         order = self._order(alphas, caps)
         # per row that can draft, in `order`: E(a, j) for j = 0..k_max (the row's cap bounds j), its set-up seconds
@@ -315,7 +330,7 @@ class GoodputSpecLength:
                    *(setup[b] if setup is not None else (0.0, 1)), bool(free and free[b]))
                   for b in order if caps[b]]
         # k past every cap verifies no more drafts than k = max(caps) and would be priced as wider than it is
-        draft_s = {}  # n model rows -> a round's drafts over them at k = 0 .. k_top, priced when first needed
+        draft_s = sheet.drafts  # n model rows -> a round's drafts over them at k = 0 .. k_max, priced when first needed
         for k in range(1, k_top + 1):
             total, setup_s, models, drafts = float(B), 0.0, 0, 0
             for m, (e, cap, once, left, is_free) in enumerate(e_rows, 1):
@@ -331,20 +346,20 @@ class GoodputSpecLength:
                 if once and not is_free:  # its set-up seconds, amortised over min(its rounds left, horizon)
                     setup_s += once * max(x / max(x, left), 1.0 / horizon)
                 if models not in draft_s:
-                    draft_s[models] = self.costs.draft_costs(models, k_top)
+                    draft_s[models] = self.costs.draft_costs(models, self.k_max)
                 rate = total / (fixed + draft_s[models][k] + setup_s)
                 if rate > best[0]:
                     best = (rate, k, m)
         return best
 
-    def _price(self, free: list[bool], copy: list, model: list, horizon: int) -> tuple:
+    def _price(self, free: list[bool], copy: list, model: list, horizon: int, sheet: _Sheet | None = None) -> tuple:
         """The best round (``_best``) with row b copying where ``free[b]`` (priced by ``copy[b]``), else drafting with
         the model (``model[b]``) -> (tokens/s, k, m, free, and the per-row estimates, caps, confidences and groups
         it was priced by)."""
         rows = [copy[b] if f else model[b] for b, f in enumerate(free)]
         alphas, caps, confidence, groups, curves, setup = (list(x) for x in zip(*rows))
         # no row has a draft to offer (a copying proposer found no match anywhere): plain decoding, nothing to price
-        rate, k, m = self._best(alphas, caps, setup, horizon, free, curves) if any(caps) else (0.0, 0, 0)
+        rate, k, m = self._best(alphas, caps, setup, horizon, free, curves, sheet) if any(caps) else (0.0, 0, 0)
         return rate, k, m, free, alphas, caps, confidence, groups
 
     @staticmethod
@@ -363,8 +378,9 @@ class GoodputSpecLength:
             self.last_choice = (0, 0)
             return [0] * B
         t0 = time.perf_counter()
-        ks, gain = self._choose(reqs, caps)
-        step = self.costs.verify_cost(B, 1) + self.overhead.get((B, False), 0.0)
+        sheet = _Sheet(self.costs, B, self.k_max)
+        ks, gain = self._choose(reqs, caps, sheet)
+        step = sheet.verify[1] + self.overhead.get((B, False), 0.0)
         pricing.gain += PRICE_EMA * (gain - pricing.gain)
         pricing.cost += PRICE_EMA * ((time.perf_counter() - t0) / max(step, 1e-9) - pricing.cost)
         pricing.skipped = 0
@@ -372,7 +388,7 @@ class GoodputSpecLength:
         pricing.every = 1 if gain > 0 or pricing.gain >= pricing.cost else min(2 * pricing.every, self.price_every_max)
         return ks
 
-    def _choose(self, reqs, caps) -> tuple[list[int], float]:
+    def _choose(self, reqs, caps, sheet: _Sheet) -> tuple[list[int], float]:
         """-> (ks, the predicted gain of the round over plain decoding, in plain steps: 0 at k = 0)."""
         B = len(reqs)
         offers = self.offers(reqs, caps)  # per row (free drafts available, their confidences, group), or None
@@ -405,23 +421,23 @@ class GoodputSpecLength:
         # token with p(t) only) may still be worth the model's drawn drafts, and a row priced as a copy alone would
         # decode plainly (suffix-hybrid at 0.7: docs/benchmarks.md)
         either = [b for b in range(B) if copy[b] is not None and model[b] is not None]
-        best = self._price([c is not None for c in copy], copy, model, horizon)
+        best = self._price([c is not None for c in copy], copy, model, horizon, sheet)
         if either and self.dual:
             priced = self._price([c is not None and b not in either for b, c in enumerate(copy)], copy, model,
-                                 horizon)
+                                 horizon, sheet)
             best = priced if priced[0] > best[0] else best
             start = best[3]
             for b in either if len(either) > 1 else ():  # one row: the two above were every choice
                 free = list(start)
                 free[b] = not free[b]
-                priced = self._price(free, copy, model, horizon)
+                priced = self._price(free, copy, model, horizon, sheet)
                 best = priced if priced[0] > best[0] else best
             for b in either:
                 if not best[3][b]:
                     self.decline(reqs[b])
         rate, k, m, is_free, alphas, caps, confidence, groups = best
         # what drafting is predicted to gain, in plain steps (rate over plain's, MARGIN taken out of plain's rate)
-        gain = rate * (self.costs.verify_cost(B, 1) + self.overhead.get((B, False), 0.0)) / B - 1.0 if k else 0.0
+        gain = rate * (sheet.verify[1] + self.overhead.get((B, False), 0.0)) / B - 1.0 if k else 0.0
         order = self._order(alphas, caps)
         ks = [0] * B
         for b in order[:m]:
@@ -433,7 +449,7 @@ class GoodputSpecLength:
                 s.rounds_at_zero += 1
                 if s.rounds_at_zero >= s.probe_every:
                     if probe_pays is None:  # a well-predicted row drafting one token alone beats plain decoding?
-                        probe_pays = bool(self._best([0.9] + [0.0] * (B - 1), [1] + [0] * (B - 1))[1])
+                        probe_pays = bool(self._best([0.9] + [0.0] * (B - 1), [1] + [0] * (B - 1), sheet=sheet)[1])
                     s.rounds_at_zero = 0  # due again in probe_every rounds, whether it probes now or not: at a
                     # batch size where no probe pays, asking every round was half of choose's pricing at 8 rows
                     if probe_pays:
