@@ -65,12 +65,12 @@ class EagleProposer(Proposer):
         # captured after it (EAGLE-3)
         self._cols = slice(H, None) if isinstance(head, Eagle3Head) else slice(0, H)
         self._width = head.feature_width if isinstance(head, Eagle3Head) else H
-        self.features = FeatureStore()
+        self.features = FeatureStore(self._cols)
         self._vocab = PromptVocabs(draft_vocab)
         self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> entries from true features
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
-        self.features.add(req, start, hidden[..., self._cols])
+        self.features.add(req, start, hidden)  # the head's columns are cut where a round reads them
 
     def _fed_len(self, req) -> int:
         return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
