@@ -40,7 +40,9 @@ class AttnMeta:
     """Everything one forward pass needs to address the cache; built once per forward, shared by all layers."""
 
     slots: list[int]  # host copy, one per batch row
-    slot_index: torch.Tensor  # [B] long
+    # [B] long: the rows' slots as a tensor, which a slotted pool indexes its storage by; None where the pool reads
+    # keys by storage rows (paged), which never needs it (one tensor fewer to build a forward, each a cold op)
+    slot_index: torch.Tensor | None
     start: list[int]  # host: first new position per row
     num_new: list[int]  # host: valid new tokens per row (<= T)
     positions: torch.Tensor  # [B, T] long, rotary positions (pad rows clamped to a valid value)

@@ -222,13 +222,12 @@ class PagedKVCachePool(KVCachePool):
         write_pos = positions  # one row: the positions written (update() adds the first block's storage row)
         if tree is not None:  # written as a chain, positioned and masked as a tree
             positions, mask = tree_plan(tree, num_new, kv_len)
-        T = positions.shape[1]
         width = _cdiv(kv_len, bs)
         if len(slots) == 1:
             table = self._tables[slots[0]][:width]
             if table[-1] - table[0] == width - 1 and table == list(range(table[0], table[0] + width)):
                 # consecutive blocks (the common case for a lone sequence): plain slices, no gather
-                return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
+                return AttnMeta(slots=list(slots), slot_index=None, start=start,
                                 num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
                                 mask=mask, is_causal=is_causal, row0=table[0] * bs)
         return self._gathered(list(slots), start, list(num_new), positions, mask, kv_len, is_causal, device)
@@ -243,7 +242,7 @@ class PagedKVCachePool(KVCachePool):
         offs = torch.arange(T)[None, :]
         st_t, n_t = torch.tensor(start)[:, None], torch.tensor(num_new)[:, None]
         write_pos = torch.where(offs < n_t, read_pos.gather(1, (st_t + offs).clamp(max=kv_len - 1)), self.scratch)
-        return AttnMeta(slots=slots, slot_index=torch.tensor(slots, device=device), start=start,
+        return AttnMeta(slots=slots, slot_index=None, start=start,
                         num_new=num_new, positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
                         mask=mask, is_causal=is_causal, read_pos=read_pos.to(device))
 
