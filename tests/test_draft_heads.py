@@ -399,3 +399,116 @@ def test_eagle3_training_steps_reach_every_weight():
     for name, p in head.named_parameters():
         if name.startswith("layer."):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("catch_up,steps", [(1, 1), (3, 4), (5, 2)])
+def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_up, steps, sampled):
+    """Eagle3Head.native_round (kernels/eagle_round.cpp: a lone row's round in one C++ call) against the module's
+    single steps on a quantized bfloat16 head: the same drafts, the same last output, bit for bit, the same laws q (to
+    the exp's last bits), and the same keys and values written to the same storage rows of a paged pool whose blocks
+    are not consecutive."""
+    from infer.cache.paged import PagedKVCachePool
+    from infer.model.quant import quantize_linears
+    from infer.proposers.draft_vocab import HeadVocab
+    from infer.sampling import inverse_cdf
+
+    target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)
+    head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
+    assert head.native_round_ready()
+    dv, c = HeadVocab(head), head.config
+    pool = PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4, dtype=torch.bfloat16)
+    a, b = pool.allocate(), pool.allocate()
+    g = torch.Generator().manual_seed(2)
+    W = head.feature_width
+    with torch.inference_mode():
+        for _ in range(3):  # interleaved growth: slot a's blocks are not consecutive
+            for s in (a, b):
+                meta = pool.prepare([s], [3])
+                head(torch.randint(0, 96, (1, 3), generator=g), torch.randn(1, 3, W, generator=g).bfloat16(),
+                     meta.positions, pool, meta)
+        assert pool._tables[a] != list(range(pool._tables[a][0], pool._tables[a][0] + len(pool._tables[a])))
+        x = torch.randint(0, 96, (catch_up,), generator=g)
+        f = torch.randn(catch_up, W, generator=g).bfloat16()
+        u = torch.rand(1, steps, dtype=torch.float64, generator=g)
+        temp = torch.tensor([0.8 if sampled else 0.0])
+
+        def draw(h, i):
+            logits = dv.logits(h)
+            q = (logits / (temp[:, None] if sampled else 1.0)).softmax(-1)
+            return dv.token(inverse_cdf(q, u[:, i]) if sampled else logits.max(-1).indices), q
+
+        meta = pool.prepare([a], [catch_up])
+        h = head(x[None], f[None], meta.positions, pool, meta)[:, -1]
+        t, q = draw(h, 0)
+        want, want_q = [t], [q]
+        for i in range(1, steps):
+            meta = pool.prepare([a], [1])
+            h = head(t[:, None], h[:, None], meta.positions, pool, meta)[:, 0]
+            t, q = draw(h, i)
+            want.append(t)
+            want_q.append(q)
+        want_kv = [t.clone() for t in (pool.k[0], pool.v[0])]
+        written = pool._rows(a, range(9, 9 + catch_up + steps - 1))
+        pool.truncate_to(a, 9)
+        for t in (pool.k[0], pool.v[0]):
+            t[written] = 0  # what the round writes, wiped
+        start = pool.extend(a, catch_up + steps - 1)
+        got, got_h, got_q = head.native_round(x, f, pool, a, start, temp, u)
+    assert start == 9 and pool.seq_len(a) == 9 + catch_up + steps - 1
+    assert torch.equal(got, torch.stack(want, 1)) and torch.equal(got_h, h)
+    torch.testing.assert_close(got_q, torch.stack(want_q, 1), rtol=1e-5, atol=1e-7)
+    assert torch.equal(pool.k[0], want_kv[0]) and torch.equal(pool.v[0], want_kv[1])
+
+
+def _native_head(target):
+    """An EAGLE-3 head the one-call round runs (Eagle3Head.native_round): bfloat16, its projections in Q8_0 blocks
+    (what an engine's draft_quantization makes of it over a quantized target)."""
+    from infer.model.quant import quantize_linears
+
+    head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
+    head.quantized = "q8_0"
+    assert head.native_round_ready()
+    return head
+
+
+def test_greedy_parity_with_a_lone_rows_round_in_one_cpp_call(monkeypatch):
+    """Greedy tokens of a bfloat16 target speculating with a head whose rounds run as one C++ call equal plain
+    decoding's, pinned and auto K, the head alone and beside the suffix tree; prompts longer than a catch-up batch
+    (fed alone first) too."""
+    from infer.model.draft_heads import Eagle3Head
+
+    calls = []
+    orig = Eagle3Head.native_round
+    monkeypatch.setattr(Eagle3Head, "native_round", lambda *a: calls.append(1) or orig(*a))
+    target = random_llama(64, seed=0, hidden_size=64).to(torch.bfloat16)
+    head = _native_head(target)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in ([1, 2, 3], [5, 1, 7, 2, 2, 0, 3, 4, 6, 1, 5, 2, 7, 3, 0, 1, 1, 2, 6, 4, 3, 9, 11, 40, 33]):
+        want = autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids
+        for k, proposer in ((3, "draft"), (1, "draft"), ("auto", "draft"), (3, "suffix-hybrid")):
+            calls.clear()
+            out, _ = speculative_generate(target, head, prompt, params, spec_length=k, proposer=proposer,
+                                          eos_token_ids=[], kv_cache_backend="paged")
+            assert out.output_ids == want, (k, proposer)
+            assert calls or k == "auto", (k, proposer)  # the rounds ran as one call
+
+
+def test_joint_distribution_equals_target_through_a_lone_rows_cpp_round(monkeypatch):
+    """The law of (x2, x3) with the head's rounds drawn inside the one C++ call (one request at a time, K = 2, at
+    temperature 0.7 with top-k and top-p: drafts from the plain temperature law, judged by the q the call reports)."""
+    from infer.model.draft_heads import Eagle3Head
+
+    calls = []
+    orig = Eagle3Head.native_round
+    monkeypatch.setattr(Eagle3Head, "native_round", lambda *a: calls.append(1) or orig(*a))
+    target = random_llama(V, seed=0).to(torch.bfloat16)
+    head = _native_head(target)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=1, block_size=4,
+                              seed=1234), model=target, draft_model=head)
+    reqs = eng.run([eng.add_request(PROMPT, PARAMS[1]) for _ in range(N)])
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert len(calls) >= N // 2 and 0.1 < eng.stats.acceptance_rate < 0.9
+    assert chi2_pvalue(counts, exact_joint(target, PARAMS[1], first=2, prompt=PROMPT)) > 0.001

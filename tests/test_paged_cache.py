@@ -178,3 +178,25 @@ def test_reset_prefix_cache_forgets_hits_and_frees_cached_blocks(model):
     d = pool.allocate()
     pool.prepare([d], [24])  # every block, from the free list alone
     assert pool.seq_len(d) == 24
+
+
+def test_extend_takes_blocks_and_addresses_positions_as_prepare_does():
+    """``extend`` (a caller that addresses storage itself: Eagle3Head.native_round) takes the blocks and length that
+    ``prepare`` would, and ``block_table`` maps position p to the storage row a plan writes it to; too long or too
+    many is refused with prepare's errors, nothing taken."""
+    pool = PagedKVCachePool(1, 1, 2, num_blocks=6, block_size=4, max_seq_len=16, max_slots=2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.prepare([a], [3])
+    pool.prepare([b], [5])
+    assert pool.extend(a, 6) == 3 and pool.seq_len(a) == 9
+    table = pool.block_table(a)
+    rows = [int(table[p // 4]) * 4 + p % 4 for p in range(9)]
+    pool.truncate_to(a, 3)
+    meta = pool.prepare([a], [6])  # a's blocks are not consecutive (b's lie between): written through storage rows
+    assert meta.row0 is None and meta.write_pos[0].tolist() == rows[3:]
+    free = pool.num_free_blocks
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pool.extend(a, 8)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.extend(b, 11)
+    assert pool.num_free_blocks == free and pool.seq_len(a) == 9 and pool.seq_len(b) == 5

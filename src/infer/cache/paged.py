@@ -214,10 +214,7 @@ class PagedKVCachePool(KVCachePool):
         if sum(self.blocks_needed(s, st + n) for s, st, n in zip(slots, start, num_new)) > self.num_free_blocks:
             raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
         for s, st, n in zip(slots, start, num_new):
-            table = self._tables[s]
-            while len(table) * bs < st + n:
-                table.append(self._take_block())
-            self._lens[s] = st + n
+            self._grow(s, st + n)
         positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
         write_pos = positions  # one row: the positions written (update() adds the first block's storage row)
         if tree is not None:  # written as a chain, positioned and masked as a tree
@@ -245,6 +242,29 @@ class PagedKVCachePool(KVCachePool):
         return AttnMeta(slots=slots, slot_index=None, start=start,
                         num_new=num_new, positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
                         mask=mask, is_causal=is_causal, read_pos=read_pos.to(device))
+
+    def _grow(self, slot: int, new_len: int) -> None:
+        table = self._tables[slot]
+        while len(table) * self.block_size < new_len:
+            table.append(self._take_block())
+        self._lens[slot] = new_len
+
+    def extend(self, slot: int, n: int) -> int:
+        """Take the blocks for ``n`` more positions of ``slot`` and advance its length, as ``prepare`` does, without
+        a plan: for a caller that addresses the storage itself through ``block_table`` (an EAGLE-3 head's round in
+        one C++ call, Eagle3Head.native_round). -> the first new position."""
+        start = self._lens[slot]
+        if start + n > self.max_seq_len:
+            raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {self.max_seq_len}")
+        if self.blocks_needed(slot, start + n) > self.num_free_blocks:
+            raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
+        self._grow(slot, start + n)
+        return start
+
+    def block_table(self, slot: int) -> torch.Tensor:
+        """[blocks] int64: the storage block of each block of ``slot``'s positions (position p is storage row
+        table[p // block_size] * block_size + p % block_size)."""
+        return torch.tensor(self._tables[slot], dtype=torch.long)
 
     def prepare_run(self, slots: list[int], steps: int, device=None) -> list[AttnMeta]:
         """As the base class's; a lone row whose run crosses into a block not next to its last reads every step

@@ -15,6 +15,9 @@ index-returning reductions are not vectorised on CPU (~130 us a row over SmolLM2
 ``infer::rejection_sample`` (sample.cpp) is a sampled verify's acceptance and final draw, row by row (the torch rule
 is a dozen passes over the vocabulary).
 
+``infer::eagle3_round`` (eagle_round.cpp) is a lone row's EAGLE-3 draft round in one call: the ops above chained as
+C++ functions (ops.h), for a round that starts cold after every verify (model.draft_heads.Eagle3Head.native_round).
+
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
 result does not depend on how many rows share the call. ATen has no kernel that does both on this CPU: its one-row
@@ -43,7 +46,7 @@ from ..cachedir import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp",
-           HERE / "pointwise.cpp", HERE / "argmax.cpp", HERE / "sample.cpp"]
+           HERE / "pointwise.cpp", HERE / "argmax.cpp", HERE / "sample.cpp", HERE / "eagle_round.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 

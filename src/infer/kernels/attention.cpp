@@ -485,6 +485,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
+}  // namespace
+
+// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+namespace infer_kernels {
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                      const c10::optional<at::Tensor>& mask_in, const c10::optional<at::Tensor>& rows_in,
                      const c10::optional<at::Tensor>& lens_in) {
@@ -543,12 +548,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tens
   return out.transpose(1, 2);
 }
 
-}  // namespace
+}  // namespace infer_kernels
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("attention", &attention);
+  m.impl("attention", &infer_kernels::attention);
 }

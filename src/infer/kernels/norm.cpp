@@ -48,6 +48,11 @@ void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
   }
 }
 
+}  // namespace
+
+// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+namespace infer_kernels {
+
 // lens: [B] real rows of a padded [B, T] forward (rows.h): the pads are skipped, their outputs left unwritten
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& lens) {
   TORCH_CHECK(x.dim() == 2, "infer::rms_norm: x must be [rows, hidden], got ", x.sizes());
@@ -75,12 +80,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return y;
 }
 
-}  // namespace
+}  // namespace infer_kernels
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? lens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm", &infer_kernels::rms_norm);
 }

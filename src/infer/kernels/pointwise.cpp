@@ -190,6 +190,11 @@ void check_dtype(const char* op, const at::Tensor& t) {
               ": float32 or bfloat16 only, got ", t.scalar_type());
 }
 
+}  // namespace
+
+// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+namespace infer_kernels {
+
 // x [M, W] (rows may be strided: a view of the fused qkv product), cos/sin [M, D] -> [M, heads * D]: the first
 // `heads` heads of each row rotated.
 // lens: [B] real rows of a padded [B, T] forward (rows.h): the pads are skipped, their outputs left unwritten
@@ -235,7 +240,7 @@ at::Tensor silu_mul(const at::Tensor& x, const c10::optional<at::Tensor>& lens) 
   return y;
 }
 
-}  // namespace
+}  // namespace infer_kernels
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, int head_dim, Tensor? lens=None) -> Tensor");
@@ -243,6 +248,6 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("rope", &rope);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rope", &infer_kernels::rope);
+  m.impl("silu_mul", &infer_kernels::silu_mul);
 }

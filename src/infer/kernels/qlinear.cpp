@@ -617,6 +617,11 @@ const char* format_name(int64_t f) {
   return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : f == kQ4_K ? "Q4_K" : nullptr;
 }
 
+}  // namespace
+
+// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+namespace infer_kernels {
+
 // lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row.
 // float_out: y in float32 whatever x's dtype, holding what x's dtype would have held (a bfloat16 x: y.float()'s bits;
 // a verify's 5 x 49,152 logits were a 1 MB copy after the product: 0.01-0.55 ms in a round's profile)
@@ -673,13 +678,13 @@ bool qlinear_pairs(bool on) {
 #endif
 }
 
-}  // namespace
+}  // namespace infer_kernels
 
 TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None, bool float_out=False) -> Tensor");
-  m.def("qlinear_pairs(bool on) -> bool", &qlinear_pairs);  // no tensors: one kernel for every dispatch key
+  m.def("qlinear_pairs(bool on) -> bool", &infer_kernels::qlinear_pairs);  // no tensors: one kernel for every dispatch key
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("qlinear", &qlinear);
+  m.impl("qlinear", &infer_kernels::qlinear);
 }

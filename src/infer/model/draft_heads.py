@@ -289,6 +289,44 @@ class Eagle3Head(DraftHead):
         """[..., H] -> float32 logits [..., N] over the draft vocabulary (column j is token draft_ids[j])."""
         return self.lm_head(self.norm(out)).float()
 
+    _native: tuple | None = None  # (the op's weight arguments,) once checked; () where the op cannot run the head
+
+    def native_round_ready(self) -> bool:
+        """Whether ``native_round`` runs this head: on the CPU with infer's kernels, bfloat16, and every projection in
+        llama.cpp's blocks without a bias (a head quantized to a block type: EngineConfig.draft_quantization's
+        default on a quantized target). Checked once (an engine quantizes its drafter before its first round)."""
+        if self._native is None:
+            from .. import kernels
+            from .quant import BlockLinear
+
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            lins = [self.fc, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.lm_head]
+            norms = [self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm]
+            ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.available()
+                  and all(isinstance(m, BlockLinear) and m.bias is None for m in lins)
+                  and len({n.eps for n in norms}) == 1 and torch.ops.infer.eagle3_round is not None)
+            self._native = ((tuple(m.packed for m in lins), [m.format_id for m in lins],
+                             [m.out_features for m in lins], tuple(n.weight for n in norms), norms[0].eps),) \
+                if ok else ()
+        return bool(self._native)
+
+    def native_round(self, tokens: torch.Tensor, features: torch.Tensor, pool, slot: int, start: int,
+                     temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``draft_round`` for one row in one C++ call (kernels/eagle_round.cpp, where ``native_round_ready``): the
+        catch-up entries tokens [T] and features [T, W] at positions start .. start + T - 1 of ``slot`` in a paged
+        ``pool`` (which holds the row's blocks and length for them and the u.shape[1] - 1 steps after them:
+        PagedKVCachePool.extend), then those steps -> (drafts [1, S], the last output [1, H], q [1, S, N]), the same
+        ops as draft_round's, so the same drafts. A round's drafting was a compiled graph entered cold after every
+        verify: ~1.8 ms for 3 drafts, of which the kernels' own work was ~0.75 (issue 33's c)."""
+        (packed, formats, outs, norms, eps), = self._native
+        S = u.shape[1]
+        self.rotary.reserve(start + tokens.shape[0] + S - 2, features.device, features.dtype)
+        k, v = pool.k[0], pool.v[0]
+        return torch.ops.infer.eagle3_round(
+            tokens, features, packed, formats, outs, norms, eps, self._target.target.embed_tokens.weight,
+            self.draft_ids, self.rotary._cos, self.rotary._sin, k, v, pool.block_table(slot), pool.block_size, start,
+            self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim, temperature, u)
+
     def unroll(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int, select: torch.Tensor | None = None,
                embed: nn.Embedding | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """Training-time test (EAGLE-3): the outputs drafting would compute over ``steps`` draft steps, teacher

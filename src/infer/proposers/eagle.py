@@ -11,7 +11,9 @@ entries 0 .. L-2 built from *true* features, and drafting continues from there:
   step j     entry L-2+j = fc([embed(d_j); f^_{L-2+j}]) -> f^_{L-1+j} -> d_{j+1}
 
 Over a draft vocabulary, greedy or sampled at a temperature (rows with top-k / top-p / min-p draw from their plain
-temperature law there: base.temperature_law_drafts), a round whose rows all draft >= 2 runs its catch-up, the
+temperature law there: base.temperature_law_drafts), a lone row's round with an EAGLE-3 head the C++ op runs
+(quantized, bfloat16, a paged draft pool) is one call of it, every step included (Eagle3Head.native_round). Else a
+round whose rows all draft >= 2 runs its catch-up, the
 draw of d_1 and up to CHAIN_MAX steps as one compiled call (EagleHead.draft_round), and any later steps as chains
 (EagleHead.draft_chain). Otherwise the first step runs apart with an eager draw (DraftDrawer), followed by chains
 where the vocabulary and sampling allow them, else by single steps.
@@ -38,6 +40,7 @@ import weakref
 import torch
 
 from ..cache.base import TreeAttn
+from ..cache.paged import PagedKVCachePool
 from ..model.draft_heads import Eagle3Head, EagleHead
 from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
 from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced, temperature_law_drafts
@@ -55,6 +58,7 @@ class EagleProposer(Proposer):
     uses_draft_model = True
     uses_features = True
     fused = True  # a round's first step and its chain in one compiled call (False: apart, for A/B)
+    native = True  # a lone row's EAGLE-3 round in one C++ call where the head allows it (False: compiled, for A/B)
 
     def __init__(self, head: EagleHead | Eagle3Head, kv, draft_vocab: DraftVocab | None = None):
         if isinstance(head, Eagle3Head):
@@ -71,6 +75,12 @@ class EagleProposer(Proposer):
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
         self.features.add(req, start, hidden)  # the head's columns are cut where a round reads them
+
+    def _native(self, pool, vocab) -> bool:
+        """Whether a lone row's round runs as one C++ call (Eagle3Head.native_round): an EAGLE-3 head the op runs
+        (quantized to a block type, bfloat16, on the CPU), its own draft vocabulary, a paged draft pool."""
+        return self.native and isinstance(self.head, Eagle3Head) and isinstance(vocab, HeadVocab) and \
+            vocab._head is self.head and isinstance(pool, PagedKVCachePool) and self.head.native_round_ready()
 
     def _fed_len(self, req) -> int:
         return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
@@ -156,6 +166,15 @@ class EagleProposer(Proposer):
         chain = CHAIN_MAX > 0 and batch.grammar is None and not batch.keep_logits and drawer.dv is not None and \
             (batch.sampling is None or temperature_law_drafts(batch.sampling))
         j, prev_idx = 0, None
+        if chain and len(idx) == 1 and self._native(pool, drawer.dv):
+            # a lone row's whole round (catch-up, first draw, every later step) in one C++ call
+            b, slot = idx[0], dslots[idx[0]]
+            m = ks[b] - 1
+            start = pool.extend(slot, len(toks[0]) + m)
+            temp, u = self._uniforms(batch, idx, m + 1, dev)
+            drafts, _, q = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u)
+            drawer.put(0, idx, drafts, q)
+            j = ks[b]
         while j < max(ks):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
             if j == 0 and chain and self.fused and min(ks[b] for b in idx) > 1 and \
