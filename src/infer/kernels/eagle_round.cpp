@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "ops.h"
@@ -121,17 +122,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
   for (int64_t p = 0; p <= last_pos; ++p)
     TORCH_CHECK(rp[p] >= 0 && rp[p] < k_cache.size(0), "infer::eagle3_round: block table outside the cache");
 
-  const bool sampled = temperature.item<float>() > 0;
-  const float t = sampled ? temperature.item<float>() : 1.0f;
-  const double* up = u.contiguous().data_ptr<double>();
-  const int64_t* ids = draft_ids.data_ptr<int64_t>();
-  const BF* emb = embed.data_ptr<BF>();
+  const float temp = temperature.item<float>();
+  const bool sampled = temp > 0;
+  const float t = sampled ? temp : 1.0f;
+  // held for the call: the pointers below read them
+  const auto uc = u.contiguous(), idc = draft_ids.contiguous(), embc = embed.contiguous();
+  const double* up = uc.data_ptr<double>();
+  const int64_t* ids = idc.data_ptr<int64_t>();
+  const BF* emb = embc.data_ptr<BF>();
   const int64_t V = embed.size(0);
   auto drafts = at::empty({1, S}, tokens.options());
   auto q = at::empty({1, S, N}, features.options().dtype(at::kFloat));
   int64_t* dp = drafts.data_ptr<int64_t>();
 
   at::Tensor hidden = features.size(1) == H ? features.contiguous() : hd.linear(0, features);  // [T, H]
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && draft_ids.scalar_type() == at::kLong,
+              "infer::eagle3_round: int64 tokens and draft ids expected");
   at::Tensor tok = tokens.contiguous();
   const int64_t* tk = tok.data_ptr<int64_t>();
   std::vector<int64_t> step_tokens(tk, tk + T);

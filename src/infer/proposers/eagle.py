@@ -266,11 +266,13 @@ class EagleProposer(Proposer):
         it (``draft_round``), and chains of the later steps' lengths (a graph each, whatever the vocabulary and
         sampling) (engine.warmup builds their compiled graphs), for ``rows`` rows
         at once (contexts of ctx, ctx + 1, ...: masked steps, as a served batch's), and then one of those rows alone
-        (its blocks interleaved with the others')."""
+        (its blocks interleaved with the others'). A lone row whose rounds run as one C++ call (``_native``) needs
+        only the single steps (a long catch-up's, a tree's, a step whose draw the chain cannot make)."""
         lens = [ctx + i for i in range(rows)]
         chains = range(1, min(CHAIN_MAX, max(widths) - 2) + 1)  # a round's later steps: K - 1, K <= max(widths) - 1
         vocab = self._vocab.widened(self.draft_vocab)
         chains = chains if vocab is not None else []
+        native = self._native(pool, vocab)  # a lone row's rounds are one C++ call: its rounds' graphs never run
         slots = [pool.allocate(n + max(widths) + 1) for n in lens]
         try:
             self._forward(slots, [[1] * n for n in lens], [self._zeros(n, self._width) for n in lens], pool=pool)
@@ -280,6 +282,8 @@ class EagleProposer(Proposer):
                     self._forward(sub, [[1]] * len(sub), list(out[:, -1:]), pool=pool)
                     for s, n in zip(sub, lens):
                         pool.truncate_to(s, n)
+                if native and len(sub) == 1:
+                    continue
                 tok = torch.ones(len(sub), dtype=torch.long, device=self.head.device)
                 temp = torch.ones(len(sub), device=self.head.device)
                 for t in (widths if chains else []):  # fused rounds: a catch-up of t entries and m chained steps
