@@ -304,7 +304,7 @@ class Eagle3Head(DraftHead):
             norms = [self.layer.input_layernorm, self.layer.hidden_norm, self.layer.post_attention_layernorm, self.norm]
             ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.available()
                   and all(isinstance(m, BlockLinear) and m.bias is None for m in lins)
-                  and len({n.eps for n in norms}) == 1 and torch.ops.infer.eagle3_round is not None)
+                  and len({n.eps for n in norms}) == 1)
             self._native = ((tuple(m.packed for m in lins), [m.format_id for m in lins],
                              [m.out_features for m in lins], tuple(n.weight for n in norms), norms[0].eps),) \
                 if ok else ()
