@@ -207,14 +207,7 @@ class PagedKVCachePool(KVCachePool):
     def prepare(self, slots: list[int], num_new: list[int], device=None, tree: TreeAttn | None = None) -> AttnMeta:
         device = device or self.device
         bs = self.block_size
-        start = [self._lens[s] for s in slots]
-        for s, st, n in zip(slots, start, num_new):
-            if st + n > self.max_seq_len:
-                raise ValueError(f"slot {s}: {st} + {n} tokens exceed max_seq_len {self.max_seq_len}")
-        if sum(self.blocks_needed(s, st + n) for s, st, n in zip(slots, start, num_new)) > self.num_free_blocks:
-            raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
-        for s, st, n in zip(slots, start, num_new):
-            self._grow(s, st + n)
+        start = self._reserve(slots, num_new)
         positions, mask, kv_len, is_causal = build_positions(start, num_new, device)
         write_pos = positions  # one row: the positions written (update() adds the first block's storage row)
         if tree is not None:  # written as a chain, positioned and masked as a tree
@@ -243,23 +236,27 @@ class PagedKVCachePool(KVCachePool):
                         num_new=num_new, positions=positions, write_pos=write_pos.to(device), kv_len=kv_len,
                         mask=mask, is_causal=is_causal, read_pos=read_pos.to(device))
 
-    def _grow(self, slot: int, new_len: int) -> None:
-        table = self._tables[slot]
-        while len(table) * self.block_size < new_len:
-            table.append(self._take_block())
-        self._lens[slot] = new_len
+    def _reserve(self, slots: list[int], num_new: list[int]) -> list[int]:
+        """Take the blocks for ``num_new`` more positions of each slot and advance their lengths -> the first new
+        positions (refused whole, nothing taken, where a row would pass max_seq_len or the blocks run out)."""
+        start = [self._lens[s] for s in slots]
+        for s, st, n in zip(slots, start, num_new):
+            if st + n > self.max_seq_len:
+                raise ValueError(f"slot {s}: {st} + {n} tokens exceed max_seq_len {self.max_seq_len}")
+        if sum(self.blocks_needed(s, st + n) for s, st, n in zip(slots, start, num_new)) > self.num_free_blocks:
+            raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
+        for s, st, n in zip(slots, start, num_new):
+            table = self._tables[s]
+            while len(table) * self.block_size < st + n:
+                table.append(self._take_block())
+            self._lens[s] = st + n
+        return start
 
     def extend(self, slot: int, n: int) -> int:
         """Take the blocks for ``n`` more positions of ``slot`` and advance its length, as ``prepare`` does, without
         a plan: for a caller that addresses the storage itself through ``block_table`` (an EAGLE-3 head's round in
         one C++ call, Eagle3Head.native_round). -> the first new position."""
-        start = self._lens[slot]
-        if start + n > self.max_seq_len:
-            raise ValueError(f"slot {slot}: {start} + {n} tokens exceed max_seq_len {self.max_seq_len}")
-        if self.blocks_needed(slot, start + n) > self.num_free_blocks:
-            raise RuntimeError("KV pool exhausted: not enough free blocks for this forward")
-        self._grow(slot, start + n)
-        return start
+        return self._reserve([slot], [n])[0]
 
     def block_table(self, slot: int) -> torch.Tensor:
         """[blocks] int64: the storage block of each block of ``slot``'s positions (position p is storage row

@@ -43,7 +43,7 @@ int64_t draw(const float* l, int64_t N, float t, bool sampled, double u, float* 
   using Vec = at::vec::Vectorized<float>;
   const int64_t V = Vec::size();
   // logits / T: a division, as the module's (l / where(sampled, T, 1))
-  std::vector<float>& x = *[] { thread_local std::vector<float> b; return &b; }();
+  thread_local std::vector<float> x;
   x.resize(N);
   int64_t best = 0;
   float mx = -std::numeric_limits<float>::infinity();
@@ -99,6 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
               k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
               cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "infer::eagle3_round: bfloat16 activations, embedding, tables and cache expected");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && draft_ids.scalar_type() == at::kLong,
+              "infer::eagle3_round: int64 tokens and draft ids expected");
   const int64_t T = tokens.size(0), S = u.size(1), H = embed.size(1), D = head_dim;
   const int64_t q_size = heads * D, kv_size = kv_heads * D, N = outs[5];
   TORCH_CHECK(tokens.dim() == 1 && T >= 1 && features.dim() == 2 && features.size(0) == T && S >= 1 &&
@@ -118,9 +120,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
   auto row_of = [&](int64_t p) { return tp[p / block_size] * block_size + p % block_size; };
   auto rows = at::empty({1, last_pos + 1}, tab.options());  // storage rows of positions 0 .. last_pos
   int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t p = 0; p <= last_pos; ++p) rp[p] = row_of(p);
-  for (int64_t p = 0; p <= last_pos; ++p)
+  for (int64_t p = 0; p <= last_pos; ++p) {
+    rp[p] = row_of(p);
     TORCH_CHECK(rp[p] >= 0 && rp[p] < k_cache.size(0), "infer::eagle3_round: block table outside the cache");
+  }
 
   const float temp = temperature.item<float>();
   const bool sampled = temp > 0;
@@ -136,8 +139,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
   int64_t* dp = drafts.data_ptr<int64_t>();
 
   at::Tensor hidden = features.size(1) == H ? features.contiguous() : hd.linear(0, features);  // [T, H]
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && draft_ids.scalar_type() == at::kLong,
-              "infer::eagle3_round: int64 tokens and draft ids expected");
   at::Tensor tok = tokens.contiguous();
   const int64_t* tk = tok.data_ptr<int64_t>();
   std::vector<int64_t> step_tokens(tk, tk + T);
