@@ -16,7 +16,8 @@ index-returning reductions are not vectorised on CPU (~130 us a row over SmolLM2
 is a dozen passes over the vocabulary).
 
 ``infer::eagle3_round`` (eagle_round.cpp) is a lone row's EAGLE-3 draft round in one call: the ops above chained as
-C++ functions (ops.h), for a round that starts cold after every verify (model.draft_heads.Eagle3Head.native_round).
+C++ functions over pointers (ops.h), for a round that starts cold after every verify
+(model.draft_heads.Eagle3Head.native_round).
 
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's

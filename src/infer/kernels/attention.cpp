@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec8.h"
 
 namespace {
@@ -409,17 +410,30 @@ inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride,
 constexpr bool kWide = false;
 #endif
 
+// A call's operands as pointers: q [B, H, Tq, D] at strides qst; k, v [B, Hkv, L, D] at strides ks, vs, or with rows
+// [B, L] a paged pool's storage [R, Hkv, D] (strides: a storage row, a KV head); out [B, Tq, H, D] contiguous
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-            std::array<int64_t, 3> mstride, const int64_t* rows, const int64_t* lens, int64_t L, at::Tensor& out) {
-  // k, v: [B, Hkv, L, D], or with rows [B, L] a paged pool's storage [R, Hkv, D]
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3), D8 = D & ~int64_t(7);
-  const int64_t Hkv = k.size(1), G = H / Hkv;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();  // [B, T, H, D] contiguous
-  const auto qst = q.strides(), ks = k.strides(), vs = v.strides();
+struct Operands {
+  const T* q;
+  std::array<int64_t, 3> qst;
+  int64_t B, H, Tq, D;
+  const T* k;
+  const T* v;
+  std::array<int64_t, 3> ks, vs;
+  int64_t Hkv;
+  T* out;
+};
+
+template <typename T>
+void attend(const Operands<T>& a, const bool* mask, std::array<int64_t, 3> mstride, const int64_t* rows,
+            const int64_t* lens, int64_t L) {
+  const int64_t B = a.B, H = a.H, Tq = a.Tq, D = a.D, D8 = D & ~int64_t(7);
+  const int64_t Hkv = a.Hkv, G = H / Hkv;
+  const T* qp = a.q;
+  const T* kp = a.k;
+  const T* vp = a.v;
+  T* op = a.out;  // [B, T, H, D] contiguous
+  const auto &qst = a.qst, &ks = a.ks, &vs = a.vs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   [[maybe_unused]] const bool wide_d = kWide && D % 16 == 0;
   // groups of at most 6 at D = 64 on the wide path: values64 keeps all of a group's outputs in registers
@@ -487,7 +501,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 
 }  // namespace
 
-// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+// The op's entry, and its kernel over pointers for the other kernels (ops.h: eagle_round.cpp chains those)
 namespace infer_kernels {
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -543,9 +557,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tens
   }
   const int64_t* lp = lens.defined() ? lens.data_ptr<int64_t>() : nullptr;
   auto out = at::empty({B, Tq, H, D}, q.options());
-  if (q.scalar_type() == at::kFloat) attend<float>(qq, k, v, mask, ms, rp, lp, L, out);
-  else attend<c10::BFloat16>(qq, k, v, mask, ms, rp, lp, L, out);
+  auto strides3 = [](const at::Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
+  if (q.scalar_type() == at::kFloat)
+    attend(Operands<float>{qq.data_ptr<float>(), strides3(qq), B, H, Tq, D, k.data_ptr<float>(), v.data_ptr<float>(),
+                           strides3(k), strides3(v), k.size(1), out.data_ptr<float>()}, mask, ms, rp, lp, L);
+  else
+    attend(Operands<c10::BFloat16>{qq.data_ptr<c10::BFloat16>(), strides3(qq), B, H, Tq, D,
+                                   k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), strides3(k), strides3(v),
+                                   k.size(1), out.data_ptr<c10::BFloat16>()}, mask, ms, rp, lp, L);
   return out.transpose(1, 2);
+}
+
+void attention_paged_row(const c10::BFloat16* q, int64_t heads, int64_t head_dim, const c10::BFloat16* k,
+                         const c10::BFloat16* v, int64_t kv_heads, const int64_t* rows, int64_t L,
+                         c10::BFloat16* out) {
+  const int64_t row = kv_heads * head_dim;  // a storage row: [Hkv, D] contiguous
+  attend(Operands<c10::BFloat16>{q, {heads * head_dim, head_dim, heads * head_dim}, 1, heads, 1, head_dim, k, v,
+                                 {row, head_dim, 0}, {row, head_dim, 0}, kv_heads, out},
+         nullptr, {0, 0, 0}, rows, nullptr, L);
 }
 
 }  // namespace infer_kernels

@@ -4,8 +4,9 @@
 // entered through Python, Dynamo's guards and AOT autograd's wrapper. Every round starts cold (the verify before it
 // streamed ~120 MB of the target's weights through the caches), and each line of host code or data that path walks
 // comes back from memory (~90 ns a line here): the round cost 1.77 ms cold against 0.99 ms warm, of which its
-// products (the kernels' own time) were 0.70. This op is the same ops in C++, called as C++ functions (ops.h), so a
-// round's host work is one call's.
+// products (the kernels' own time) were 0.70. This op is the same kernels in C++, entered at their pointer level
+// (ops.h's *_into) over rows kept by the calling thread: a round's host work is one call's, and it makes no tensor
+// but its three outputs.
 //
 // The same numerics as the module's ops, step by step (tests/test_draft_heads.py compares drafts, outputs, the drafts'
 // laws and the cache): every product, norm, rotation, SiLU and the attention are the same kernels; a bfloat16 add
@@ -71,15 +72,13 @@ int64_t draw(const float* l, int64_t N, float t, bool sampled, double u, float* 
   return N - 1;
 }
 
-struct Head {
-  std::vector<at::Tensor> packed;  // fc, qkv, o, gate_up, down, lm_head
-  std::vector<int64_t> formats, outs;
-  std::vector<at::Tensor> norms;  // input_layernorm (embedding), hidden_norm, post_attention_layernorm, final norm
-  double eps;
-  at::Tensor linear(int i, const at::Tensor& x, bool float_out = false) const {
-    return infer_kernels::qlinear(x, packed[i], formats[i], outs[i], c10::nullopt, float_out);
-  }
-  at::Tensor norm(int i, const at::Tensor& x) const { return infer_kernels::rms_norm(x, norms[i], eps, c10::nullopt); }
+// A round's working rows, kept by the calling thread: a round makes no tensor but its three outputs (after the verify
+// streamed the target's weights, each tensor made cost ~4 us of allocator and bookkeeping lines read cold: ~60 of
+// them were up to ~0.2 ms of a round of 3 drafts)
+struct Scratch {
+  std::vector<BF> hidden, e, x, qkv, qk, o, a, normed, gu, act, m;
+  std::vector<float> logits;
+  std::vector<int64_t> rows;
 };
 
 // tokens [T] int64 (the catch-up entries' tokens), features [T, W] (the target's captured layers, fused by fc; W = H:
@@ -95,91 +94,129 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     const at::Tensor& temperature, const at::Tensor& u) {
   TORCH_CHECK(packed.size() == 6 && formats.size() == 6 && outs.size() == 6 && norms.size() == 4,
               "infer::eagle3_round: 6 products (fc, qkv, o, gate_up, down, lm_head) and 4 norms expected");
-  TORCH_CHECK(features.scalar_type() == at::kBFloat16 && embed.scalar_type() == at::kBFloat16 &&
-              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-              cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-              "infer::eagle3_round: bfloat16 activations, embedding, tables and cache expected");
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && draft_ids.scalar_type() == at::kLong,
-              "infer::eagle3_round: int64 tokens and draft ids expected");
+  auto bf16 = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kBFloat16; };
+  TORCH_CHECK(bf16(features) && bf16(embed) && bf16(k_cache) && bf16(v_cache) && bf16(cos) && bf16(sin) &&
+              bf16(norms[0]) && bf16(norms[1]) && bf16(norms[2]) && bf16(norms[3]),
+              "infer::eagle3_round: bfloat16 activations, embedding, norms, tables and cache expected");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && draft_ids.scalar_type() == at::kLong &&
+              table.scalar_type() == at::kLong, "infer::eagle3_round: int64 tokens, draft ids and table expected");
   const int64_t T = tokens.size(0), S = u.size(1), H = embed.size(1), D = head_dim;
-  const int64_t q_size = heads * D, kv_size = kv_heads * D, N = outs[5];
+  const int64_t q_size = heads * D, kv_size = kv_heads * D, N = outs[5], W = features.size(1);
+  const int64_t I = outs[3] / 2;  // the MLP's width (gate | up)
   TORCH_CHECK(tokens.dim() == 1 && T >= 1 && features.dim() == 2 && features.size(0) == T && S >= 1 &&
-              u.dim() == 2 && u.size(0) == 1 && u.scalar_type() == at::kDouble && temperature.numel() == 1 &&
-              draft_ids.numel() == N && outs[1] == q_size + 2 * kv_size,
+              u.dim() == 2 && u.size(0) == 1 && u.scalar_type() == at::kDouble && u.is_contiguous() &&
+              temperature.numel() == 1 && draft_ids.numel() == N && outs[1] == q_size + 2 * kv_size &&
+              outs[0] == H && outs[2] == H && outs[4] == H && outs[3] % 2 == 0 && embed.dim() == 2 &&
+              cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes() && norms[0].numel() == H &&
+              norms[1].numel() == H && norms[2].numel() == H && norms[3].numel() == H,
               "infer::eagle3_round: shapes do not match (tokens ", tokens.sizes(), ", features ", features.sizes(),
               ", u ", u.sizes(), ")");
   const int64_t last_pos = start + T + S - 2;  // the last entry the round writes
   TORCH_CHECK(start >= 0 && last_pos < cos.size(0) && last_pos / block_size < table.size(0) &&
               k_cache.dim() == 3 && k_cache.size(1) == kv_heads && k_cache.size(2) == D &&
-              k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              k_cache.sizes() == v_cache.sizes(),
               "infer::eagle3_round: positions up to ", last_pos, " outside the rotary tables, the block table or "
               "the cache's layout");
-  const Head hd{packed.vec(), formats.vec(), outs.vec(), norms.vec(), eps};
-  const auto tab = table.contiguous();
-  const int64_t* tp = tab.data_ptr<int64_t>();
-  auto row_of = [&](int64_t p) { return tp[p / block_size] * block_size + p % block_size; };
-  auto rows = at::empty({1, last_pos + 1}, tab.options());  // storage rows of positions 0 .. last_pos
-  int64_t* rp = rows.data_ptr<int64_t>();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "infer::eagle3_round: the cache is written in "
+              "place and must be contiguous");
+  // borrowed where contiguous (every caller's case), a copy held for the call else
+  const auto tab = table.expect_contiguous(), tok = tokens.expect_contiguous(), feat = features.expect_contiguous(),
+             idc = draft_ids.expect_contiguous(), emc = embed.expect_contiguous(), uc = u.expect_contiguous(),
+             cc = cos.expect_contiguous(), scn = sin.expect_contiguous(), n0 = norms[0].expect_contiguous(),
+             n1 = norms[1].expect_contiguous(), n2 = norms[2].expect_contiguous(), n3 = norms[3].expect_contiguous();
+  thread_local Scratch sc;
+  const int64_t* tp = tab->data_ptr<int64_t>();
+  sc.rows.resize(last_pos + 1);  // storage rows of positions 0 .. last_pos
+  int64_t* rp = sc.rows.data();
   for (int64_t p = 0; p <= last_pos; ++p) {
-    rp[p] = row_of(p);
+    rp[p] = tp[p / block_size] * block_size + p % block_size;
     TORCH_CHECK(rp[p] >= 0 && rp[p] < k_cache.size(0), "infer::eagle3_round: block table outside the cache");
   }
 
-  const float temp = temperature.item<float>();
+  // the temperature read where it lies (a 0-d or 1-element CPU tensor): .item() is a dispatcher call
+  const bool t_direct = temperature.device().is_cpu() &&
+                        (temperature.scalar_type() == at::kFloat || temperature.scalar_type() == at::kDouble);
+  const float temp = !t_direct ? temperature.item<float>()
+                     : temperature.scalar_type() == at::kFloat ? *temperature.data_ptr<float>()
+                                                               : static_cast<float>(*temperature.data_ptr<double>());
   const bool sampled = temp > 0;
   const float t = sampled ? temp : 1.0f;
-  // held for the call: the pointers below read them
-  const auto uc = u.contiguous(), idc = draft_ids.contiguous(), embc = embed.contiguous();
-  const double* up = uc.data_ptr<double>();
-  const int64_t* ids = idc.data_ptr<int64_t>();
-  const BF* emb = embc.data_ptr<BF>();
+  const double* up = uc->data_ptr<double>();
+  const int64_t* ids = idc->data_ptr<int64_t>();
+  const BF* emb = emc->data_ptr<BF>();
+  const BF* cp = cc->data_ptr<BF>();
+  const BF* snp = scn->data_ptr<BF>();
+  BF* kc = k_cache.data_ptr<BF>();
+  BF* vc = v_cache.data_ptr<BF>();
+  const BF* nw[4] = {n0->data_ptr<BF>(), n1->data_ptr<BF>(), n2->data_ptr<BF>(), n3->data_ptr<BF>()};
   const int64_t V = embed.size(0);
   auto drafts = at::empty({1, S}, tokens.options());
+  auto last = at::empty({1, H}, features.options());  // the last output; the residual stream h of each step meanwhile
   auto q = at::empty({1, S, N}, features.options().dtype(at::kFloat));
   int64_t* dp = drafts.data_ptr<int64_t>();
+  BF* h = last.data_ptr<BF>();
+  auto linear = [&](int i, const BF* x, int64_t rows, int64_t K, void* y, bool float_out = false) {
+    infer_kernels::qlinear_into(x, rows, K, packed[i], formats[i], outs[i], y, float_out);
+  };
+  sc.e.resize(T * H);
+  sc.x.resize(T * 2 * H);
+  sc.qkv.resize(T * outs[1]);
+  sc.qk.resize(T * (q_size + kv_size));
+  sc.o.resize(q_size);
+  sc.a.resize(H);
+  sc.normed.resize(H);
+  sc.gu.resize(2 * I);
+  sc.act.resize(I);
+  sc.m.resize(H);
+  sc.logits.resize(N);
 
-  at::Tensor hidden = features.size(1) == H ? features.contiguous() : hd.linear(0, features);  // [T, H]
-  at::Tensor tok = tokens.contiguous();
-  const int64_t* tk = tok.data_ptr<int64_t>();
-  std::vector<int64_t> step_tokens(tk, tk + T);
+  const BF* hidden = feat->data_ptr<BF>();  // [n, H] the step's entries' hidden inputs
+  if (W != H) {  // the captured layers fused by fc
+    sc.hidden.resize(T * H);
+    linear(0, hidden, T, W, sc.hidden.data());
+    hidden = sc.hidden.data();
+  }
+  const int64_t* tk = tok->data_ptr<int64_t>();
   int64_t pos0 = start;  // the step's first entry's position
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = s == 0 ? T : 1;
-    auto e = at::empty({n, H}, hidden.options());  // the entries' token embeddings
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(step_tokens[i] >= 0 && step_tokens[i] < V, "infer::eagle3_round: token id outside the embedding");
-      std::memcpy(e.data_ptr<BF>() + i * H, emb + step_tokens[i] * H, H * sizeof(BF));
+    for (int64_t i = 0; i < n; ++i) {  // the entries' token embeddings
+      const int64_t token = s == 0 ? tk[i] : dp[s - 1];
+      TORCH_CHECK(token >= 0 && token < V, "infer::eagle3_round: token id outside the embedding");
+      std::memcpy(sc.e.data() + i * H, emb + token * H, H * sizeof(BF));
     }
     // attention's input [norm(embedding); norm(hidden)] -> q, k, v for every entry
-    auto x = at::cat({hd.norm(0, e), hd.norm(1, hidden)}, 1);
-    auto qkv = hd.linear(1, x);  // [n, q + 2 kv]
-    auto qk = infer_kernels::rope(qkv, cos.narrow(0, pos0, n), sin.narrow(0, pos0, n), heads + kv_heads, D,
-                                  c10::nullopt);  // [n, (heads + kv_heads) D]
-    const BF* qkp = qk.data_ptr<BF>();
-    const BF* vp = qkv.data_ptr<BF>() + q_size + kv_size;
+    infer_kernels::rms_norm_into(sc.e.data(), nw[0], sc.x.data(), n, H, 2 * H, eps);
+    infer_kernels::rms_norm_into(hidden, nw[1], sc.x.data() + H, n, H, 2 * H, eps);
+    linear(1, sc.x.data(), n, 2 * H, sc.qkv.data());  // [n, q + 2 kv]
+    const int64_t qk_w = q_size + kv_size;
+    infer_kernels::rope_into(sc.qkv.data(), outs[1], cp + pos0 * D, snp + pos0 * D, sc.qk.data(), n,
+                             heads + kv_heads, D);  // [n, (heads + kv_heads) D]
     for (int64_t i = 0; i < n; ++i) {  // the entries' keys and values to their storage rows
       const int64_t r = rp[pos0 + i];
-      std::memcpy(k_cache.data_ptr<BF>() + r * kv_size, qkp + i * (q_size + kv_size) + q_size, kv_size * sizeof(BF));
-      std::memcpy(v_cache.data_ptr<BF>() + r * kv_size, vp + i * outs[1], kv_size * sizeof(BF));
+      std::memcpy(kc + r * kv_size, sc.qk.data() + i * qk_w + q_size, kv_size * sizeof(BF));
+      std::memcpy(vc + r * kv_size, sc.qkv.data() + i * outs[1] + q_size + kv_size, kv_size * sizeof(BF));
     }
     // the last entry's query over every key so far (it sees them all: no mask)
-    const int64_t kv_len = pos0 + n;
-    auto qv = qk.narrow(0, n - 1, 1).view({1, 1, heads + kv_heads, D}).narrow(2, 0, heads).transpose(1, 2);
-    auto o = infer_kernels::attention(qv, k_cache, v_cache, c10::nullopt, rows.narrow(1, 0, kv_len), c10::nullopt);
-    auto h = hidden.narrow(0, n - 1, 1).clone();  // [1, H] the residual stream of the last entry
-    auto a = hd.linear(2, o.transpose(1, 2).reshape({1, q_size}));
-    add_into(h.data_ptr<BF>(), a.data_ptr<BF>(), H);
-    auto m = hd.linear(4, infer_kernels::silu_mul(hd.linear(3, hd.norm(2, h)), c10::nullopt));
-    add_into(h.data_ptr<BF>(), m.data_ptr<BF>(), H);
+    infer_kernels::attention_paged_row(sc.qk.data() + (n - 1) * qk_w, heads, D, kc, vc, kv_heads, rp, pos0 + n,
+                                       sc.o.data());
+    if (h != hidden + (n - 1) * H) std::memcpy(h, hidden + (n - 1) * H, H * sizeof(BF));  // the last entry's stream
+    linear(2, sc.o.data(), 1, q_size, sc.a.data());
+    add_into(h, sc.a.data(), H);
+    infer_kernels::rms_norm_into(h, nw[2], sc.normed.data(), 1, H, H, eps);
+    linear(3, sc.normed.data(), 1, H, sc.gu.data());
+    infer_kernels::silu_mul_into(sc.gu.data(), sc.act.data(), 1, I);
+    linear(4, sc.act.data(), 1, I, sc.m.data());
+    add_into(h, sc.m.data(), H);
     // the draw over the draft vocabulary
-    auto logits = hd.linear(5, hd.norm(3, h), true);  // [1, N] float32 holding bfloat16 values
-    const int64_t col = draw(logits.data_ptr<float>(), N, t, sampled, up[s], q.data_ptr<float>() + s * N);
+    infer_kernels::rms_norm_into(h, nw[3], sc.normed.data(), 1, H, H, eps);
+    linear(5, sc.normed.data(), 1, H, sc.logits.data(), true);  // [N] float32 holding bfloat16 values
+    const int64_t col = draw(sc.logits.data(), N, t, sampled, up[s], q.data_ptr<float>() + s * N);
     dp[s] = ids[col];
-    step_tokens.assign(1, dp[s]);
     hidden = h;
     pos0 += n;
   }
-  return {drafts, hidden, q};
+  return {drafts, last, q};
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include "ops.h"
 #include "rows.h"
 
 namespace {
@@ -50,7 +51,7 @@ void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
 
 }  // namespace
 
-// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+// The op's entry, and its kernel over pointers for the other kernels (ops.h: eagle_round.cpp chains those)
 namespace infer_kernels {
 
 // lens: [B] real rows of a padded [B, T] forward (rows.h): the pads are skipped, their outputs left unwritten
@@ -78,6 +79,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
     }
   }, [](int64_t, int64_t) {});
   return y;
+}
+
+void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n,
+                   int64_t y_stride, double eps) {
+  for (int64_t m = 0; m < rows; ++m) norm_row(x + m * n, w, y + m * y_stride, n, static_cast<float>(eps));
 }
 
 }  // namespace infer_kernels

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ops.h"
 #include "rows.h"
 
 namespace {
@@ -192,7 +193,7 @@ void check_dtype(const char* op, const at::Tensor& t) {
 
 }  // namespace
 
-// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+// The ops' entries, and their kernels over pointers for the other kernels (ops.h: eagle_round.cpp chains those)
 namespace infer_kernels {
 
 // x [M, W] (rows may be strided: a view of the fused qkv product), cos/sin [M, D] -> [M, heads * D]: the first
@@ -239,6 +240,13 @@ at::Tensor silu_mul(const at::Tensor& x, const c10::optional<at::Tensor>& lens) 
   }, [](int64_t, int64_t) {});
   return y;
 }
+
+void rope_into(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* cos, const at::BFloat16* sin,
+               at::BFloat16* y, int64_t rows, int64_t heads, int64_t head_dim) {
+  rope_rows(x, x_stride, cos, sin, y, rows, heads, head_dim);
+}
+
+void silu_mul_into(const at::BFloat16* x, at::BFloat16* y, int64_t rows, int64_t n) { silu_mul_rows(x, y, rows, n); }
 
 }  // namespace infer_kernels
 

@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "rows.h"
 
 #if defined(__AVX2__)
@@ -617,9 +618,40 @@ const char* format_name(int64_t f) {
   return f == kQ8_0 ? "Q8_0" : f == kQ4_0 ? "Q4_0" : f == kQ4_1 ? "Q4_1" : f == kQ4_K ? "Q4_K" : nullptr;
 }
 
+// Checks that packed holds N rows of K columns in `format`'s blocks -> the blocks (of 32 columns) a row has
+int64_t blocks_of(const at::Tensor& packed, int64_t format, int64_t N, int64_t K) {
+  TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
+              " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+              packed.is_contiguous(), "infer::qlinear: packed blocks must be contiguous uint8 [N / 8, bytes] on the "
+              "CPU, got ", packed.sizes(), " ", packed.scalar_type());
+  // bytes per chunk and the columns it covers
+  const int64_t cb = format == kQ8_0 ? kChunkBytes<kQ8_0> : format == kQ4_0 ? kChunkBytes<kQ4_0>
+                     : format == kQ4_1 ? kChunkBytes<kQ4_1> : kQ4KChunk;
+  const int64_t cols = format == kQ4_K ? 256 : 32;
+  const int64_t nb = packed.size(1) / cb * (cols / 32);
+  TORCH_CHECK(packed.size(1) % cb == 0 && nb * 32 >= K && nb * 32 - K < cols && packed.size(0) == (N + 7) / 8,
+              "infer::qlinear: ", format_name(format), " blocks packed as ", packed.sizes(), " do not hold ", N,
+              " rows of x's ", K, " columns (", (N + 7) / 8, " groups of 8 rows, ", cb, " bytes per block of ", cols,
+              ")");
+  return nb;
+}
+
+// The product of x's rows (all of them, or those of `map`) into y's rows: quantize, then multiply
+template <typename X>
+void product(const X* x, int64_t Mr, int64_t K, int64_t nb, const int64_t* map, const uint8_t* wp, int64_t format,
+             const Out& out) {
+  thread_local QuantX q;  // the calling thread's, reused: a step's ~200 calls allocate nothing after the first
+  quantize_rows(x, Mr, K, nb, q, map);
+  if (format == kQ8_0) run<kQ8_0>(wp, out.N, nb, q, Mr, out);
+  else if (format == kQ4_0) run<kQ4_0>(wp, out.N, nb, q, Mr, out);
+  else if (format == kQ4_1) run<kQ4_1>(wp, out.N, nb, q, Mr, out);
+  else run<kQ4_K>(wp, out.N, nb, q, Mr, out);
+}
+
 }  // namespace
 
-// The ops' entries, visible to the other kernels (ops.h: eagle_round.cpp calls them without the dispatcher)
+// The op's entry, and its kernel over pointers for the other kernels (ops.h: eagle_round.cpp chains those)
 namespace infer_kernels {
 
 // lens: [B] real tokens a row of a padded [B, T] forward (rows.h: the pads skipped, left unwritten); None: every row.
@@ -628,25 +660,16 @@ namespace infer_kernels {
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
                       const c10::optional<at::Tensor>& lens, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "infer::qlinear runs on the CPU");
-  TORCH_CHECK(format_name(format) != nullptr, "infer::qlinear: unsupported block type ", format,
-              " (GGML type id); supported: Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12)");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "infer::qlinear: x [M, K] and packed blocks [N / 8, bytes] "
               "expected, got ", x.sizes(), " and ", packed.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kByte, "infer::qlinear: packed blocks must be uint8, got ",
               packed.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "infer::qlinear: x must be float32 or bfloat16, got ", x.scalar_type());
-  // bytes per chunk and the columns it covers
-  const int64_t cb = format == kQ8_0 ? kChunkBytes<kQ8_0> : format == kQ4_0 ? kChunkBytes<kQ4_0>
-                     : format == kQ4_1 ? kChunkBytes<kQ4_1> : kQ4KChunk;
-  const int64_t cols = format == kQ4_K ? 256 : 32;
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, nb = packed.size(1) / cb * (cols / 32);
-  TORCH_CHECK(packed.size(1) % cb == 0 && nb * 32 >= K && nb * 32 - K < cols && packed.size(0) == (N + 7) / 8,
-              "infer::qlinear: ", format_name(format), " blocks packed as ", packed.sizes(), " do not hold ", N,
-              " rows of x's ", K, " columns (", (N + 7) / 8, " groups of 8 rows, ", cb, " bytes per block of ", cols,
-              ")");
-  auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   auto w = packed.contiguous();
+  const int64_t nb = blocks_of(w, format, N, K);
+  auto xc = x.contiguous();
   auto y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());  // written by the kernel
   // the real rows alone (rows.h): quantized and multiplied as a call of those rows, written to their places
   bool all_real;
@@ -654,17 +677,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format
   const int64_t* map = all_real ? nullptr : keep.data();
   const int64_t Mr = all_real ? M : static_cast<int64_t>(keep.size());
   if (Mr == 0) return y;  // the pads' outputs are left unwritten (rows.h)
-  thread_local QuantX q;  // the calling thread's, reused: a step's ~200 calls allocate nothing after the first
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16) quantize_rows(xc.data_ptr<c10::BFloat16>(), Mr, K, nb, q, map);
-  else quantize_rows(xc.data_ptr<float>(), Mr, K, nb, q, map);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   const Out out{y.data_ptr(), bf16 && !float_out, N, map, bf16 && float_out};
-  if (format == kQ8_0) run<kQ8_0>(wp, N, nb, q, Mr, out);
-  else if (format == kQ4_0) run<kQ4_0>(wp, N, nb, q, Mr, out);
-  else if (format == kQ4_1) run<kQ4_1>(wp, N, nb, q, Mr, out);
-  else run<kQ4_K>(wp, N, nb, q, Mr, out);
+  if (bf16) product(xc.data_ptr<c10::BFloat16>(), Mr, K, nb, map, w.data_ptr<uint8_t>(), format, out);
+  else product(xc.data_ptr<float>(), Mr, K, nb, map, w.data_ptr<uint8_t>(), format, out);
   return y;
+}
+
+void qlinear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
+                  void* y, bool float_out) {
+  const int64_t nb = blocks_of(packed, format, N, K);
+  product(x, M, K, nb, nullptr, packed.data_ptr<uint8_t>(), format, Out{y, !float_out, N, nullptr, float_out});
 }
 
 // Whether calls of several rows run the 16-lane pairs (the same bits either way) -> whether this build has them.
