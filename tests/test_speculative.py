@@ -241,3 +241,22 @@ def test_debug_view_plain_text(pair, capsys):
     out = capsys.readouterr().out
     assert "round   1 K=3" in out and "\033[" not in out  # not a TTY: no colour codes
     assert ("-> recovered" in out) or ("-> bonus" in out)
+    assert "no speculative round ran" not in out
+
+
+def test_debug_view_says_so_where_no_round_ran(gqa_dir, pair, capsys):
+    """One new token comes from the prompt's forward: no round runs, and the view says so instead of staying empty
+    (as where auto K prices every step at k = 0), through both entries that print rounds."""
+    from infer import LLM
+    from infer.tokenizer import Tokenizer
+
+    target, drafter, d = pair
+    speculative_generate(target, drafter, PROMPTS[0], SamplingParams(temperature=0, max_tokens=1), spec_length=3,
+                         eos_token_ids=[], tokenizer=Tokenizer(d), debug=True)
+    assert "no speculative round ran" in capsys.readouterr().out
+    llm = LLM(gqa_dir, draft_model=d, spec_length=2)
+    llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=1), debug=True)
+    assert "no speculative round ran" in capsys.readouterr().out
+    llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=6), debug=True)
+    out = capsys.readouterr().out
+    assert "round   1 K=2" in out and "no speculative round ran" not in out

@@ -90,6 +90,8 @@ class LLM:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
             reqs = self.engine.run(self.make_requests(prompts, sampling_params))
+            if debug and hasattr(decoder.on_round, "finish"):
+                decoder.on_round.finish()  # a RoundPrinter: says so where no round ran
         finally:
             if debug:
                 decoder.on_round = None

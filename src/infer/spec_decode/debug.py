@@ -53,3 +53,10 @@ class RoundPrinter:
     def __call__(self, record, request) -> None:
         self.count += 1
         print(format_round(self.count, record, self.text, self.color), file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        """After a generation: say so where no round ran (auto K may price every step at k = 0), rather than leave
+        the round-by-round view empty."""
+        if self.count == 0:
+            print("(no speculative round ran: every token came from a plain decoding step; auto K drafts only where "
+                  "its measured costs say a round beats plain decoding)", file=self.stream, flush=True)
