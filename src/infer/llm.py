@@ -84,14 +84,14 @@ class LLM:
         decoder = self.engine.decoder
         if debug and decoder is None:
             raise ValueError("debug shows speculative rounds: it needs speculative decoding (a draft_model)")
-        if debug:
-            from .spec_decode.debug import RoundPrinter
+        from .spec_decode.debug import RoundPrinter
 
+        if debug:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
             reqs = self.engine.run(self.make_requests(prompts, sampling_params))
-            if debug and hasattr(decoder.on_round, "finish"):
-                decoder.on_round.finish()  # a RoundPrinter: says so where no round ran
+            if debug and isinstance(decoder.on_round, RoundPrinter):
+                decoder.on_round.finish()  # says so where no round ran
         finally:
             if debug:
                 decoder.on_round = None

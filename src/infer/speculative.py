@@ -118,8 +118,10 @@ def speculative_generate(
     eos = target.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     req = engine.add_request(list(prompt_ids), params, generator=generator, eos_token_ids=eos)
     engine.run([req])
-    if hasattr(printer, "finish"):
-        printer.finish()  # a RoundPrinter: says so where no round ran
+    from .spec_decode.debug import RoundPrinter
+
+    if isinstance(printer, RoundPrinter):
+        printer.finish()  # says so where no round ran
     return req, stats
 
 
