@@ -102,7 +102,8 @@ def step_guards(entries) -> list[bool]:
 # warm-up thread, a drafter built in the engine thread) could see a half-initialised module. (The failures once
 # blamed on such a race, networkx's `utils.configs` missing in a later test, came from a warm-up thread stopped in
 # the middle of an import: engine.warmup's gate no longer stops or parks a thread there.)
-# A race that remains, seen once with a cold cache (2026-11-26): torch.fx's Tracer patches
+# A race that remains, seen with a cold cache (2026-11-26) and again in a CI run (2026-12-01, in
+# tests/test_compile.py's three compiled models, which now build one at a time): torch.fx's Tracer patches
 # torch.nn.Module.__call__ for the whole process while it traces, and an eager forward of another model in another
 # thread at that moment failed in FX's module_call_wrapper ("module is not installed as a submodule"). Not fixed:
 # the engine's own eager steps during its warm-up have not shown it (tests/test_warmup.py), but two engines in one
