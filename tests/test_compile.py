@@ -57,9 +57,9 @@ def test_compiled_models_in_one_process_keep_their_own_graphs(ckpt_dirs):
     precisions, compiled in one process must never run each other's graphs."""
     models = [(ckpt_dirs["gqa"], None), (ckpt_dirs["gqa"], "int8"), (ckpt_dirs["mha"], None)]
     eager = [_ids(LLM(d, quantization=q, compile=False, max_batch_size=1).generate(PROMPTS, GREEDY)) for d, q in models]
-    # each built before the next starts (no warm-up thread): this test is about which graphs run; a model serving
-    # eagerly while another's first trace runs in a thread is model/compile.py's known FX race (seen here in CI once)
-    compiled = [LLM(d, quantization=q, compile=True, max_batch_size=1, compile_in_background=False) for d, q in models]
+    # each compiles in its own warm-up thread while the others serve: FX's tracing stays in the tracing thread
+    # (model/fx_threads.py; this test once failed in CI on that race, tests/test_fx_threads.py shows it)
+    compiled = [LLM(d, quantization=q, compile=True, max_batch_size=1) for d, q in models]
     for _ in range(2):  # interleaved: each call finds the others' graphs already built
         assert [_ids(llm.generate(PROMPTS, GREEDY)) for llm in compiled] == eager
 

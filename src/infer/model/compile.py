@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from ..cachedir import cache_dir, drop_damaged
+from .fx_threads import confine_fx_tracing
 
 DEFAULT_CACHE_DIR = cache_dir("inductor")
 
@@ -102,12 +103,9 @@ def step_guards(entries) -> list[bool]:
 # warm-up thread, a drafter built in the engine thread) could see a half-initialised module. (The failures once
 # blamed on such a race, networkx's `utils.configs` missing in a later test, came from a warm-up thread stopped in
 # the middle of an import: engine.warmup's gate no longer stops or parks a thread there.)
-# A race that remains, seen with a cold cache (2026-11-26) and again in a CI run (2026-12-01, in
-# tests/test_compile.py's three compiled models, which now build one at a time): torch.fx's Tracer patches
-# torch.nn.Module.__call__ for the whole process while it traces, and an eager forward of another model in another
-# thread at that moment failed in FX's module_call_wrapper ("module is not installed as a submodule"). Not fixed:
-# the engine's own eager steps during its warm-up have not shown it (tests/test_warmup.py), but two engines in one
-# process, one serving eagerly while the other's first compile runs, can.
+# torch.fx's tracing changes the whole process while it runs (Module.__call__ patched, a flag every compiled function
+# checks), and inductor traces in the middle of a compile: another thread's eager forward or compiled call failed
+# there (a cold-cache start, a CI run). ``build`` confines it to the tracing thread first (fx_threads).
 _BUILD_LOCK = threading.Lock()
 
 
@@ -378,6 +376,7 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
                    "guard_filter_fn": step_guards}
 
         def build():
+            confine_fx_tracing()  # before torch.compile, which reads the tracing flag's check when it wraps
             configure_cache(cache_dir)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             # a copy each: torch.compile takes guard_filter_fn out of the dict it is given
