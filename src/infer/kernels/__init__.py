@@ -46,8 +46,10 @@ import torch
 from ..cachedir import cache_dir
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "linear.cpp", HERE / "qlinear.cpp", HERE / "attention.cpp", HERE / "norm.cpp",
-           HERE / "pointwise.cpp", HERE / "argmax.cpp", HERE / "sample.cpp", HERE / "eagle_round.cpp"]
+# the longest compiles first (ninja starts them in this order): attention's template instances take the longest
+SOURCES = [HERE / "attention.cpp", HERE / "qlinear.cpp", HERE / "linear.cpp", HERE / "registry.cpp",
+           HERE / "pointwise.cpp", HERE / "sample.cpp", HERE / "eagle_round.cpp", HERE / "norm.cpp",
+           HERE / "argmax.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 

@@ -8,15 +8,12 @@
 //
 // Semantics, as torch.argmax: the first maximal entry (-0.0 and +0.0 are equal); a row holding a NaN answers its first
 // NaN (NaN propagates through torch's max); a row of -inf answers 0. float32 and bfloat16 (widened exactly).
-
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <limits>
 
+#include "ops.h"
 #include "vec8.h"
 
 namespace {
@@ -82,8 +79,10 @@ void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t n) {
   });
 }
 
+}  // namespace
+
 // x [..., n] -> [...] int64
-at::Tensor argmax(const at::Tensor& x) {
+at::Tensor infer_kernels::argmax(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1, "infer::argmax: x needs a last dimension, got a scalar");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "infer::argmax: float32 or bfloat16 only, got ", x.scalar_type());
@@ -92,20 +91,10 @@ at::Tensor argmax(const at::Tensor& x) {
   const int64_t n = xc.size(-1), rows = xc.numel() / n;
   auto sizes = xc.sizes().vec();
   sizes.pop_back();
-  auto out = at::empty(sizes, xc.options().dtype(at::kLong));
+  auto out = empty(sizes, xc.options().dtype(at::kLong));
   if (xc.scalar_type() == at::kFloat)
     argmax_rows(xc.data_ptr<float>(), out.data_ptr<int64_t>(), rows, n);
   else
     argmax_rows(xc.data_ptr<at::BFloat16>(), out.data_ptr<int64_t>(), rows, n);
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("argmax(Tensor x) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("argmax", &argmax);
 }

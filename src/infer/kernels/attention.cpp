@@ -17,8 +17,6 @@
 // attention output is therefore the same alone (decode, L = its position + 1), among K+1 (verify, larger L,
 // later keys masked) and as a node of a tree (its siblings' keys masked between its ancestors'). With lens ([B]), a
 // row's queries from lens[b] on are pads (rows.h) and get zeros without being computed.
-#include <ATen/ATen.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -556,7 +554,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tens
                 "infer::attention: lens must be int64 [B] on the CPU, got ", lens.sizes(), " ", lens.scalar_type());
   }
   const int64_t* lp = lens.defined() ? lens.data_ptr<int64_t>() : nullptr;
-  auto out = at::empty({B, Tq, H, D}, q.options());
+  auto out = empty({B, Tq, H, D}, q.options());
   auto strides3 = [](const at::Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
   if (q.scalar_type() == at::kFloat)
     attend(Operands<float>{qq.data_ptr<float>(), strides3(qq), B, H, Tq, D, k.data_ptr<float>(), v.data_ptr<float>(),
@@ -578,11 +576,3 @@ void attention_paged_row(const c10::BFloat16* q, int64_t heads, int64_t head_dim
 }
 
 }  // namespace infer_kernels
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None, Tensor? lens=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("attention", &infer_kernels::attention);
-}

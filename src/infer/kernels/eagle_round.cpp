@@ -19,9 +19,7 @@
 // with q = softmax(logits / T) (float64 cumulation, the first index whose cumulative sum exceeds u x the total).
 // q is returned (a greedy round's at T = 1, as the module's) and is the law the draft was drawn from; its exp is
 // Sleef's through ATen's vectors, so q may differ from torch.softmax's in the last bits, which any q allows.
-#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
@@ -81,12 +79,14 @@ struct Scratch {
   std::vector<int64_t> rows;
 };
 
+}  // namespace
+
 // tokens [T] int64 (the catch-up entries' tokens), features [T, W] (the target's captured layers, fused by fc; W = H:
 // already a hidden) at positions start .. start + T - 1, then S - 1 draft steps, each feeding the draft before and the
 // last output -> (drafts [1, S] token ids, the last output [1, H], q [1, S, N]). The draft pool's storage k, v
 // [R, Hkv, D] is addressed through the row's block table: position p at table[p / bs] * bs + p % bs (the pool has
 // taken the blocks and advanced the row's length: PagedKVCachePool.extend).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
     const at::Tensor& tokens, const at::Tensor& features, at::TensorList packed, at::IntArrayRef formats,
     at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -150,9 +150,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
   BF* vc = v_cache.data_ptr<BF>();
   const BF* nw[4] = {n0->data_ptr<BF>(), n1->data_ptr<BF>(), n2->data_ptr<BF>(), n3->data_ptr<BF>()};
   const int64_t V = embed.size(0);
-  auto drafts = at::empty({1, S}, tokens.options());
-  auto last = at::empty({1, H}, features.options());  // the last output; the residual stream h of each step meanwhile
-  auto q = at::empty({1, S, N}, features.options().dtype(at::kFloat));
+  auto drafts = empty({1, S}, tokens.options());
+  auto last = empty({1, H}, features.options());  // the last output; the residual stream h of each step meanwhile
+  auto q = empty({1, S, N}, features.options().dtype(at::kFloat));
   int64_t* dp = drafts.data_ptr<int64_t>();
   BF* h = last.data_ptr<BF>();
   auto linear = [&](int i, const BF* x, int64_t rows, int64_t K, void* y, bool float_out = false) {
@@ -217,17 +217,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     pos0 += n;
   }
   return {drafts, last, q};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("eagle3_round(Tensor tokens, Tensor features, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, "
-        "float eps, Tensor embed, Tensor draft_ids, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor table, int block_size, int start, int heads, int kv_heads, int head_dim, Tensor temperature, "
-        "Tensor u) -> (Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("eagle3_round", &eagle3_round);
 }

@@ -16,14 +16,13 @@
 // a fixed horizontal sum; the scalar tail in order; then the scale). A token's logits are therefore bit-identical
 // whether the target computes it alone (decode) or among K+1 (speculative verify), which keeps greedy speculation
 // exactly equal to greedy decoding.
-#include <ATen/ATen.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "ops.h"
 #include "rows.h"
 #include "vec8.h"
 
@@ -192,7 +191,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(scale->numel() == N, "infer::linear: scale must have ", N, " entries, got ", scale->numel());
     s = scale->to(at::kFloat).contiguous();
   }
-  auto y = at::empty({M, N}, x.options());
+  auto y = empty({M, N}, x.options());
   const float* sp = scale.has_value() ? s.data_ptr<float>() : nullptr;
   auto go = [&](auto* yp) {
     if (wt == at::kFloat) run(w.data_ptr<float>(), sp, N, K, xf, M, yp);
@@ -207,18 +206,10 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 // lens: [B] real tokens a row of a padded [B, T] forward (rows.h); None: every row
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+at::Tensor infer_kernels::linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                      const c10::optional<at::Tensor>& lens) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "infer::linear: x [M, K] and weight [N, K] expected, got ", x.sizes(),
               " and ", weight.sizes());
   return infer_kernels::on_real_rows(x, lens, weight.size(0),
                                      [&](const at::Tensor& xs) { return linear_rows(xs, weight, scale); });
-}
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("linear(Tensor x, Tensor weight, Tensor? scale=None, Tensor? lens=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("linear", &linear);
 }

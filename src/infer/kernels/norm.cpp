@@ -12,8 +12,6 @@
 // row's result does not depend on the rows beside it; with FP contraction off (kernels._flags) the compiler may
 // vectorise but not reorder, so the AVX2 and AVX-512 builds agree too.
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include "ops.h"
@@ -65,7 +63,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
               "infer::rms_norm: float32 or bfloat16 only, got ", x.scalar_type());
   const auto xc = x.contiguous();
   const auto wc = weight.contiguous();
-  auto y = at::empty_like(xc);
+  auto y = empty(xc.sizes(), xc.options());
   const int64_t rows = xc.size(0), n = xc.size(1);
   const float e = static_cast<float>(eps);
   infer_kernels::for_row_runs(lens, rows, [&](int64_t first, int64_t count) {
@@ -87,11 +85,3 @@ void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y
 }
 
 }  // namespace infer_kernels
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? lens=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("rms_norm", &infer_kernels::rms_norm);
-}

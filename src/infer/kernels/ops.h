@@ -2,9 +2,49 @@
 // kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them.
 #pragma once
 
-#include <ATen/ATen.h>
+// ATen's tensor type and CPU allocation only: ATen/ATen.h (every operator) and torch/library.h cost ~12 s of parsing a
+// file, most of a first start's kernel build; the ops are registered in one file (registry.cpp).
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
 
 namespace infer_kernels {
+
+// a new CPU tensor (what at::empty does on the CPU, without the dispatcher or its header)
+inline at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::Tensor(at::detail::empty_cpu(sizes, options));
+}
+
+// The ops' entries, registered as infer::<name> by registry.cpp; each defined in the file named.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& lens);  // linear.cpp
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
+                   const std::optional<at::Tensor>& lens, bool float_out);  // qlinear.cpp
+bool qlinear_pairs(bool on);
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows,
+                     const std::optional<at::Tensor>& lens);  // attention.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const std::optional<at::Tensor>& lens);  // norm.cpp
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim,
+                const std::optional<at::Tensor>& lens);  // pointwise.cpp
+at::Tensor silu_mul(const at::Tensor& x, const std::optional<at::Tensor>& lens);
+at::Tensor argmax(const at::Tensor& x);  // argmax.cpp
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const at::Tensor& drafts,
+                                                    const std::optional<at::Tensor>& q, const at::Tensor& nd,
+                                                    const at::Tensor& u, const at::Tensor& u_final);  // sample.cpp
+std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(
+    const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& drafts,
+    const std::optional<at::Tensor>& q, const at::Tensor& nd, const at::Tensor& u, const at::Tensor& u_final,
+    const std::optional<at::Tensor>& q_ids);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
+    const at::Tensor& tokens, const at::Tensor& features, at::TensorList packed, at::IntArrayRef formats,
+    at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& temperature, const at::Tensor& u);  // eagle_round.cpp
 
 // Over bfloat16 rows the caller holds: no tensor made, nothing allocated after a thread's first call (a round that
 // starts cold after every verify paid ~4 us for each tensor its steps made). The caller checks its shapes; each

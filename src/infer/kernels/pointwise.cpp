@@ -14,8 +14,6 @@
 // Every element is computed alone, with FP contraction off (kernels._flags): the AVX2 and AVX-512 builds, a
 // vectorised body and a scalar tail all give the same bits, so the result does not depend on the rows beside it.
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -212,7 +210,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "infer::rope: cos/sin dtype must be x's (", x.scalar_type(), ")");
   const auto c = cos.contiguous(), s = sin.contiguous();
-  auto y = at::empty({x.size(0), heads * head_dim}, x.options());
+  auto y = empty({x.size(0), heads * head_dim}, x.options());
   const int64_t W = heads * head_dim, xs = x.stride(0);
   infer_kernels::for_row_runs(lens, x.size(0), [&](int64_t r, int64_t n) {
     if (x.scalar_type() == at::kFloat)
@@ -231,7 +229,7 @@ at::Tensor silu_mul(const at::Tensor& x, const c10::optional<at::Tensor>& lens) 
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "infer::silu_mul: x must be [rows, 2 * n], got ", x.sizes());
   const auto xc = x.contiguous();
   const int64_t n = xc.size(1) / 2;
-  auto y = at::empty({xc.size(0), n}, xc.options());
+  auto y = empty({xc.size(0), n}, xc.options());
   infer_kernels::for_row_runs(lens, xc.size(0), [&](int64_t r, int64_t m) {
     if (xc.scalar_type() == at::kFloat)
       silu_mul_rows(xc.data_ptr<float>() + r * 2 * n, y.data_ptr<float>() + r * n, m, n);
@@ -249,13 +247,3 @@ void rope_into(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* cos,
 void silu_mul_into(const at::BFloat16* x, at::BFloat16* y, int64_t rows, int64_t n) { silu_mul_rows(x, y, rows, n); }
 
 }  // namespace infer_kernels
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, int head_dim, Tensor? lens=None) -> Tensor");
-  m.def("silu_mul(Tensor x, Tensor? lens=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("rope", &infer_kernels::rope);
-  m.impl("silu_mul", &infer_kernels::silu_mul);
-}

@@ -31,8 +31,6 @@
 // Batch invariance: a row's activations are quantized alone; S is exact; the float work for one (row, activation)
 // pair is one lane's fma chain over the blocks in order, the same in every tile shape and whatever other rows share
 // the call. A row's result is bit-identical alone (decode) or among 16 (verify): decode and verify share one numerics.
-#include <ATen/ATen.h>
-#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -670,7 +668,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format
   auto w = packed.contiguous();
   const int64_t nb = blocks_of(w, format, N, K);
   auto xc = x.contiguous();
-  auto y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());  // written by the kernel
+  auto y = empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());  // written by the kernel
   // the real rows alone (rows.h): quantized and multiplied as a call of those rows, written to their places
   bool all_real;
   const auto keep = infer_kernels::real_rows(lens, M, all_real);
@@ -702,12 +700,3 @@ bool qlinear_pairs(bool on) {
 }
 
 }  // namespace infer_kernels
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None, bool float_out=False) -> Tensor");
-  m.def("qlinear_pairs(bool on) -> bool", &infer_kernels::qlinear_pairs);  // no tensors: one kernel for every dispatch key
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("qlinear", &infer_kernels::qlinear);
-}

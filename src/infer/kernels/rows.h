@@ -8,12 +8,11 @@
 // rows' bits: a row's result does not depend on which rows share the call.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "ops.h"
 
 namespace infer_kernels {
 
@@ -67,9 +66,11 @@ at::Tensor on_real_rows(const at::Tensor& x, const c10::optional<at::Tensor>& le
   bool all_real;
   auto keep = real_rows(lens, M, all_real);
   if (all_real) return fn(x);
-  auto y = at::empty({M, N}, x.options());
+  auto y = empty({M, N}, x.options());
   if (keep.empty()) return y;
-  const auto idx = at::from_blob(keep.data(), {static_cast<int64_t>(keep.size())}, at::kLong).clone();
+  const int64_t n = static_cast<int64_t>(keep.size());
+  auto idx = empty({n}, at::TensorOptions().dtype(at::kLong));
+  std::memcpy(idx.data_ptr<int64_t>(), keep.data(), n * sizeof(int64_t));
   y.index_copy_(0, idx, fn(x.index_select(0, idx)));
   return y;
 }

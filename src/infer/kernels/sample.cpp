@@ -25,17 +25,17 @@
 //   (distinct token ids [N]) [B, K, N] over those ids and 0 elsewhere: a drafter's draft vocabulary, judged
 //   without a [B, K, V] built for it.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <sleef.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#include "ops.h"
 
 namespace {
 
@@ -114,8 +114,9 @@ struct Rule {
     TORCH_CHECK(u_final.dim() == 1 && u_final.size(0) == B && u_final.scalar_type() == at::kDouble,
                 op, ": u_final must be float64 [", B, "]");
     dc = drafts.contiguous(), nc = nd.contiguous(), uc = u.contiguous(), fc = u_final.contiguous();
-    n_out = at::empty({B}, dc.options());
-    tokens = at::full({B, K + 1}, -1, dc.options());
+    n_out = infer_kernels::empty({B}, dc.options());
+    tokens = infer_kernels::empty({B, K + 1}, dc.options());
+    tokens.fill_(-1);
     D = dc.data_ptr<int64_t>(), ND = nc.data_ptr<int64_t>(), UF = fc.data_ptr<double>();
     const bool u64 = uc.scalar_type() == at::kDouble;
     U = u64 ? nullptr : uc.data_ptr<float>(), U64 = u64 ? uc.data_ptr<double>() : nullptr;
@@ -140,7 +141,9 @@ struct Rule {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const at::Tensor& drafts,
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> infer_kernels::rejection_sample(const at::Tensor& p, const at::Tensor& drafts,
                                                     const c10::optional<at::Tensor>& q, const at::Tensor& nd,
                                                     const at::Tensor& u, const at::Tensor& u_final) {
   TORCH_CHECK(p.dim() == 3 && p.scalar_type() == at::kFloat, "infer::rejection_sample: p must be float32 "
@@ -192,6 +195,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& p, const a
   }
   return {rule.n_out, rule.tokens};
 }
+
+namespace {
 
 // A position's temperature law over logits row l: e_i = exp(l_i / T - m) (l times 1 / T: the law's own rounding,
 // not torch's division), m the largest l_i / T (the largest l times 1 / T: rounding is monotone), z = the sum of e,
@@ -277,7 +282,9 @@ inline Law law(const float* l, float inv_t, int64_t V, float* e, double* sums, b
   return {e, sums, static_cast<float>(1.0 / z)};
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& logits, const at::Tensor& temperature,
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> infer_kernels::rejection_sample_logits(const at::Tensor& logits, const at::Tensor& temperature,
                                                            const at::Tensor& drafts,
                                                            const c10::optional<at::Tensor>& q, const at::Tensor& nd,
                                                            const at::Tensor& u, const at::Tensor& u_final,
@@ -393,18 +400,4 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(const at::Tensor& log
     }
   });
   return {rule.n_out, rule.tokens};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(infer, m) {
-  m.def("rejection_sample(Tensor p, Tensor drafts, Tensor? q, Tensor nd, Tensor u, Tensor u_final) -> (Tensor, "
-        "Tensor)");
-  m.def("rejection_sample_logits(Tensor logits, Tensor temperature, Tensor drafts, Tensor? q, Tensor nd, Tensor u, "
-        "Tensor u_final, Tensor? q_ids=None) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(infer, CPU, m) {
-  m.impl("rejection_sample", &rejection_sample);
-  m.impl("rejection_sample_logits", &rejection_sample_logits);
 }
