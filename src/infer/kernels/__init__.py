@@ -17,7 +17,8 @@ is a dozen passes over the vocabulary).
 
 ``infer::eagle3_round`` (eagle_round.cpp) is a lone row's EAGLE-3 draft round in one call: the ops above chained as
 C++ functions over pointers (ops.h), for a round that starts cold after every verify
-(model.draft_heads.Eagle3Head.native_round).
+(model.draft_heads.Eagle3Head.native_round); ``infer::draft_lm_round`` (lm_round.cpp) is a draft LM's round the same
+way (proposers.draft_model.DraftModelProposer); round.h holds what the two share (the bfloat16 add, the draw).
 
 ``infer::linear`` (linear.cpp) is the decode/verify matrix-vector product: it streams the weights at the memory
 bandwidth for float32, bfloat16 and int8 (weight-only, one scale per output row) and is batch-invariant: a row's
@@ -48,8 +49,8 @@ from ..cachedir import cache_dir
 HERE = Path(__file__).parent
 # the longest compiles first (ninja starts them in this order): attention's template instances take the longest
 SOURCES = [HERE / "attention.cpp", HERE / "qlinear.cpp", HERE / "linear.cpp", HERE / "registry.cpp",
-           HERE / "pointwise.cpp", HERE / "sample.cpp", HERE / "eagle_round.cpp", HERE / "norm.cpp",
-           HERE / "argmax.cpp"]
+           HERE / "pointwise.cpp", HERE / "sample.cpp", HERE / "eagle_round.cpp", HERE / "lm_round.cpp",
+           HERE / "norm.cpp", HERE / "argmax.cpp"]
 CACHE_DIR = cache_dir("kernels")
 MAX_ROWS = 16  # few-token steps (decode, verify); larger products (prefill) are compute-bound and go to ATen's GEMM
 

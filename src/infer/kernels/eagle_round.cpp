@@ -27,48 +27,13 @@
 #include <vector>
 
 #include "ops.h"
+#include "round.h"
 
 namespace {
 
-using BF = at::BFloat16;
-
-// a[i] = bf16(float(a[i]) + float(b[i])): ATen's bfloat16 add
-void add_into(BF* a, const BF* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) a[i] = BF(static_cast<float>(a[i]) + static_cast<float>(b[i]));
-}
-
-// The draw over logits l [N] (float32): q [N] = softmax(l / t) (t = 1 for greedy); -> the column drawn
-int64_t draw(const float* l, int64_t N, float t, bool sampled, double u, float* q) {
-  using Vec = at::vec::Vectorized<float>;
-  const int64_t V = Vec::size();
-  // logits / T: a division, as the module's (l / where(sampled, T, 1))
-  thread_local std::vector<float> x;
-  x.resize(N);
-  int64_t best = 0;
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < N; ++i) {
-    x[i] = l[i] / t;
-    if (l[i] > l[best]) best = i;  // the first maximum of the logits (greedy's draft)
-    mx = std::max(mx, x[i]);
-  }
-  int64_t i = 0;
-  float sum = 0.0f;
-  for (; i + V <= N; i += V) (Vec::loadu(x.data() + i) - Vec(mx)).exp().store(q + i);
-  for (; i < N; ++i) q[i] = std::exp(x[i] - mx);
-  for (i = 0; i < N; ++i) sum += q[i];
-  const float inv = 1.0f / sum;
-  for (i = 0; i < N; ++i) q[i] *= inv;
-  if (!sampled) return best;
-  double total = 0.0;
-  for (i = 0; i < N; ++i) total += static_cast<double>(q[i]);
-  const double target = u * total;
-  double c = 0.0;
-  for (i = 0; i < N; ++i) {
-    c += static_cast<double>(q[i]);
-    if (c > target) return i;
-  }
-  return N - 1;
-}
+using infer_kernels::draft_round::add_into;
+using infer_kernels::draft_round::BF;
+using infer_kernels::draft_round::draw;
 
 // A round's working rows, kept by the calling thread: a round makes no tensor but its three outputs (after the verify
 // streamed the target's weights, each tensor made cost ~4 us of allocator and bookkeeping lines read cold: ~60 of

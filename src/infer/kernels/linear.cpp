@@ -213,3 +213,13 @@ at::Tensor infer_kernels::linear(const at::Tensor& x, const at::Tensor& weight, 
   return infer_kernels::on_real_rows(x, lens, weight.size(0),
                                      [&](const at::Tensor& xs) { return linear_rows(xs, weight, scale); });
 }
+
+// The op's kernel over pointers (ops.h): bfloat16 x [M, K] and weight [N, K] (contiguous) -> y [M, N] bfloat16, the
+// bits infer::linear writes for them
+void infer_kernels::linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t N,
+                                c10::BFloat16* y) {
+  thread_local std::vector<float> widened;
+  widened.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(x[i]);
+  run(w, nullptr, N, K, widened.data(), M, y);
+}

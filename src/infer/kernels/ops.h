@@ -1,5 +1,6 @@
 // The ops' kernels as C++ functions over pointers (each defined beside its op, infer::<name>, in its own file), for
-// kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them.
+// kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them, lm_round.cpp
+// a draft LM's.
 #pragma once
 
 // ATen's tensor type and CPU allocation only: ATen/ATen.h (every operator) and torch/library.h cost ~12 s of parsing a
@@ -45,6 +46,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const at::Tensor& temperature, const at::Tensor& u);  // eagle_round.cpp
+std::tuple<at::Tensor, at::Tensor> draft_lm_round(
+    const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs,
+    at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& vocab_packed, int64_t vocab_format,
+    const std::optional<at::Tensor>& extra_weight, const at::Tensor& vocab_ids, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table, int64_t block_size,
+    int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& temperature,
+    const at::Tensor& u);  // lm_round.cpp
 
 // Over bfloat16 rows the caller holds: no tensor made, nothing allocated after a thread's first call (a round that
 // starts cold after every verify paid ~4 us for each tensor its steps made). The caller checks its shapes; each
@@ -52,6 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
 // y [M, N] (float_out: float32 holding the bfloat16 values) = x [M, K] @ W.T, W in `packed` (checked against N, K)
 void qlinear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
                   void* y, bool float_out);
+// y [M, N] = x [M, K] @ w.T, all bfloat16 and contiguous (infer::linear's bits)
+void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t N, c10::BFloat16* y);
 // rows of n: x [rows, n] contiguous -> y's rows, y_stride apart
 void rms_norm_into(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t rows, int64_t n,
                    int64_t y_stride, double eps);

@@ -23,6 +23,10 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
         "float eps, Tensor embed, Tensor draft_ids, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor table, int block_size, int start, int heads, int kv_heads, int head_dim, Tensor temperature, "
         "Tensor u) -> (Tensor, Tensor, Tensor)");
+  m.def("draft_lm_round(Tensor tokens, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, float eps, "
+        "Tensor embed, Tensor vocab_packed, int vocab_format, Tensor? extra_weight, Tensor vocab_ids, Tensor cos, "
+        "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor table, int block_size, int start, int heads, "
+        "int kv_heads, int head_dim, Tensor temperature, Tensor u) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
@@ -36,4 +40,5 @@ TORCH_LIBRARY_IMPL(infer, CPU, m) {
   m.impl("rejection_sample", &infer_kernels::rejection_sample);
   m.impl("rejection_sample_logits", &infer_kernels::rejection_sample_logits);
   m.impl("eagle3_round", &infer_kernels::eagle3_round);
+  m.impl("draft_lm_round", &infer_kernels::draft_lm_round);
 }

@@ -349,6 +349,20 @@ def temperature_law_drafts(sampling: SamplingBatch) -> bool:
     return not (sampling.use_penalty or any(p.greedy for p in sampling.rows))
 
 
+def round_uniforms(batch: DraftBatch, idx: list[int], m: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(temperature [n], u [n, m] float64) of rows idx for m draws in one call (a compiled round, a one-call round in
+    C++): each row's next m uniforms from its generator, what m single draws would take (greedy: zeros, nothing
+    drawn)."""
+    if batch.sampling is None:
+        return torch.zeros(len(idx), device=dev), torch.zeros(len(idx), m, dtype=torch.float64, device=dev)
+    if len(idx) == 1:  # a lone row's in one draw (the same stream): a round's host work runs cold, ~20 us an op
+        b = idx[0]
+        temp = batch.sampling.temperature if len(batch.reqs) == 1 else batch.sampling.temperature[idx]
+        return temp, torch.rand((1, m), dtype=torch.float64, generator=batch.generators[b], device=dev)
+    u = torch.stack([torch.rand((m,), dtype=torch.float64, generator=batch.generators[b], device=dev) for b in idx])
+    return batch.sampling.temperature[idx], u
+
+
 def score_synced(hidden: torch.Tensor, draft_vocab, compute_logits) -> None:
     """Score one draft position (over the draft vocabulary when there is one) and sync to the host: how a draft
     step ends, for the profiling of ``scratch_step``."""

@@ -11,6 +11,12 @@ the sequence only, and the next round's first step feeds the accepted path.
 
 With a draft vocabulary (proposers.draft_vocab) the drafter scores only a subset S of tokens, united with the
 prompts' own tokens (code copies identifiers from its context): q(x) = 0 outside S, which stays lossless.
+
+A lone row's round (greedy, or drawn from its plain temperature law: base.temperature_law_drafts) over a quantized
+bfloat16 drafter and vocabulary in a paged draft pool runs as one C++ call (kernels/lm_round.cpp), the catch-up
+entries, the first draw and every later step in it: the same kernels, so the same drafts as the steps below, without
+a compiled step's entry, its plan and the draw's ops, each run cold after a verify (~1.3 ms a draft step of SmolLM2's
+distilled LM before: issue 33's c).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import time
 
 import torch
 
+from .. import kernels
+from ..cache.paged import PagedKVCachePool
 from ..model.llama import LlamaForCausalLM
+from ..model.quant import BlockLinear
 from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
-from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, round_uniforms, score_synced, temperature_law_drafts
 from .draft_vocab import DraftVocab, PromptVocabs
 
 # Most tokens a row brings to the batched first draft step: usually 1 or 2 (after a bonus the drafter never saw the
@@ -33,6 +42,8 @@ CATCH_UP_BATCHED = 16
 class DraftModelProposer(Proposer):
     name = "draft"
     uses_draft_model = True
+    native = True  # a lone row's round in one C++ call where the drafter allows it (False: its steps, for A/B)
+    _native_args: tuple | None = None  # (the op's weight arguments,) once checked; () where it cannot run the drafter
 
     def __init__(self, drafter: LlamaForCausalLM, kv, forward, draft_vocab: DraftVocab | None = None):
         """``kv``: the KV manager (draft pool and slots); ``forward(model, pool, slots, rows)`` -> hidden [B, T, H]."""
@@ -55,6 +66,42 @@ class DraftModelProposer(Proposer):
             out.append(r)
         return out, fed
 
+    def _native(self, pool, dv) -> bool:
+        """Whether a lone row's round runs as one C++ call (``_round``): a bfloat16 drafter on the CPU with infer's
+        kernels, its projections in llama.cpp's blocks without a bias (EngineConfig.draft_quantization's default over
+        a quantized target), scored over a draft vocabulary whose rows are quantized too, in a paged draft pool. The
+        drafter is checked once (an engine quantizes it before its first round)."""
+        if not (self.native and isinstance(pool, PagedKVCachePool) and isinstance(getattr(dv, "head", None), BlockLinear)
+                and dv.head.bias is None):
+            return False
+        if self._native_args is None:
+            m = self.drafter
+            lins = [x for layer in m.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            norms = [n for layer in m.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + \
+                [m.norm]
+            ok = (m.device.type == "cpu" and m.dtype == torch.bfloat16 and kernels.available()
+                  and all(isinstance(x, BlockLinear) and x.bias is None for x in lins)
+                  and len({n.eps for n in norms}) == 1)
+            self._native_args = ((tuple(x.packed for x in lins), [x.format_id for x in lins],
+                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps),) \
+                if ok else ()
+        return bool(self._native_args)
+
+    def _round(self, tokens: list[int], pool, slot: int, start: int, dv, temperature: torch.Tensor,
+               u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lone row's round in one call (kernels/lm_round.cpp): ``tokens`` at positions start .. of ``slot``
+        (whose blocks and length the pool has for them and the u.shape[1] - 1 steps after them:
+        PagedKVCachePool.extend), then those steps -> (drafts [1, S], q [1, S, N] over ``dv``'s columns)."""
+        (packed, formats, outs, norms, eps), = self._native_args
+        m, c = self.drafter, self.drafter.config
+        m.rotary.reserve(start + len(tokens) + u.shape[1] - 2, m.device, m.dtype)
+        return torch.ops.infer.draft_lm_round(
+            torch.tensor(tokens), packed, formats, outs, norms, eps, m.embed_tokens.weight, dv.head.packed,
+            dv.head.format_id, dv.extra_weight, dv.ids, m.rotary._cos, m.rotary._sin, pool.k, pool.v,
+            pool.block_table(slot), pool.block_size, start, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            temperature, u)
+
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> Proposal:
         reqs, ks = batch.reqs, batch.ks
@@ -65,6 +112,20 @@ class DraftModelProposer(Proposer):
         catch_up = fed = 0
         catch_up_s = 0.0
         dev = self.drafter.device
+        drafting = [b for b in range(B) if ks[b] > 0]
+        if len(drafting) == 1 and batch.grammar is None and not batch.keep_logits and \
+                (batch.sampling is None or temperature_law_drafts(batch.sampling)) and self._native(pool, drawer.dv):
+            # a lone row's whole round in one C++ call (its drafts drawn from the plain temperature law, as the
+            # EAGLE heads' compiled rounds draw theirs)
+            b, slot = drafting[0], dslots[drafting[0]]
+            t0 = time.perf_counter()
+            (rows,), fed = self._catch_up([slot], [reqs[b].token_slice(pool.seq_len(slot))])
+            catch_up_s = time.perf_counter() - t0 if fed else 0.0
+            start = pool.extend(slot, len(rows) + ks[b] - 1)
+            temp, u = round_uniforms(batch, drafting, ks[b], dev)
+            drafts, q = self._round(rows, pool, slot, start, drawer.dv, temp, u)
+            drawer.put(0, drafting, drafts, q)
+            return drawer.proposal(list(ks), catch_up=len(rows), catch_up_tokens=fed, catch_up_s=catch_up_s)
         for j in range(K):
             idx = [b for b in range(B) if ks[b] > j]
             if j == 0:

@@ -43,7 +43,7 @@ from ..cache.base import TreeAttn
 from ..cache.paged import PagedKVCachePool
 from ..model.draft_heads import Eagle3Head, EagleHead
 from ..spec_decode.tree import DraftTree, FrontierFeed, grow, top_children
-from .base import DraftBatch, DraftDrawer, Proposal, Proposer, score_synced, temperature_law_drafts
+from .base import DraftBatch, DraftDrawer, Proposal, Proposer, round_uniforms, score_synced, temperature_law_drafts
 from .draft_model import CATCH_UP_BATCHED  # longer catch-ups (a prompt) are fed alone first
 from .draft_vocab import DraftVocab, HeadVocab, PromptVocabs
 from .features import FeatureStore
@@ -111,20 +111,6 @@ class EagleProposer(Proposer):
             f[i, :len(t)] = h
         return x.to(dev), f
 
-    @staticmethod
-    def _uniforms(batch: DraftBatch, idx: list[int], m: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """(temperature [n], u [n, m] float64) of rows idx for m draws in a compiled call: each row's next m
-        uniforms from its generator, what m single draws would take (greedy: zeros, nothing drawn)."""
-        if batch.sampling is None:
-            return torch.zeros(len(idx), device=dev), torch.zeros(len(idx), m, dtype=torch.float64, device=dev)
-        if len(idx) == 1:  # a lone row's in one draw (the same stream): a round's host work runs cold, ~20 us an op
-            b = idx[0]
-            temp = batch.sampling.temperature if len(batch.reqs) == 1 else batch.sampling.temperature[idx]
-            return temp, torch.rand((1, m), dtype=torch.float64, generator=batch.generators[b], device=dev)
-        u = torch.stack([torch.rand((m,), dtype=torch.float64, generator=batch.generators[b], device=dev)
-                         for b in idx])
-        return batch.sampling.temperature[idx], u
-
     def _catch_up(self, reqs, slots: list[int]) -> tuple[list[list[int]], list[torch.Tensor], int]:
         """Entries fed .. L-2 of each row from true features; rows longer than CATCH_UP_BATCHED feed all but their
         last entry alone. Returns each row's remaining (tokens, features) and the entries fed alone."""
@@ -171,7 +157,7 @@ class EagleProposer(Proposer):
             b, slot = idx[0], dslots[idx[0]]
             m = ks[b] - 1
             start = pool.extend(slot, len(toks[0]) + m)
-            temp, u = self._uniforms(batch, idx, m + 1, dev)
+            temp, u = round_uniforms(batch, idx, m + 1, dev)
             drafts, _, q = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u)
             drawer.put(0, idx, drafts, q)
             j = ks[b]
@@ -184,7 +170,7 @@ class EagleProposer(Proposer):
                 m = min(min(ks[b] for b in idx) - 1, CHAIN_MAX)  # the later steps every row takes, up to a chain's
                 slots = [dslots[b] for b in idx]
                 metas = [pool.prepare(slots, [len(t) for t in toks], dev)] + pool.prepare_run(slots, m, dev)
-                temp, u = self._uniforms(batch, idx, m + 1, dev)
+                temp, u = round_uniforms(batch, idx, m + 1, dev)
                 x, f = self._padded(toks, feats)
                 last = torch.tensor([len(t) - 1 for t in toks], device=dev)
                 drafts, f_hat, q = self.head.draft_round(x, f, last, pool, metas, drawer.dv, temp, u)
@@ -205,7 +191,7 @@ class EagleProposer(Proposer):
             if chain:  # the steps every row of idx takes, up to CHAIN_MAX at once (a graph each length)
                 m = min(min(ks[b] for b in idx) - j, CHAIN_MAX)
                 metas = pool.prepare_run(slots, m, dev)
-                temp, u = self._uniforms(batch, idx, m, dev)
+                temp, u = round_uniforms(batch, idx, m, dev)
                 drafts, f_hat, q = self.head.draft_chain(last, f_hat, pool, metas, drawer.dv, temp, u)
                 drawer.put(j, idx, drafts, q)
                 j += m
