@@ -122,6 +122,9 @@ def test_an_unquantized_or_float32_drafter_keeps_its_steps():
     qdv = DraftVocab(q.lm_head_weight, range(32)).quantized("q8_0")
     assert not DraftModelProposer(q, None, None, dv)._native(pool, dv)  # vocabulary rows unquantized
     assert not DraftModelProposer(q, None, None, qdv)._native(pool, None)  # no draft vocabulary
+    f32_rows = DraftVocab(q.lm_head_weight.float(), range(32)).quantized("q8_0").including([40, 41])
+    assert not DraftModelProposer(q, None, None, qdv)._native(pool, f32_rows)  # float32 rows added
+    assert DraftModelProposer(q, None, None, qdv)._native(pool, qdv.including([40, 41]))
     slotted = SlottedKVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, 2, dtype=torch.bfloat16)
     assert not DraftModelProposer(q, None, None, qdv)._native(slotted, qdv)
 
