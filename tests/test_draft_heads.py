@@ -401,6 +401,21 @@ def test_eagle3_training_steps_reach_every_weight():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def reference_draw(dv, temp: torch.Tensor, u: torch.Tensor):
+    """The draw a one-call round is held to, over hidden states [1, H] -> (draft [1], q [1, N]) for draft i: the
+    argmax of the draft vocabulary's logits (temp 0), else inverse_cdf(q, u[:, i]), q = softmax(logits / temp)."""
+    from infer.sampling import inverse_cdf
+
+    sampled = bool(temp.item() > 0)
+
+    def draw(h, i):
+        logits = dv.logits(h)
+        q = (logits / (temp[:, None] if sampled else 1.0)).softmax(-1)
+        return dv.token(inverse_cdf(q, u[:, i]) if sampled else logits.max(-1).indices), q
+
+    return draw
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("catch_up,steps", [(1, 1), (3, 4), (5, 2)])
 def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_up, steps, sampled):
@@ -411,7 +426,6 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_u
     from infer.cache.paged import PagedKVCachePool
     from infer.model.quant import quantize_linears
     from infer.proposers.draft_vocab import HeadVocab
-    from infer.sampling import inverse_cdf
 
     target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)
     head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
@@ -433,11 +447,7 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_u
         u = torch.rand(1, steps, dtype=torch.float64, generator=g)
         temp = torch.tensor([0.8 if sampled else 0.0])
 
-        def draw(h, i):
-            logits = dv.logits(h)
-            q = (logits / (temp[:, None] if sampled else 1.0)).softmax(-1)
-            return dv.token(inverse_cdf(q, u[:, i]) if sampled else logits.max(-1).indices), q
-
+        draw = reference_draw(dv, temp, u)
         meta = pool.prepare([a], [catch_up])
         h = head(x[None], f[None], meta.positions, pool, meta)[:, -1]
         t, q = draw(h, 0)

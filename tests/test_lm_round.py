@@ -12,6 +12,7 @@ from infer.generate import autoregressive_generate
 from infer.speculative import speculative_generate
 from infer.testing import random_llama
 
+from test_draft_heads import reference_draw
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
 
 
@@ -38,7 +39,6 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_module_steps_drafts(catch_u
     prompt's tokens added unquantized): the same drafts, the same laws q (to the exp's last bits) and the same keys
     and values in every layer, written to the same storage rows of a paged pool whose blocks are not consecutive."""
     from infer.cache.paged import PagedKVCachePool
-    from infer.sampling import inverse_cdf
 
     lm = _quantized_lm(96, seed=1, hidden_size=64, num_layers=3)
     c = lm.config
@@ -60,11 +60,7 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_module_steps_drafts(catch_u
         u = torch.rand(1, steps, dtype=torch.float64, generator=g)
         temp = torch.tensor([0.8 if sampled else 0.0])
 
-        def draw(h, i):
-            logits = dv.logits(h)
-            q = (logits / (temp[:, None] if sampled else 1.0)).softmax(-1)
-            return dv.token(inverse_cdf(q, u[:, i]) if sampled else logits.max(-1).indices), q
-
+        draw = reference_draw(dv, temp, u)
         meta = pool.prepare([a], [catch_up])
         t, q = draw(lm(x[None], meta.positions, pool, meta)[:, -1], 0)
         want, want_q = [t], [q]

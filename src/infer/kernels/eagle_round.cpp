@@ -31,6 +31,7 @@
 
 namespace {
 
+namespace draft_round = infer_kernels::draft_round;
 using infer_kernels::draft_round::add_into;
 using infer_kernels::draft_round::BF;
 using infer_kernels::draft_round::draw;
@@ -91,19 +92,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
              n1 = norms[1].expect_contiguous(), n2 = norms[2].expect_contiguous(), n3 = norms[3].expect_contiguous();
   thread_local Scratch sc;
   const int64_t* tp = tab->data_ptr<int64_t>();
-  sc.rows.resize(last_pos + 1);  // storage rows of positions 0 .. last_pos
-  int64_t* rp = sc.rows.data();
-  for (int64_t p = 0; p <= last_pos; ++p) {
-    rp[p] = tp[p / block_size] * block_size + p % block_size;
-    TORCH_CHECK(rp[p] >= 0 && rp[p] < k_cache.size(0), "infer::eagle3_round: block table outside the cache");
-  }
+  draft_round::storage_rows(tp, block_size, last_pos, k_cache.size(0), sc.rows, "infer::eagle3_round");
+  const int64_t* rp = sc.rows.data();
 
-  // the temperature read where it lies (a 0-d or 1-element CPU tensor): .item() is a dispatcher call
-  const bool t_direct = temperature.device().is_cpu() &&
-                        (temperature.scalar_type() == at::kFloat || temperature.scalar_type() == at::kDouble);
-  const float temp = !t_direct ? temperature.item<float>()
-                     : temperature.scalar_type() == at::kFloat ? *temperature.data_ptr<float>()
-                                                               : static_cast<float>(*temperature.data_ptr<double>());
+  const float temp = draft_round::temperature_of(temperature);
   const bool sampled = temp > 0;
   const float t = sampled ? temp : 1.0f;
   const double* up = uc->data_ptr<double>();

@@ -22,6 +22,7 @@
 
 namespace {
 
+namespace draft_round = infer_kernels::draft_round;
 using infer_kernels::draft_round::add_into;
 using infer_kernels::draft_round::BF;
 using infer_kernels::draft_round::draw;
@@ -95,18 +96,9 @@ std::tuple<at::Tensor, at::Tensor> infer_kernels::draft_lm_round(
              scn = sin.expect_contiguous();
   thread_local Scratch sc;
   const int64_t* tp = tab->data_ptr<int64_t>();
-  sc.rows.resize(last_pos + 1);  // storage rows of positions 0 .. last_pos
-  int64_t* rp = sc.rows.data();
-  for (int64_t p = 0; p <= last_pos; ++p) {
-    rp[p] = tp[p / block_size] * block_size + p % block_size;
-    TORCH_CHECK(rp[p] >= 0 && rp[p] < k_caches[0].size(0), "infer::draft_lm_round: block table outside the cache");
-  }
-  // the temperature read where it lies (eagle_round.cpp: .item() is a dispatcher call)
-  const bool t_direct = temperature.device().is_cpu() &&
-                        (temperature.scalar_type() == at::kFloat || temperature.scalar_type() == at::kDouble);
-  const float temp = !t_direct ? temperature.item<float>()
-                     : temperature.scalar_type() == at::kFloat ? *temperature.data_ptr<float>()
-                                                               : static_cast<float>(*temperature.data_ptr<double>());
+  draft_round::storage_rows(tp, block_size, last_pos, k_caches[0].size(0), sc.rows, "infer::draft_lm_round");
+  const int64_t* rp = sc.rows.data();
+  const float temp = draft_round::temperature_of(temperature);
   const bool sampled = temp > 0;
   const float t = sampled ? temp : 1.0f;
   const double* up = uc->data_ptr<double>();

@@ -1,6 +1,8 @@
-// What the one-call draft rounds share (eagle_round.cpp, lm_round.cpp): ATen's bfloat16 add and the draw over a
-// draft vocabulary's logits. Inline: each round's file compiles its own copy.
+// What the one-call draft rounds share (eagle_round.cpp, lm_round.cpp): ATen's bfloat16 add, the draw over a draft
+// vocabulary's logits, a paged row's storage rows and the temperature's read. Inline: each round's file compiles its
+// own copy.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
@@ -49,6 +51,24 @@ inline int64_t draw(const float* l, int64_t N, float t, bool sampled, double u, 
     if (c > target) return i;
   }
   return N - 1;
+}
+
+// rows[p] = the storage row of position p = 0 .. last_pos of a paged pool's row: table[p / bs] * bs + p % bs, each
+// checked against the storage's `storage` rows
+inline void storage_rows(const int64_t* table, int64_t block_size, int64_t last_pos, int64_t storage,
+                         std::vector<int64_t>& rows, const char* op) {
+  rows.resize(last_pos + 1);
+  for (int64_t p = 0; p <= last_pos; ++p) {
+    rows[p] = table[p / block_size] * block_size + p % block_size;
+    TORCH_CHECK(rows[p] >= 0 && rows[p] < storage, op, ": block table outside the cache");
+  }
+}
+
+// the temperature read where it lies (a 0-d or 1-element CPU tensor): .item() is a dispatcher call
+inline float temperature_of(const at::Tensor& t) {
+  const bool direct = t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+  return !direct ? t.item<float>()
+         : t.scalar_type() == at::kFloat ? *t.data_ptr<float>() : static_cast<float>(*t.data_ptr<double>());
 }
 
 }  // namespace draft_round
