@@ -27,7 +27,7 @@ products run at a third to a half of the bandwidth, and its int8 weight-only ker
 (docs/benchmarks.md, "Where a SmolLM2 decode step goes").
 
 Building needs a C++ compiler (the one torch.compile's CPU backend uses) and ninja (a dependency); the first build takes
-~40 s on 2 cores (36-44 s measured), later processes load the cached library in milliseconds. If the build fails,
+~45 s on 2 cores (39-46 s measured with the ten sources), later processes load the cached library in milliseconds. If the build fails,
 ``available()`` is False, a warning says why, and every caller falls back to ATen. ``INFER_CPU_KERNELS=0`` turns the
 kernels off.
 """
@@ -174,7 +174,7 @@ def available() -> bool:
                 from .. import progress
 
                 built = _intact_build(CACHE_DIR / build_name() / f"{build_name()}.so")
-                with progress.stage("building infer's CPU kernels (first start only, ~40 s on 2 cores)") if not built \
+                with progress.stage("building infer's CPU kernels (first start only, ~45 s on 2 cores)") if not built \
                         else nullcontext():
                     _build()
                 _loaded = True
