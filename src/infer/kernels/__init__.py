@@ -27,9 +27,9 @@ products run at a third to a half of the bandwidth, and its int8 weight-only ker
 (docs/benchmarks.md, "Where a SmolLM2 decode step goes").
 
 Building needs a C++ compiler (the one torch.compile's CPU backend uses) and ninja (a dependency); the first build takes
-~45 s on 2 cores (39-46 s measured with the ten sources), later processes load the cached library in milliseconds. If the build fails,
-``available()`` is False, a warning says why, and every caller falls back to ATen. ``INFER_CPU_KERNELS=0`` turns the
-kernels off.
+~45 s on 2 cores (39-46 s measured with the ten sources), later processes load the cached library in milliseconds. If
+the build fails, ``available()`` is False, a warning says why, and every caller falls back to ATen.
+``INFER_CPU_KERNELS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
