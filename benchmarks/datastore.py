@@ -234,15 +234,17 @@ def render(res: dict) -> str:
              f"{res['store']['min_match']} tokens.", "",
              "**Replay** (the plain engine's outputs to all 48 held-out prompts, 256 tokens; the store's first draft "
              "at every position against the target's token; bins of >= 2% of the positions):", "",
-             "| temperature | match | continuations | top share | share of positions | right |", "|---|---|---|---|---|---|"]
+             "| temperature | match | continuations | top share | share of positions | right |",
+             "|---|---|---|---|---|---|"]
     pos = res["replay"]["positions"]
     for b in res["replay"]["bins"]:
         frac = b["n"] / pos[str(b["temperature"])]
         if frac >= 0.02:
             lines.append(f"| {b['temperature']} | {b['match']} | {b['continuations']} | {b['share']} | {frac:.3f} | "
                          f"{b['right'] / b['n']:.2f} |")
-    lines += ["", f"**In the engine** ({res['prompts']} + {res['prompts']} held-out prompts x {res['passes']} passes after "
-              "a warm-up, 128 tokens, decode tokens/s paired by prompt and pass, median (quartiles)):", "",
+    n = res["prompts"]
+    lines += ["", f"**In the engine** ({n} + {n} held-out prompts x {res['passes']} passes after a warm-up, 128 "
+              "tokens, decode tokens/s paired by prompt and pass, median (quartiles)):", "",
               "| temperature | defaults over plain | with the store over plain | with the store over the defaults | "
               "the same, its lookup's time taken out | accepted / drafted / rounds (defaults; with the store) |",
               "|---|---|---|---|---|---|"]

@@ -46,9 +46,9 @@ std::tuple<at::Tensor, at::Tensor> infer_kernels::draft_lm_round(
     const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs,
     at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& vocab_packed, int64_t vocab_format,
     const std::optional<at::Tensor>& extra_weight, const at::Tensor& vocab_ids, const at::Tensor& cos,
-    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table, int64_t block_size,
-    int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& temperature,
-    const at::Tensor& u) {
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table,
+    int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& temperature, const at::Tensor& u) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers &&
               static_cast<int64_t>(packed.size()) == 4 * layers && static_cast<int64_t>(formats.size()) == 4 * layers &&
@@ -70,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor> infer_kernels::draft_lm_round(
   TORCH_CHECK(norms_ok && bf16(embed) && bf16(cos) && bf16(sin) && embed.dim() == 2,
               "infer::draft_lm_round: bfloat16 embedding [V, H], norms [H] and rotary tables expected");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && vocab_ids.scalar_type() == at::kLong &&
-              table.scalar_type() == at::kLong, "infer::draft_lm_round: int64 tokens, vocabulary ids and table expected");
+              table.scalar_type() == at::kLong,
+              "infer::draft_lm_round: int64 tokens, vocabulary ids and table expected");
   const int64_t T = tokens.numel(), S = u.size(1), D = head_dim, N = vocab_ids.numel();
   const int64_t q_size = heads * D, kv_size = kv_heads * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
   const int64_t E = extra_weight.has_value() && extra_weight->defined() ? extra_weight->size(0) : 0;

@@ -1,6 +1,6 @@
 // The ops' kernels as C++ functions over pointers (each defined beside its op, infer::<name>, in its own file), for
-// kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them, lm_round.cpp
-// a draft LM's.
+// kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them,
+// lm_round.cpp a draft LM's.
 #pragma once
 
 // ATen's tensor type and CPU allocation only: ATen/ATen.h (every operator) and torch/library.h cost ~12 s of parsing a
@@ -50,9 +50,9 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_round(
     const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs,
     at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& vocab_packed, int64_t vocab_format,
     const std::optional<at::Tensor>& extra_weight, const at::Tensor& vocab_ids, const at::Tensor& cos,
-    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table, int64_t block_size,
-    int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& temperature,
-    const at::Tensor& u);  // lm_round.cpp
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table,
+    int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& temperature, const at::Tensor& u);  // lm_round.cpp
 
 // Over bfloat16 rows the caller holds: no tensor made, nothing allocated after a thread's first call (a round that
 // starts cold after every verify paid ~4 us for each tensor its steps made). The caller checks its shapes; each

@@ -71,8 +71,9 @@ class DraftModelProposer(Proposer):
         kernels, its projections in llama.cpp's blocks without a bias (EngineConfig.draft_quantization's default over
         a quantized target), scored over a draft vocabulary whose rows are quantized too, in a paged draft pool. The
         drafter is checked once (an engine quantizes it before its first round)."""
-        if not (self.native and isinstance(pool, PagedKVCachePool) and isinstance(getattr(dv, "head", None), BlockLinear)
-                and dv.head.bias is None and (dv.extra_weight is None or dv.extra_weight.dtype == torch.bfloat16)):
+        head = getattr(dv, "head", None)
+        if not (self.native and isinstance(pool, PagedKVCachePool) and isinstance(head, BlockLinear)
+                and head.bias is None and (dv.extra_weight is None or dv.extra_weight.dtype == torch.bfloat16)):
             return False
         if self._native_args is None:
             m = self.drafter
