@@ -76,13 +76,10 @@ std::tuple<at::Tensor, at::Tensor> infer_kernels::draft_lm_round(
   const int64_t q_size = heads * D, kv_size = kv_heads * D, qkv_w = q_size + 2 * kv_size, qk_w = q_size + kv_size;
   const int64_t E = extra_weight.has_value() && extra_weight->defined() ? extra_weight->size(0) : 0;
   const int64_t base_n = N - E;
-  bool outs_ok = true;
-  int64_t I = 0;  // the MLP's width (gate | up)
-  for (int64_t l = 0; l < layers; ++l) {
-    outs_ok &= outs[4 * l] == qkv_w && outs[4 * l + 1] == H && outs[4 * l + 3] == H && outs[4 * l + 2] % 2 == 0 &&
-               outs[4 * l + 2] == outs[2];
-    I = outs[2] / 2;
-  }
+  const int64_t I = outs[2] / 2;  // the MLP's width (gate | up), every layer's
+  bool outs_ok = outs[2] % 2 == 0;
+  for (int64_t l = 0; l < layers; ++l)
+    outs_ok &= outs[4 * l] == qkv_w && outs[4 * l + 1] == H && outs[4 * l + 2] == outs[2] && outs[4 * l + 3] == H;
   TORCH_CHECK(tokens.dim() == 1 && T >= 1 && S >= 1 && u.dim() == 2 && u.size(0) == 1 &&
               u.scalar_type() == at::kDouble && temperature.numel() == 1 && outs_ok && base_n >= 1 &&
               (E == 0 || (bf16(*extra_weight) && extra_weight->dim() == 2 && extra_weight->size(1) == H)) &&

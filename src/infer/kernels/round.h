@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
