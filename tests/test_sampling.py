@@ -148,6 +148,30 @@ def test_mixed_rows_in_one_batch():
     assert close(out[2], [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
 
 
+def test_a_batchs_tensors_are_built_once_per_law_and_follow_a_changed_params():
+    """from_params shares its tensors between calls with the same laws (a speculating engine asks every round), by
+    value: a SamplingParams changed in between is read anew. Tensors first built in inference mode are ordinary ones
+    (a caller under autograd may read them), and each batch names the params it was given."""
+    import infer.sampling as sampling
+
+    a, b = SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.9, top_p=0.8)
+    with torch.inference_mode():
+        first = SamplingBatch.from_params([a, b], 100, "cpu")
+    again = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5), b], 100, "cpu")
+    assert again.temperature is first.temperature and not again.temperature.is_inference()
+    assert again.rows[1] is b and again.use_top_k and again.use_top_p and not again.all_greedy
+    a.temperature = 0.0  # now greedy: other tensors and flags
+    changed = SamplingBatch.from_params([a, b], 100, "cpu")
+    assert changed.temperature.tolist() == [1.0, pytest.approx(0.9)] and changed.greedy.tolist() == [True, False]
+    assert not changed.use_top_k  # a greedy row's top-k is no stage
+    assert SamplingBatch.from_params([a, b], 50, "cpu").top_k.tolist() == [5, 50]  # the vocabulary is in the key
+    logits = torch.randn(2, 100, requires_grad=True)
+    logits_to_probs(logits, again, None).sum().backward()  # no inference tensor saved for backward
+    for i in range(sampling._BATCHES_MAX + 1):  # bounded: full, it starts over
+        SamplingBatch.from_params([SamplingParams(temperature=0.5 + i / 1000)], 100, "cpu")
+    assert len(sampling._BATCHES) <= sampling._BATCHES_MAX
+
+
 def test_sample_follows_the_distribution():
     p = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0]])
     g = make_generator(0)
