@@ -150,15 +150,19 @@ def test_mixed_rows_in_one_batch():
 
 def test_a_batchs_tensors_are_built_once_per_law_and_follow_a_changed_params():
     """from_params shares its tensors between calls with the same laws (a speculating engine asks every round), by
-    value: a SamplingParams changed in between is read anew. Tensors first built in inference mode are ordinary ones
-    (a caller under autograd may read them), and each batch names the params it was given."""
+    value: a SamplingParams changed in between is read anew. Each caller gets the kind of tensor it would have built:
+    inference tensors in inference mode (what a compiled draft round was traced with), ordinary ones outside it (a
+    caller under autograd may read them); and each batch names the params it was given."""
     import infer.sampling as sampling
 
     a, b = SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.9, top_p=0.8)
     with torch.inference_mode():
         first = SamplingBatch.from_params([a, b], 100, "cpu")
+        assert SamplingBatch.from_params([a, b], 100, "cpu").temperature is first.temperature
+    assert first.temperature.is_inference()
     again = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=5), b], 100, "cpu")
-    assert again.temperature is first.temperature and not again.temperature.is_inference()
+    assert again.temperature is not first.temperature and not again.temperature.is_inference()
+    assert SamplingBatch.from_params([a, b], 100, "cpu").temperature is again.temperature
     assert again.rows[1] is b and again.use_top_k and again.use_top_p and not again.all_greedy
     a.temperature = 0.0  # now greedy: other tensors and flags
     changed = SamplingBatch.from_params([a, b], 100, "cpu")

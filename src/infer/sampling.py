@@ -88,7 +88,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-# SamplingBatch.from_params's tensors by the rows' laws (values, vocabulary size, device); cleared when full
+# SamplingBatch.from_params's tensors by the rows' laws (values, vocabulary size, device, inference mode); cleared
+# when full
 _BATCHES: dict[tuple, SamplingBatch] = {}
 _BATCHES_MAX = 256
 
@@ -115,13 +116,14 @@ class SamplingBatch:
         """The batch of these rows' laws. Its tensors are built once per distinct list of laws (by value, so a
         SamplingParams changed between calls is read anew) and shared after: every consumer reads them, none writes.
         A speculating engine asks every round (and its proposers per subset of rows), and six small tensors a call
-        were ~0.1 ms of a sampled round's cold host work."""
+        were ~0.1 ms of a sampled round's cold host work. Kept apart by inference mode too: each caller gets the kind
+        of tensor it would have built (an inference tensor cannot be saved for autograd, and a compiled draft round
+        traced with inference tensors guards on it: another kind would recompile it)."""
         key = (tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) for p in params), vocab_size,
-               str(device))
+               str(device), torch.is_inference_mode_enabled())
         hit = _BATCHES.get(key)
         if hit is None:
-            with torch.inference_mode(False):  # normal tensors, whatever mode builds them first: any caller may read
-                hit = cls._build(params, vocab_size, device)
+            hit = cls._build(params, vocab_size, device)
             if len(_BATCHES) >= _BATCHES_MAX:  # a server's many distinct batches: start over, never grow unbounded
                 _BATCHES.clear()
             _BATCHES[key] = hit
