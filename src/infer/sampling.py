@@ -10,7 +10,7 @@ acceptance test. Randomness comes only from each request's own ``torch.Generator
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -127,8 +127,7 @@ class SamplingBatch:
             if len(_BATCHES) >= _BATCHES_MAX:  # a server's many distinct batches: start over, never grow unbounded
                 _BATCHES.clear()
             _BATCHES[key] = hit
-        return cls(hit.temperature, hit.top_k, hit.top_p, hit.min_p, hit.repetition_penalty, hit.greedy,
-                   hit.all_greedy, hit.use_top_k, hit.use_top_p, hit.use_min_p, hit.use_penalty, list(params))
+        return replace(hit, rows=list(params))  # the shared tensors and flags, with the rows asked for
 
     @classmethod
     def _build(cls, params: list[SamplingParams], vocab_size: int, device) -> SamplingBatch:
