@@ -275,13 +275,17 @@ def test_attention_rejects_bad_shapes():
         torch.ops.infer.attention(q, k, v, None)
 
 
+# a prompt's rows: more than rows.h's kParallelRows (32), so the row-wise kernels share them out over the threads
+PREFILL_ROWS = 70
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h", [576, 64, 37])  # 37: a tail shorter than the 16 partial sums
 def test_rms_norm_matches_reference_and_is_batch_invariant(dt, h):
     """infer::rms_norm (kernels/norm.cpp): Hugging Face's math and rounding, and each row's bits independent of the
     rows beside it, so a step computes the same norm alone or in a batch, eager or compiled."""
     gen = torch.Generator().manual_seed(h)
-    x = (torch.randn(kernels.MAX_ROWS, h, generator=gen) * 3).to(dt)
+    x = (torch.randn(PREFILL_ROWS, h, generator=gen) * 3).to(dt)
     w = (1 + torch.randn(h, generator=gen) / 10).to(dt)
     y = torch.ops.infer.rms_norm(x, w, 1e-5)
     xf = x.float()
@@ -311,7 +315,7 @@ def test_rope_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, heads,
     """infer::rope (kernels/pointwise.cpp): x cos + rotate_half(x) sin in float32, rounded once to x's dtype (float32:
     exactly ATen's ops), rows independent of each other; reads the first heads of a strided row (the qkv product)."""
     gen = torch.Generator().manual_seed(heads)
-    M = kernels.MAX_ROWS
+    M = PREFILL_ROWS
     qkv = (torch.randn(M, (heads + 2) * d, generator=gen) * 4).to(dt)
     cos, sin = torch.randn(M, d, generator=gen).to(dt), torch.randn(M, d, generator=gen).to(dt)
     y = torch.ops.infer.rope(qkv, cos, sin, heads, d)
@@ -330,7 +334,7 @@ def test_silu_mul_is_one_rounding_of_the_float32_math_and_batch_invariant(dt, n)
     vector body and the scalar tail agree, rows are independent of each other (a lone row runs on one thread, many
     rows in pieces over the threads); extremes stay finite."""
     gen = torch.Generator().manual_seed(n)
-    x = (torch.randn(kernels.MAX_ROWS, 2 * n, generator=gen) * 4).to(dt)
+    x = (torch.randn(PREFILL_ROWS, 2 * n, generator=gen) * 4).to(dt)
     x[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0]).to(dt)
     y = torch.ops.infer.silu_mul(x)
     ref = F.silu(x.float()[:, :n]) * x.float()[:, n:]
@@ -414,6 +418,34 @@ def test_a_batch_decode_and_its_verify_give_each_row_the_same_bits(dtype, kind, 
         verify = runner.forward(runner.model, pool, slots, [[5] + [7] * (T - 1)] * B)  # [B, T, H]
         assert torch.equal(decode[:, 0], verify[:, 0])
         assert torch.equal(runner.model.compute_logits(decode), runner.model.compute_logits(verify)[:, :1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_a_prompt_gets_the_same_bits_prefilled_whole_in_chunks_or_token_by_token(dtype, kind, backend):
+    """Every CPU step runs on infer's row-wise kernels, a prefill's too (layers.kernels_take), and the block products
+    are batch-invariant: so a prompt's states do not depend on how it is fed. One forward of 45 tokens (past MAX_ROWS
+    and past rows.h's cut where rows go over the threads), chunks of 7 (chunked prefill, a prefix-cache hit's
+    remainder) and one token a step (decode) give every position the same hidden state and logits, bit for bit."""
+    from infer.engine import Engine, EngineConfig
+    from infer.model.quant import quantize_model
+    from infer.testing import random_llama
+
+    model = quantize_model(random_llama(64, seed=3, hidden_size=64, num_layers=3).to(getattr(torch, dtype)), kind)
+    eng = Engine(EngineConfig(model="t", block_size=4, max_batch_size=3, dtype=dtype, quantization=kind,
+                              kv_cache_backend=backend), model=model)
+    runner, pool = eng.runner, eng.kv.pool
+    prompt = [(7 * j) % 61 + 1 for j in range(45)]
+    with torch.inference_mode():
+        whole, chunked, stepped = (pool.allocate(48) for _ in range(3))
+        ref = runner.forward(runner.model, pool, [whole], [prompt])[0]  # [45, H]
+        by_chunk = torch.cat([runner.forward(runner.model, pool, [chunked], [prompt[i:i + 7]])[0]
+                              for i in range(0, len(prompt), 7)])
+        by_token = torch.cat([runner.forward(runner.model, pool, [stepped], [[t]])[0] for t in prompt])
+        assert torch.equal(by_chunk, ref) and torch.equal(by_token, ref)
+        logits = runner.model.compute_logits(ref[None])
+        assert torch.equal(runner.model.compute_logits(by_token[None]), logits) and torch.isfinite(logits).all()
 
 
 def test_models_use_the_kernels_and_fall_back_without_them(gqa_dir):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,9 +57,22 @@ class AttnMeta:
     # a real token does (~0.2 of a decode step on a 2-core CPU), so rows drafting unequal K paid for the longest.
     lens: torch.Tensor | None = None
 
+    # a fresh prefill's causal mask, built by kernel_mask for the first layer and shared by the others
+    _causal: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
     def __post_init__(self):
         if self.lens is None and self.positions.shape[-1] > 1:
             self.lens = torch.tensor(self.num_new)
+
+    def kernel_mask(self) -> torch.Tensor | None:
+        """The mask for ``infer::attention``, which has no causal flag: ``mask``, or where ``is_causal`` leaves it
+        None (SDPA's is_causal does the work) the plain causal mask ``[1, 1, T, T]``, built once for all layers."""
+        if not self.is_causal or self.mask is not None:
+            return self.mask
+        if self._causal is None:
+            T = self.positions.shape[-1]
+            self._causal = torch.ones(T, T, dtype=torch.bool, device=self.positions.device).tril_()[None, None]
+        return self._causal
 
     @property
     def batch_size(self) -> int:

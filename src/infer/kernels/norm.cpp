@@ -1,4 +1,4 @@
-// infer::rms_norm: RMSNorm of few-token steps (decode, verify), one implementation for eager and compiled steps.
+// infer::rms_norm: RMSNorm of every CPU step (decode, verify, prefill), one implementation for eager and compiled steps.
 //
 // Why a kernel for 576 multiply-adds: inductor fuses the residual add into the norm's reduction and sums the squares
 // in another order than ATen does, so a compiled step and the same step run eagerly differed in the last bits (every
@@ -67,14 +67,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   const int64_t rows = xc.size(0), n = xc.size(1);
   const float e = static_cast<float>(eps);
   infer_kernels::for_row_runs(lens, rows, [&](int64_t first, int64_t count) {
-    if (xc.scalar_type() == at::kFloat) {
-      for (int64_t m = first; m < first + count; ++m)
-        norm_row(xc.data_ptr<float>() + m * n, wc.data_ptr<float>(), y.data_ptr<float>() + m * n, n, e);
-    } else {
-      using B = at::BFloat16;
-      for (int64_t m = first; m < first + count; ++m)
-        norm_row(xc.data_ptr<B>() + m * n, wc.data_ptr<B>(), y.data_ptr<B>() + m * n, n, e);
-    }
+    infer_kernels::rows_in_parallel(first, count, [&](int64_t first, int64_t count) {  // a prefill's rows: threads
+      if (xc.scalar_type() == at::kFloat) {
+        for (int64_t m = first; m < first + count; ++m)
+          norm_row(xc.data_ptr<float>() + m * n, wc.data_ptr<float>(), y.data_ptr<float>() + m * n, n, e);
+      } else {
+        using B = at::BFloat16;
+        for (int64_t m = first; m < first + count; ++m)
+          norm_row(xc.data_ptr<B>() + m * n, wc.data_ptr<B>(), y.data_ptr<B>() + m * n, n, e);
+      }
+    });
   }, [](int64_t, int64_t) {});
   return y;
 }

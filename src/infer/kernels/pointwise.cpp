@@ -1,5 +1,5 @@
-// infer::rope and infer::silu_mul: the elementwise chains of a bfloat16 few-token step (decode, verify, draft),
-// one implementation for eager and compiled steps.
+// infer::rope and infer::silu_mul: the elementwise chains of every bfloat16 CPU step (decode, verify, draft, and a
+// prefill's many rows, shared out over the threads), one implementation for eager and compiled steps.
 //
 // Why kernels for a few thousand multiplies: inductor fuses a bfloat16 chain (x*cos + rotate(x)*sin; silu(g) * u)
 // into one float32 loop and rounds once at its end, where eager rounds after every op. Compiling with
@@ -213,12 +213,14 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   auto y = empty({x.size(0), heads * head_dim}, x.options());
   const int64_t W = heads * head_dim, xs = x.stride(0);
   infer_kernels::for_row_runs(lens, x.size(0), [&](int64_t r, int64_t n) {
-    if (x.scalar_type() == at::kFloat)
-      rope_rows(x.data_ptr<float>() + r * xs, xs, c.data_ptr<float>() + r * head_dim,
-                s.data_ptr<float>() + r * head_dim, y.data_ptr<float>() + r * W, n, heads, head_dim);
-    else
-      rope_rows(x.data_ptr<at::BFloat16>() + r * xs, xs, c.data_ptr<at::BFloat16>() + r * head_dim,
-                s.data_ptr<at::BFloat16>() + r * head_dim, y.data_ptr<at::BFloat16>() + r * W, n, heads, head_dim);
+    infer_kernels::rows_in_parallel(r, n, [&](int64_t r, int64_t n) {  // a prefill's rows: over the threads
+      if (x.scalar_type() == at::kFloat)
+        rope_rows(x.data_ptr<float>() + r * xs, xs, c.data_ptr<float>() + r * head_dim,
+                  s.data_ptr<float>() + r * head_dim, y.data_ptr<float>() + r * W, n, heads, head_dim);
+      else
+        rope_rows(x.data_ptr<at::BFloat16>() + r * xs, xs, c.data_ptr<at::BFloat16>() + r * head_dim,
+                  s.data_ptr<at::BFloat16>() + r * head_dim, y.data_ptr<at::BFloat16>() + r * W, n, heads, head_dim);
+    });
   }, [](int64_t, int64_t) {});
   return y;
 }

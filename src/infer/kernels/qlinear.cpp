@@ -136,21 +136,24 @@ void quantize_rows(const X* x, int64_t M, int64_t K, int64_t nb, QuantX& q, cons
   q.d.resize(M * nb);
   q.s.resize(M * nb);
   q.ds.resize(M * nb);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const X* xb = x + (rows ? rows[m] : m) * K + b * 32;
-      const int64_t n = std::min<int64_t>(32, K - b * 32);
-      alignas(32) float buf[32];
-      const float* src = reinterpret_cast<const float*>(xb);
-      if (!std::is_same<X, float>::value || n < 32) {  // zeros beyond K
-        for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(xb[k]);
-        std::fill(buf + n, buf + 32, 0.f);
-        src = buf;
+  // a row at a time, alone: a prefill's many rows are shared out over the threads (rows.h), a step's few stay here
+  infer_kernels::rows_in_parallel(0, M, [&](int64_t m0, int64_t count) {
+    for (int64_t m = m0; m < m0 + count; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const X* xb = x + (rows ? rows[m] : m) * K + b * 32;
+        const int64_t n = std::min<int64_t>(32, K - b * 32);
+        alignas(32) float buf[32];
+        const float* src = reinterpret_cast<const float*>(xb);
+        if (!std::is_same<X, float>::value || n < 32) {  // zeros beyond K
+          for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(xb[k]);
+          std::fill(buf + n, buf + 32, 0.f);
+          src = buf;
+        }
+        const int64_t i = m * nb + b;
+        quantize32(src, q.q.data() + m * Kp + b * 32, q.a.data() + m * Kp + b * 32, &q.d[i], &q.s[i]);
+        q.ds[i] = q.d[i] * static_cast<float>(q.s[i]);
       }
-      const int64_t i = m * nb + b;
-      quantize32(src, q.q.data() + m * Kp + b * 32, q.a.data() + m * Kp + b * 32, &q.d[i], &q.s[i]);
-      q.ds[i] = q.d[i] * static_cast<float>(q.s[i]);
-    }
+  });
 }
 
 // The output: [M, N] float32 or bfloat16 (rounded to nearest even, as torch casts). bf16_in_f32: float32 holding the

@@ -8,6 +8,8 @@
 // rows' bits: a row's result does not depend on which rows share the call.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -56,6 +58,19 @@ void for_row_runs(const c10::optional<at::Tensor>& lens, int64_t M, Real&& real,
     if (n) real(b * T, n);
     if (n < T) pad(b * T + n, T - n);
   }
+}
+
+// fn(first, count) over rows [first, first + count), cut into runs of kParallelRows shared out over the threads
+// where there are more than that (a prefill's many rows); a few-token step's rows stay on the calling thread, where a
+// fork/join would cost about what it saves. For row-wise kernels: a row's bits do not depend on its run.
+constexpr int64_t kParallelRows = 32;
+template <typename Fn>
+void rows_in_parallel(int64_t first, int64_t count, Fn&& fn) {
+  if (count <= kParallelRows) {
+    fn(first, count);
+    return;
+  }
+  at::parallel_for(first, first + count, kParallelRows, [&](int64_t a, int64_t b) { fn(a, b - a); });
 }
 
 // fn(x_rows) -> y_rows [m, N] for x's real rows, scattered into [M, N] (the pads unwritten); fn(x) itself where every

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         """``lens``: the pads the kernel skips (``linear``)"""
-        if few_rows_on_cpu(x, self.weight):  # decode / verify: infer's kernel, eager = compiled (kernels/norm.cpp)
+        if kernels_take(x, self.weight):  # every CPU step: infer's kernel, eager = compiled (kernels/norm.cpp)
             return torch.ops.infer.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, lens).view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel, same math
@@ -103,11 +103,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
                lens: torch.Tensor | None = None) -> torch.Tensor:
     """The first ``heads`` heads of each row of x ``[B, T, W]`` rotated -> ``[B, T, heads, head_dim]`` (cos, sin
-    ``[B, T, 1, head_dim]``). A bfloat16 few-token CPU step takes infer's kernel (kernels/pointwise.cpp: float32
-    inside, one rounding, the same bits eager or compiled; it skips the pads past ``lens``: ``linear``); float32 has
-    no rounding for inductor to skip."""
+    ``[B, T, 1, head_dim]``). A bfloat16 CPU step takes infer's kernel (kernels/pointwise.cpp: float32 inside, one
+    rounding, the same bits eager or compiled, a row's the same in a prefill as in a decode; it skips the pads past
+    ``lens``: ``linear``); float32 has no rounding for inductor to skip."""
     B, T, W = x.shape
-    if x.dtype == torch.bfloat16 and few_rows_on_cpu(x):
+    if x.dtype == torch.bfloat16 and kernels_take(x):
         # positions may be shared by the batch (cos [1, T, 1, D], a forward without a cache): one row of cos a row
         cos, sin = (t.expand(B, T, 1, head_dim).reshape(B * T, head_dim) for t in (cos, sin))
         y = torch.ops.infer.rope(x.reshape(B * T, W), cos, sin, heads, head_dim, lens)
@@ -164,11 +164,17 @@ def few_rows_on_cpu(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     return x.device.type == "cpu" and tokens <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES and kernels.available()
 
 
-def few_tokens_on_cpu(x: torch.Tensor) -> bool:
-    """Whether ``infer::attention`` takes this step's queries: x [B, T, H] on the CPU with at most kernels.MAX_ROWS
-    tokens a row (decode, verify, a tree), whatever the batch: the kernel's work is per row and per KV head."""
-    return (x.device.type == "cpu" and x.shape[-2] <= kernels.MAX_ROWS and x.dtype in KERNEL_DTYPES
-            and kernels.available())
+def kernels_take(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether infer's row-wise kernels (norm, rope, silu * up, attention over a cache) take x, whatever its rows: a
+    CPU step of any length, a prefill's too. A row's result does not depend on the rows beside it, so a prompt's
+    states come out with the bits its tokens would have decoded one by one, where the products are batch-invariant
+    too (infer::qlinear's blocks: tests/test_kernels.py). ATen's eager chains for a 46-token bfloat16 prefill cost
+    ~9% of it, and its flash attention ~3x the kernel's time (0.16 against 0.05 ms a layer; 2.5 against 1.65 ms at
+    330 tokens). Products are another matter (``few_rows_on_cpu``: a matrix-vector kernel). Where autograd records,
+    the few-row rule, as before."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
+        return few_rows_on_cpu(x, *params)
+    return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and kernels.available()
 
 
 class Linear(nn.Linear):
@@ -190,7 +196,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
         """``lens``: the pads to skip (``linear``)"""
         gate_up = self.gate_up_proj(x, lens)
-        if gate_up.dtype == torch.bfloat16 and few_rows_on_cpu(gate_up):  # one rounding, eager = compiled (rope_heads)
+        if gate_up.dtype == torch.bfloat16 and kernels_take(gate_up):  # one rounding, eager = compiled (rope_heads)
             h = torch.ops.infer.silu_mul(gate_up.reshape(-1, 2 * self.intermediate), lens)
             return self.down_proj(h.view(*x.shape[:-1], self.intermediate), lens)
         gate, up = gate_up.split(self.intermediate, dim=-1)
