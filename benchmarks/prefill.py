@@ -147,7 +147,8 @@ def main() -> None:
                      for n, s in sides.items()}}
     write_json("prefill", res)
     md = render(res)
-    update_doc_section("prefill", md + "\n\n![prefill](../benchmarks/results/prefill.png)")
+    update_doc_section("prefill", "## Time to the first token, two revisions (`benchmarks/prefill.py`)\n\n" + md
+                       + "\n\n![prefill](../benchmarks/results/prefill.png)")
     plot(res)
     print(md)
 
