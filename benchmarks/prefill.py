@@ -16,18 +16,14 @@ Writes benchmarks/results/prefill.json, the "prefill" section of docs/benchmarks
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine, update_doc_section, write_json  # noqa: E402
-from revisions import worktree  # noqa: E402
+from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from revisions import remove_worktrees, revision_args, run_script, worktree  # noqa: E402
 
 WORKER = r"""
 import json, statistics, sys, time
@@ -57,16 +53,6 @@ print("RESULT " + json.dumps({"lengths": [len(x) for x in ids], "ttft_s": [stati
 """
 
 BANDS = ((0, 64), (64, 150), (150, 10_000))  # prompt tokens: short chat turns, longer questions, code with context
-
-
-def run_worker(src: Path, a) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(src), str(a.rounds), str(a.prompts)], env=env,
-                          capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"worker for {src} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def render(res: dict) -> str:
@@ -116,11 +102,7 @@ def plot(res: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the revision before the change")
-    ap.add_argument("--head", default="HEAD")
-    ap.add_argument("--repeats", type=int, default=4, help="processes per revision")
-    ap.add_argument("--rounds", type=int, default=3, help="timings of each prompt in each process")
+    ap = revision_args(__doc__, repeats=4)
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts per kind (chat, code)")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="infer-prefill-"))
@@ -131,15 +113,12 @@ def main() -> None:
             sides[name] = {"rev": sha, "src": path / "src", "runs": []}
         for i in range(a.repeats):
             for name, side in sides.items():
-                got = run_worker(side["src"], a)
+                got = run_script(WORKER, side["src"], str(a.rounds), str(a.prompts))
                 side["runs"].append(got["ttft_s"])
                 side["lengths"], side["first_tokens"] = got["lengths"], got["first_tokens"]
                 print(f"#{i + 1} {name}: {sum(got['ttft_s']):.3f} s over {len(got['ttft_s'])} prompts", flush=True)
     finally:
-        for side in sides.values():
-            subprocess.run(["git", "worktree", "remove", "--force", str(side["src"].parent)], cwd=ROOT,
-                           capture_output=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+        remove_worktrees(side["src"].parent for side in sides.values())
     res = {"machine": machine(), "base": sides["base"]["rev"], "head": sides["head"]["rev"],
            "model": "SmolLM2-135M-Instruct (GGUF, its own Q4_1 blocks), bfloat16", "repeats": a.repeats,
            "rounds": a.rounds, "lengths": sides["head"]["lengths"],

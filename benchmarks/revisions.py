@@ -78,22 +78,38 @@ def worktree(rev: str, root: Path) -> tuple[str, Path]:
     return sha, path
 
 
-def run_worker(src: Path, setting: str, a) -> dict:
+def revision_args(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of a two-revision comparison (this script, prefill.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the revision before the change")
+    ap.add_argument("--head", default="HEAD")
+    ap.add_argument("--repeats", type=int, default=repeats, help="processes per revision (and setting)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed runs of each prompt in each process")
+    return ap
+
+
+def remove_worktrees(paths) -> None:
+    for path in paths:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+
+
+def run_script(script: str, src: Path, *args: str) -> dict:
+    """``script`` in a fresh process importing infer from ``src`` (argv: src, *args) -> its "RESULT {json}" line."""
     env = {**os.environ, "PYTHONPATH": str(src), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(src), setting, str(a.rounds), str(a.new_tokens),
-                           json.dumps(PROMPTS)], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", script, str(src), *args], env=env, capture_output=True, text=True)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"worker for {src} / {setting} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"worker for {src} {' '.join(args)[:200]} failed:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def run_worker(src: Path, setting: str, a) -> dict:
+    return run_script(WORKER, src, setting, str(a.rounds), str(a.new_tokens), json.dumps(PROMPTS))
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the revision before the change")
-    ap.add_argument("--head", default="HEAD")
-    ap.add_argument("--repeats", type=int, default=2, help="processes per (revision, setting)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed generations per prompt in each process")
+    ap = revision_args(__doc__, repeats=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--settings", default="plain,speculative",
                     help="of plain, speculative (chat's default), eagle, eagle3 (that head alone, K auto)")
@@ -113,10 +129,7 @@ def main() -> None:
                     print(f"#{i + 1} {name} {setting}: " + ", ".join(
                         f"{c} {statistics.median(r):.1f} tok/s" for c, r in got.items()), flush=True)
     finally:
-        for side in sides.values():
-            subprocess.run(["git", "worktree", "remove", "--force", str(side["src"].parent)], cwd=ROOT,
-                           capture_output=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+        remove_worktrees(side["src"].parent for side in sides.values())
 
     cells = list(sides["base"]["rates"])
     res = {"machine": machine(), "base": sides["base"]["rev"], "head": sides["head"]["rev"], "prompts": PROMPTS,
