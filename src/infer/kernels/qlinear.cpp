@@ -182,11 +182,11 @@ struct Out {
 using IAcc = __m256i;  // 8 rows' integer sums of one block
 using FAcc = __m256;   // 8 rows' float sums
 inline FAcc facc_zero() { return _mm256_setzero_ps(); }
-// The weights' stream is prefetched into L2 (T1), not L1 (T0): a tile reads its lines once, and T0's requests compete
-// with the tile's own loads for L1's few miss slots (and evict its activations). With T0 the products of a whole
-// SmolLM2 forward took 1.04-1.09x (1 row) and 1.15-1.27x (3-5 rows) the time they take with T1 (AMD EPYC Zen 4,
-// in-process alternation, 2026-12-02); both engines decode ~5% faster. The same sums: only when the bytes arrive
-// changes.
+// The weights' stream is prefetched into L2 (T1), not L1 (T0): a tile reads its lines once, and T0's requests most
+// likely compete with the tile's own loads for L1's few miss slots (no PMU here to count them). With T0 the products
+// of a whole SmolLM2 forward took 1.04-1.09x (1 row) and 1.15-1.27x (3-5 rows) the time they take with T1 (AMD EPYC
+// Zen 4, in-process alternation, 2026-12-02); both engines decode ~5% faster. The same sums: only when the bytes
+// arrive changes.
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 inline IAcc start_of(int32_t v) { return _mm256_set1_epi32(v); }
 inline __m256i bcast4(const void* p) {  // 4 bytes to every 32-bit lane
