@@ -20,13 +20,25 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
+    # a cloud host may name itself only "AMD EPYC": its family and model tell Zen 4 (25/17) from Zen 5 (26/2), and the
+    # vector ISA is what the kernels' figures depend on, so both go with every figure
+    info: dict[str, str] = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
                 break
     except OSError:
         pass
+    if info:
+        cpu = info.get("model name", cpu)
+        flags = set(info.get("flags", "").split())
+        isa = ("AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512" if "avx512f" in flags
+               else "AVX2" if "avx2" in flags else None)
+        if isa and "amx_tile" in flags:
+            isa += ", AMX"
+        cpu += f" (family {info.get('cpu family', '?')} model {info.get('model', '?')}" + (f", {isa})" if isa else ")")
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
