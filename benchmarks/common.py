@@ -31,14 +31,14 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    if info:
-        cpu = info.get("model name", cpu)
+    cpu = info.get("model name", cpu)
+    if "cpu family" in info:  # x86 (an ARM cpuinfo names neither a family nor these flags)
         flags = set(info.get("flags", "").split())
         isa = ("AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512" if "avx512f" in flags
                else "AVX2" if "avx2" in flags else None)
         if isa and "amx_tile" in flags:
             isa += ", AMX"
-        cpu += f" (family {info.get('cpu family', '?')} model {info.get('model', '?')}" + (f", {isa})" if isa else ")")
+        cpu += f" (family {info['cpu family']} model {info.get('model', '?')}" + (f", {isa})" if isa else ")")
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
