@@ -576,6 +576,86 @@ def test_auto_k_verifies_the_drafts_worth_it_by_the_drafters_confidence():
     assert p.alpha(a) < 0.6 < 0.9 < p.alpha(b)  # a: ~1 + 0.05 accepted of ~2.05 judged a round
 
 
+def test_the_cut_reads_the_prices_its_rounds_choose_read():
+    """The cut reads the prices choose read for its round (the cost model is not refreshed between the two), and the
+    same answers come from prices read afresh: with the round's sheet, without one (no choose), and after the
+    forward's refresh (``timed`` drops the sheet)."""
+    costs = CostModel.from_points(2, 8, {(1, 1): 1.0, (1, 9): 2.6, (2, 1): 1.0, (2, 9): 4.2}, {1: 0.1, 2: 0.1})
+    confs = [[[0.99] * 4], [[0.99, 0.99, 0.05, 0.99]], [[0.05] * 4], [[0.9, 0.8, 0.7, 0.6]]]
+    for conf in confs:
+        fresh = GoodputSpecLength(8, costs)
+        r = _req([1, 2])
+        want = fresh.cut([r], [4], conf, None, [False])
+        policy = GoodputSpecLength(8, costs)
+        policy.choose([r], [8])
+        assert policy.sheet is not None and policy.sheet.B == 1
+        assert policy.cut([r], [4], conf, None, [False]) == want and policy.sheet is None  # read once
+        policy.choose([r], [8])
+        policy.timed(1, 2.0, 1.5)  # a forward: the prices move on, the sheet goes
+        assert policy.sheet is None
+    # the two-row sheet prices the rows that drafted, whatever choose priced
+    policy, fresh = GoodputSpecLength(8, costs), GoodputSpecLength(8, costs)
+    r, s = _req([1, 2]), _req([3, 4])
+    want = fresh.cut([r, s], [3, 3], [[0.99] * 3, [0.99, 0.05, 0.99]], None, [False, False])
+    policy.choose([r, s], [8, 8])
+    assert policy.cut([r, s], [3, 3], [[0.99] * 3, [0.99, 0.05, 0.99]], None, [False, False]) == want == [3, 1]
+
+
+def test_a_drawer_keeps_a_whole_rounds_tensors_and_copies_a_partial_ones():
+    """DraftDrawer.put of a whole round (every row, every position, one call: a lone row's C++ round) keeps the
+    call's drafts and takes a greedy round's confidences as its q's largest; a round put in parts writes them into
+    the drawer's own tensors. The proposal is the same either way."""
+    import torch
+
+    from infer.proposers.base import DraftBatch, DraftDrawer
+
+    V, K = 32, 3
+    ids = torch.tensor([2, 5, 9, 20, 31])
+
+    class _Vocab:
+        pass
+
+    dv = _Vocab()
+    dv.ids = ids
+    q = torch.softmax(torch.randn(1, K, len(ids)), -1)
+    drafts = ids[torch.tensor([[0, 3, 4]])]
+    batch = DraftBatch([_req([1, 2])], [K], None, None, [None], V, torch.device("cpu"), confidence=True)
+    whole = DraftDrawer(batch, None, dv)
+    whole.put(0, [0], drafts, q)
+    a = whole.proposal([K])
+    assert a.drafts is drafts and torch.equal(a.confidence, q.amax(-1))
+    parts = DraftDrawer(batch, None, dv)
+    parts.put(0, [0], drafts[:, :2], q[:, :2])
+    parts.put(2, [0], drafts[:, 2:], q[:, 2:])
+    b = parts.proposal([K])
+    assert b.drafts is not drafts and torch.equal(b.drafts, a.drafts) and torch.equal(b.confidence, a.confidence)
+    none = DraftDrawer(DraftBatch([_req([1, 2])], [K], None, None, [None], V, torch.device("cpu")), None, dv)
+    none.put(0, [0], drafts, q)
+    assert none.proposal([K]).confidence is None  # not asked for
+    empty = DraftDrawer(batch, None, dv).proposal([0])  # nothing drawn: zeros, NaN confidences
+    assert not empty.drafts.any() and empty.confidence.isnan().all()
+
+
+def test_feature_store_reads_are_copies():
+    """FeatureStore.get returns the rows and columns read as a fresh tensor, whether every row is stored (one copy)
+    or some are not (zeros there): writing into it leaves the store as it was."""
+    import torch
+
+    from infer.proposers.features import FeatureStore
+
+    store = FeatureStore(slice(2, None))
+    r = _req([1, 2, 3])
+    h = torch.arange(24, dtype=torch.float32).view(4, 6)
+    store.add(r, 0, h[:2])
+    store.add(r, 2, h[2:])
+    got = store.get(r, 1, 4, 4, torch.bfloat16, torch.device("cpu"))
+    assert got.is_contiguous() and got.dtype == torch.bfloat16 and torch.equal(got, h[1:4, 2:].bfloat16())
+    got.fill_(-1)
+    assert torch.equal(store.get(r, 0, 4, 4, torch.float32, torch.device("cpu")), h[:, 2:])
+    part = store.get(r, 2, 6, 4, torch.float32, torch.device("cpu"))  # past the stored rows: zeros
+    assert torch.equal(part[:2], h[2:, 2:]) and not part[2:].any()
+
+
 def test_hybrid_drafts_copies_when_its_model_is_priced_out(gqa_dir):
     """Through the engine: the hybrid's model steps priced at 1000 s, n-gram copies still drafted and accepted, the
     output the plain one."""

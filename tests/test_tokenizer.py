@@ -77,3 +77,26 @@ def test_multibyte_character_is_held_until_complete(gqa_dir):
     detok = tok.detokenizer([])
     out = [detok.push(i) for i in ids]
     assert out[:-1] == [""] * (len(ids) - 1) and out[-1] == "😀"
+
+
+def test_decode_is_transformers_decode_through_the_rust_tokenizer(gqa_dir, tmp_path):
+    """decode calls the Rust tokenizer itself where transformers' decode adds nothing to it (a fast tokenizer without
+    the clean-up of tokenization spaces): the same text for any ids, special tokens kept or skipped. A tokenizer that
+    asks for the clean-up keeps transformers' decode."""
+    import random
+
+    ours, ref = Tokenizer(gqa_dir), AutoTokenizer.from_pretrained(gqa_dir)
+    assert ours._raw_decode is not None
+    rng = random.Random(0)
+    windows = [[rng.randrange(len(ref)) for _ in range(rng.randrange(0, 12))] for _ in range(300)]
+    windows += [ours.encode(t) for t in TEXTS]  # BOS included: a special token
+    for ids in windows:
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    d = shutil.copytree(gqa_dir, tmp_path / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["clean_up_tokenization_spaces"] = True
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer(d)._raw_decode is None
+    assert Tokenizer(d).decode(ours.encode("a , b", add_special_tokens=False)) == \
+        AutoTokenizer.from_pretrained(d).decode(ours.encode("a , b", add_special_tokens=False))

@@ -212,12 +212,13 @@ class DraftDrawer:
         """``head``: hidden [n, H] -> float32 logits [n, V] (the full vocabulary; used without ``dv``)."""
         B, K, V, dev = len(batch.reqs), batch.K, batch.vocab_size, batch.device
         self.batch, self.head, self.dv = batch, head, dv
-        self.drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
+        # drafts [B, K] and conf [B, K] (NaN where none) are made when first written (the properties): a round whose
+        # every draft one call drew (``put``: a lone row's C++ round) keeps that call's tensors, not copies of them
+        self._drafts, self._conf = None, None
         # q [B, K, V] (0 outside a draft vocabulary), built when a draw needs it (the ``q`` property); drafts put by
         # a compiled round for every row keep theirs over the draft vocabulary alone (``q_sub``: Proposal.q_sub)
         self._q, self.q_sub = None, None
         self.logits = torch.zeros(B, K, V, device=dev) if batch.keep_logits else None
-        self.conf = torch.full((B, K), float("nan"), device=dev) if batch.confidence else None
         self.ctx_seen = None if batch.seen is None else batch.seen.clone()
         # timing of the model steps (the cost model): from here (the proposer's set-up and catch-up are the first
         # step's), to the end of the first draw, to the end of the last
@@ -238,6 +239,20 @@ class DraftDrawer:
                 self.t_first, self.rows = self.t_last, len(idx)
 
     @property
+    def drafts(self) -> torch.Tensor:
+        """[B, K] long: the drafts drawn so far (0 where none)."""
+        if self._drafts is None:
+            self._drafts = torch.zeros(len(self.batch.reqs), self.batch.K, dtype=torch.long, device=self.batch.device)
+        return self._drafts
+
+    @property
+    def conf(self) -> torch.Tensor | None:
+        """[B, K] float32 where the batch asks for confidences (``DraftBatch.confidence``), NaN where none; else None."""
+        if self._conf is None and self.batch.confidence:
+            self._conf = torch.full((len(self.batch.reqs), self.batch.K), float("nan"), device=self.batch.device)
+        return self._conf
+
+    @property
     def q(self) -> torch.Tensor | None:
         """q [B, K, V] of a sampled batch (None: greedy), built from ``q_sub`` the first time it is needed."""
         if self._q is None and self.batch.sampling is not None:
@@ -254,9 +269,15 @@ class DraftDrawer:
         would have kept, timing included."""
         m = drafts.shape[1]
         every = len(idx) == len(self.batch.reqs)
-        rows_t = torch.tensor(idx, device=self.batch.device)
+        rows_t = None if every else torch.tensor(idx, device=self.batch.device)
         rows = slice(None) if every else rows_t
-        self.drafts[rows, j:j + m] = drafts
+        # the whole round in one call (every row, every position): its tensors are the round's (fresh outputs of the
+        # call, never written again), not copied into zeros made for them
+        whole = every and j == 0 and m == self.batch.K and self._drafts is None and drafts.dtype == torch.long
+        if whole:
+            self._drafts = drafts
+        else:
+            self.drafts[rows, j:j + m] = drafts
         if self.batch.sampling is not None:
             if every and self._q is None and self.conf is None:  # kept over S: Proposal.q_sub
                 if j == 0 and m == self.batch.K:
@@ -270,9 +291,12 @@ class DraftDrawer:
             else:
                 for i in range(m):
                     self.q[rows_t[:, None], j + i, self.dv.ids] = q[:, i]
-        if self.conf is not None:  # a greedy draft is its law's argmax; a drawn one is read back from the scattered q
-            self.conf[rows, j:j + m] = q.amax(-1) if self.q is None else \
-                self.q[rows, j:j + m].gather(2, drafts[..., None])[..., 0]
+        if self.batch.confidence:  # a greedy draft is its law's argmax; a drawn one is read back from the scattered q
+            if whole and self._conf is None and self.batch.sampling is None:
+                self._conf = q.amax(-1).float()
+            else:
+                self.conf[rows, j:j + m] = q.amax(-1) if self.q is None else \
+                    self.q[rows, j:j + m].gather(2, drafts[..., None])[..., 0]
         self.t_last = time.perf_counter()
         self.steps = max(self.steps, j + m)
         if j == 0:  # the round's first step ran in the same call (EagleHead.draft_round): its time is the first's
@@ -331,7 +355,7 @@ class DraftDrawer:
         timing = {} if not self.steps else dict(
             model_rows=self.rows, model_steps=self.steps, steps_s=self.t_last - self.t_first,
             first_s=max(0.0, self.t_first - self.t_start - kw.get("catch_up_s", 0.0)))
-        prop = Proposal(self.drafts, num_draft, self._q, self.logits, self.conf, **timing, **kw)
+        prop = Proposal(self.drafts, num_draft, self._q, self.logits, self.conf, **timing, **kw)  # made if unwritten
         if self._q is None and self.q_sub is not None:
             prop.q_sub, prop.vocab_size = (self.q_sub, self.dv.ids), self.batch.vocab_size
         return prop

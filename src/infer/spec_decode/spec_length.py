@@ -268,6 +268,7 @@ class GoodputSpecLength:
         # (batch size, speculative?): a round's bookkeeping costs more than a plain step's, most under load
         self.overhead: dict[tuple[int, bool], float] = {}
         self.pricing: dict[int, _Pricing] = {}  # batch size -> whether choose's answers pay for its own time
+        self.sheet: _Sheet | None = None  # the last choose's prices, until the round's cut reads them
         self.price_every_max = PRICE_EVERY_MAX  # 1: price every round (benchmarks' A/B of the back-off)
         # the cut of a round's model drafts by their confidence (``cut``): acceptance by the drafter's probability,
         # greedy drafts (False) and drawn ones (True) apart; ``cuts`` False verifies every draft (benchmarks' A/B)
@@ -375,10 +376,10 @@ class GoodputSpecLength:
             pricing = self.pricing[B] = _Pricing()
         if pricing.skipped + 1 < pricing.every:  # its answers here have not paid for its time: k = 0, unpriced
             pricing.skipped += 1
-            self.last_choice = (0, 0)
+            self.last_choice, self.sheet = (0, 0), None
             return [0] * B
         t0 = time.perf_counter()
-        sheet = _Sheet(self.costs, B, self.k_max)
+        sheet = self.sheet = _Sheet(self.costs, B, self.k_max)  # ``cut`` reads the round's prices from it too
         ks, gain = self._choose(reqs, caps, sheet)
         step = sheet.verify[1] + self.overhead.get((B, False), 0.0)
         pricing.gain += PRICE_EMA * (gain - pricing.gain)
@@ -516,8 +517,17 @@ class GoodputSpecLength:
         fixed = sum(nd[b] for b in range(B) if b not in cuttable)  # drafts verified whatever (copies)
         others = sum(expected_tokens(self.alpha(reqs[b], bool(free and free[b])), nd[b]) - 1.0 for b in range(B)
                      if b not in cuttable and nd[b])  # the rows verified whole, at their estimates
-        verify = self.costs.verify_costs(B, max(nd) + 1)
-        spent = self.costs.draft_cost(len(rows), max(nd[b] for b in rows)) + self.overhead.get((B, True), 0.0)
+        # the prices choose read this round (nothing refreshes the cost model between the two), else read now
+        sheet, self.sheet = self.sheet, None
+        k_top = max(nd[b] for b in rows)
+        if sheet is not None and sheet.B == B and max(nd) <= self.k_max:
+            verify = sheet.verify
+            if len(rows) not in sheet.drafts:
+                sheet.drafts[len(rows)] = self.costs.draft_costs(len(rows), self.k_max)
+            spent = sheet.drafts[len(rows)][k_top]
+        else:
+            verify, spent = self.costs.verify_costs(B, max(nd) + 1), self.costs.draft_cost(len(rows), k_top)
+        spent += self.overhead.get((B, True), 0.0)
 
         def price(drafts: int) -> float:  # the verify of B rows with `drafts` drafts among them (pads skipped)
             t = 1.0 + drafts / B
@@ -581,6 +591,7 @@ class GoodputSpecLength:
     def timed(self, B: int, T: float, verify_s: float) -> None:
         """A target forward over B rows x T tokens took ``verify_s`` (T: its real tokens over B, fractional where rows
         drafted unequal K: the pads are skipped)."""
+        self.sheet = None  # the forward is done: the cost model moves on
         if self.costs is not None:
             self.costs.refresh_verify(B, T, verify_s)
 
