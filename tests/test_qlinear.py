@@ -91,6 +91,7 @@ def test_qlinear_is_batch_invariant(fmt, n, k=136):
         try:
             assert torch.equal(_qlinear(x, packed, fmt, n), prompt)
             assert torch.equal(_qlinear(x[:5], packed, fmt, n), prompt[:5])
+            assert torch.equal(_qlinear(x[:1], packed, fmt, n), prompt[:1])  # decode's 8-lane tiles
         finally:
             torch.ops.infer.qlinear_pairs(True)
     x = x[:kernels.MAX_ROWS]
