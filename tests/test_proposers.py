@@ -1,6 +1,8 @@
 """Proposers and the K policy: prompt lookup finds what it should, every proposer and K schedule keeps greedy
 parity on both KV backends, the goodput policy drafts when it pays and falls to K = 0 when it does not."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from infer import LLM, SamplingParams
@@ -612,11 +614,7 @@ def test_a_drawer_keeps_a_whole_rounds_tensors_and_copies_a_partial_ones():
     V, K = 32, 3
     ids = torch.tensor([2, 5, 9, 20, 31])
 
-    class _Vocab:
-        pass
-
-    dv = _Vocab()
-    dv.ids = ids
+    dv = SimpleNamespace(ids=ids)  # a draft vocabulary: what DraftDrawer reads of one
     q = torch.softmax(torch.randn(1, K, len(ids)), -1)
     drafts = ids[torch.tensor([[0, 3, 4]])]
     batch = DraftBatch([_req([1, 2])], [K], None, None, [None], V, torch.device("cpu"), confidence=True)
@@ -736,11 +734,7 @@ def test_q_over_a_draft_vocabulary_is_built_only_when_read():
     V, K = 32, 3
     ids = torch.tensor([2, 5, 9, 20, 31])
 
-    class _Vocab:
-        pass
-
-    dv = _Vocab()
-    dv.ids = ids
+    dv = SimpleNamespace(ids=ids)  # a draft vocabulary: what DraftDrawer reads of one
 
     def batch(reqs, ks):
         sb = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * len(reqs), V, "cpu")
