@@ -585,10 +585,8 @@ inline void rows_block(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M,
 
 #if defined(INFER_QLINEAR_PAIRS)
 std::atomic<bool> pairs_on{true};  // infer::qlinear_pairs: off for an A/B in one process (benchmarks/kernel_rows.py)
-// groups g0 .. g1 in pairs -> the first group left (out of line: run's 8-lane loops compile as they did without the
-// pairs). One row (decode) takes them too: on an Intel Xeon (family 6 model 167) a forward's one-row products took
-// 1.01-1.03x less time with them than with the 8-lane tiles (paired medians of 56 alternations, four runs,
-// 2026-12-03); on AMD Zen 4 one row measured the same either way (benchmarks/kernel_rows.py). The same bits.
+// groups g0 .. g1 in pairs -> the first group left (out of line, so that run's decode loop compiles as it did
+// without the pairs: one row measured the same with them, benchmarks/kernel_rows.py)
 template <int64_t F>
 __attribute__((noinline)) int64_t pair_groups(const uint8_t* w, int64_t nb, const QuantX& q, int64_t M, const Out& y,
                                               int64_t N, int64_t g0, int64_t g1) {
@@ -606,8 +604,8 @@ void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, co
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     int64_t g = g0;
 #if defined(INFER_QLINEAR_PAIRS)
-    if constexpr (F != kQ4_K) {  // pairs of groups, one row (decode) or several (verify, prompt)
-      if (pairs_on.load(std::memory_order_relaxed)) g = pair_groups<F>(w, nb, q, M, y, N, g0, g1);
+    if constexpr (F != kQ4_K) {  // several rows (verify, prompt): pairs of groups; decode's few chains stay 8 wide
+      if (M > 1 && pairs_on.load(std::memory_order_relaxed)) g = pair_groups<F>(w, nb, q, M, y, N, g0, g1);
     }
 #endif
     if (M == 1) {  // decode: as many groups per tile as keep the memory streams busy
