@@ -97,7 +97,7 @@ def test_the_op_names_what_does_not_match():
     start = pool.extend(slot, 2)
     u, temp = torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1)
     lm.rotary.reserve(16, lm.device, lm.dtype)
-    with pytest.raises(RuntimeError, match="token id outside the embedding"):
+    with pytest.raises(RuntimeError, match="token id 64 outside the embedding"):
         proposer._round([64], pool, slot, start, dv, temp, u)
     with pytest.raises(RuntimeError, match="outside the rotary tables or the block table"):
         proposer._round([1, 2, 3, 4, 5], pool, slot, start, dv, temp, u)  # more entries than the pool took blocks for

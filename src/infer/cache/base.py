@@ -56,6 +56,7 @@ class AttnMeta:
     # skip a row's pads past it (kernels/rows.h). A verify pads its rows to the longest's drafts; each pad cost what
     # a real token does (~0.2 of a decode step on a 2-core CPU), so rows drafting unequal K paid for the longest.
     lens: torch.Tensor | None = None
+    tree: bool = False  # the rows are token trees (TreeAttn): positioned and masked as trees, not chains
 
     # a fresh prefill's causal mask, built by kernel_mask for the first layer and shared by the others
     _causal: torch.Tensor | None = field(default=None, repr=False, compare=False)

@@ -219,8 +219,10 @@ class PagedKVCachePool(KVCachePool):
                 # consecutive blocks (the common case for a lone sequence): plain slices, no gather
                 return AttnMeta(slots=list(slots), slot_index=None, start=start,
                                 num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
-                                mask=mask, is_causal=is_causal, row0=table[0] * bs)
-        return self._gathered(list(slots), start, list(num_new), positions, mask, kv_len, is_causal, device)
+                                mask=mask, is_causal=is_causal, row0=table[0] * bs, tree=tree is not None)
+        meta = self._gathered(list(slots), start, list(num_new), positions, mask, kv_len, is_causal, device)
+        meta.tree = tree is not None
+        return meta
 
     def _gathered(self, slots, start, num_new, positions, mask, kv_len, is_causal, device) -> AttnMeta:
         """The plan of a forward whose blocks are already taken, every key read through its storage row."""

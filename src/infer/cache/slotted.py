@@ -133,7 +133,7 @@ class SlottedKVCache(KVCachePool):
             positions, mask = tree_plan(tree, num_new, kv_len)
         return AttnMeta(slots=list(slots), slot_index=torch.tensor(slots, device=device), start=start,
                         num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
-                        mask=mask, is_causal=is_causal)
+                        mask=mask, is_causal=is_causal, tree=tree is not None)
 
     def update(self, layer, k, v, meta):
         kc, vc = self.k[layer], self.v[layer]  # [S, Hkv, L+1, D]

@@ -576,4 +576,24 @@ void attention_paged_row(const c10::BFloat16* q, int64_t heads, int64_t head_dim
          nullptr, {0, 0, 0}, rows, nullptr, L);
 }
 
+// n query tokens of one chain q [n, heads, D] (token t at q + t * q_stride) at positions start .. start + n - 1 of a
+// paged row, token t attending keys 0 .. start + t (storage rows rows[j]): one call, so a verify's tokens share every
+// K and V load (groups of one KV head's queries, as infer::attention's), each token's output the bits it gets alone
+// (batch invariance, above). n > 1 masks each token's later keys: the mask the module's verify builds.
+void attention_paged_chain(const c10::BFloat16* q, int64_t n, int64_t q_stride, int64_t heads, int64_t head_dim,
+                           const c10::BFloat16* k, const c10::BFloat16* v, int64_t kv_heads, const int64_t* rows,
+                           int64_t start, c10::BFloat16* out) {
+  const int64_t row = kv_heads * head_dim, L = start + n;
+  const bool* mask = nullptr;
+  if (n > 1) {
+    thread_local std::vector<uint8_t> m;  // [n, L] bool: token t sees keys j <= start + t
+    m.assign(n * L, 0);
+    for (int64_t t = 0; t < n; ++t) std::fill_n(m.data() + t * L, start + t + 1, uint8_t{1});
+    mask = reinterpret_cast<const bool*>(m.data());
+  }
+  attend(Operands<c10::BFloat16>{q, {n * q_stride, head_dim, q_stride}, 1, heads, n, head_dim, k, v,
+                                 {row, head_dim, 0}, {row, head_dim, 0}, kv_heads, out},
+         mask, {0, L, 1}, rows, nullptr, L);
+}
+
 }  // namespace infer_kernels

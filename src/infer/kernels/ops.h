@@ -1,6 +1,6 @@
 // The ops' kernels as C++ functions over pointers (each defined beside its op, infer::<name>, in its own file), for
 // kernels that chain them without the dispatcher: eagle_round.cpp runs an EAGLE-3 draft round through them,
-// lm_round.cpp a draft LM's.
+// lm_round.cpp a draft LM's, and a target's few-token forward (llama_forward).
 #pragma once
 
 // ATen's tensor type and CPU allocation only: ATen/ATen.h (every operator) and torch/library.h cost ~12 s of parsing a
@@ -53,6 +53,11 @@ std::tuple<at::Tensor, at::Tensor> draft_lm_round(
     const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& table,
     int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const at::Tensor& temperature, const at::Tensor& u);  // lm_round.cpp
+at::Tensor llama_forward(const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats,
+                         at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed,
+                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                         at::TensorList v_caches, const at::Tensor& rows, int64_t start, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, at::IntArrayRef aux);  // lm_round.cpp
 
 // Over bfloat16 rows the caller holds: no tensor made, nothing allocated after a thread's first call (a round that
 // starts cold after every verify paid ~4 us for each tensor its steps made). The caller checks its shapes; each
@@ -73,5 +78,11 @@ void silu_mul_into(const at::BFloat16* x, at::BFloat16* y, int64_t rows, int64_t
 void attention_paged_row(const c10::BFloat16* q, int64_t heads, int64_t head_dim, const c10::BFloat16* k,
                          const c10::BFloat16* v, int64_t kv_heads, const int64_t* rows, int64_t L,
                          c10::BFloat16* out);
+// n tokens of one chain q (token t at q + t * q_stride, [heads, D]) at positions start .. start + n - 1, token t over
+// the keys at storage rows rows[0 .. start + t] -> out [n, heads, D]: each token's attention_paged_row bits, the
+// tokens sharing each key's load
+void attention_paged_chain(const c10::BFloat16* q, int64_t n, int64_t q_stride, int64_t heads, int64_t head_dim,
+                           const c10::BFloat16* k, const c10::BFloat16* v, int64_t kv_heads, const int64_t* rows,
+                           int64_t start, c10::BFloat16* out);
 
 }  // namespace infer_kernels

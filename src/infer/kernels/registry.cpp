@@ -27,6 +27,9 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
         "Tensor embed, Tensor vocab_packed, int vocab_format, Tensor? extra_weight, Tensor vocab_ids, Tensor cos, "
         "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor table, int block_size, int start, int heads, "
         "int kv_heads, int head_dim, Tensor temperature, Tensor u) -> (Tensor, Tensor)");
+  m.def("llama_forward(Tensor tokens, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, float eps, "
+        "Tensor embed, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, int start, "
+        "int heads, int kv_heads, int head_dim, int[] aux) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {
@@ -41,4 +44,5 @@ TORCH_LIBRARY_IMPL(infer, CPU, m) {
   m.impl("rejection_sample_logits", &infer_kernels::rejection_sample_logits);
   m.impl("eagle3_round", &infer_kernels::eagle3_round);
   m.impl("draft_lm_round", &infer_kernels::draft_lm_round);
+  m.impl("llama_forward", &infer_kernels::llama_forward);
 }

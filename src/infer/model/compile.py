@@ -57,15 +57,21 @@ DEFAULT_CACHE_DIR = cache_dir("inductor")
 # more than the work (SmolLM2 bf16: 63 -> 73 tok/s with this threshold). The products stay parallel.
 INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 16384}
 # Speculation needs a token's logits to be bit-identical whether the target computes it alone (decode) or among K+1
-# (verify), and the background warm-up needs a step run eagerly to give the compiled step's bits. On the CPU every
-# reduction and every multi-op bfloat16 chain of a few-token step is an infer kernel (products, attention, norm,
-# rope, silu * up: kernels/pointwise.cpp says why), and what inductor fuses around them rounds once per op as eager
-# does, so its fast defaults give one numerics to eager, decode and verify, plain and speculating engines alike.
-# (Inductor's emulate_precision_casts, which speculating engines used to need, cost ~10% of a bfloat16 step.)
+# (verify), whichever path runs the step: a lone row's step as one C++ call (LlamaForCausalLM.native), a batch's
+# compiled graph, the eager steps the background warm-up serves meanwhile. On the CPU every reduction and every
+# multi-op bfloat16 chain of a few-token step is an infer kernel (products, attention, norm, rope, silu * up:
+# kernels/pointwise.cpp says why); what inductor fuses around them is the residual adds, and with its fast defaults
+# it does not round those as eager does: SmolLM2's compiled decode step differed from its eager one in ~5% of the
+# first layer's outputs and in most of the last's (2026-12-03; our reading, not traced: a layer's two adds fused
+# across the opaque norm between them, the sum rounded once). Emulating eager's casts gives the three paths one
+# numerics, checked bit for bit (tests/test_native_forward.py); its price (~10% of a bfloat16 step when it was
+# measured) is paid only by the steps still compiled on the CPU: batches, trees, models the one-call forward does
+# not run.
 # On the CPU the graph's wrapper (the code that calls those kernels and allocates their buffers) is C++ rather than
 # Python: ~1 ms less a step for SmolLM2 int8 (~8 ms). Built as its own library, which keeps the first compile near
 # the Python wrapper's (89 s vs 67 s for the demo's steps; 184 s otherwise); warm starts are the same.
-CPU_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+CPU_INDUCTOR_OPTIONS = {**INDUCTOR_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                        "emulate_precision_casts": True}
 
 
 def cpu_options() -> dict:

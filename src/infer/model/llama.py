@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .. import kernels
 from ..cache.base import AttnMeta, KVCachePool
+from ..cache.paged import PagedKVCachePool
 from ..config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, kernels_take, linear, rope_heads, sdpa
 from .quant import BlockLinear
@@ -96,6 +98,13 @@ def _zero_pads(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
+    # A lone row's few-token step over a paged pool (decode, verify, a K = 0 step, a short prefill chunk) of a
+    # bfloat16 model whose products are all llama.cpp blocks runs as one C++ call (kernels/lm_round.cpp,
+    # infer::llama_forward): the same kernels in the same order as ``_forward``, so the same bits, without a compiled
+    # graph's entry, the dispatcher's ~12 calls a layer and the graph's pointwise code (~2.3 of a ~10 ms SmolLM2 decode
+    # step, docs/benchmarks.md). False: every step through ``_forward`` (compiled where it is), for A/B.
+    native = True
+
     def __init__(self, cfg: ModelConfig, init_embedding: bool = True):
         super().__init__()
         self.config = cfg
@@ -117,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.source_blocks = None  # GGUF loads: module name -> the file's quantized rows (loader.load_model)
         # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
         self.compiled: CompiledSteps | None = None
+        self._native_key: tuple | None = None  # what _native_stack's answer was checked for
+        self._native_args: tuple = ()  # infer::llama_forward's weight arguments; () where it cannot run the model
 
     @property
     def device(self) -> torch.device:
@@ -141,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         max_pos = attn_meta.kv_len - 1 if attn_meta is not None else input_ids.shape[1] - 1
         self.rotary.reserve(max_pos, input_ids.device, self.dtype)
+        if self.native and kv is not None and input_ids.shape[0] == 1 and input_ids.shape[1] <= kernels.MAX_ROWS \
+                and not attn_meta.tree and isinstance(kv, PagedKVCachePool) and self._native_stack(kv):
+            return self._native_forward(input_ids, kv, attn_meta)
         c = self.compiled
         # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
         if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
@@ -148,6 +162,37 @@ class LlamaForCausalLM(nn.Module):
             if step is not None:
                 return step(input_ids, positions, kv, attn_meta)
         return self._forward(input_ids, positions, kv, attn_meta)
+
+    def _native_stack(self, kv: PagedKVCachePool) -> bool:
+        """Whether infer::llama_forward runs this model over ``kv``: on the CPU with infer's kernels, bfloat16 weights
+        and cache, every layer's four products llama.cpp blocks without a bias (BlockLinear), one norm epsilon.
+        Checked again only when what it depends on changes (quantization, dtype, device, the layers' modules)."""
+        lins = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        key = (self.quantization, self.dtype, self.device, id(self.embed_tokens), *map(id, lins))
+        if key != self._native_key:
+            norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] \
+                + [self.norm]
+            ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.available()
+                  and isinstance(self.embed_tokens, nn.Embedding)
+                  and all(isinstance(x, BlockLinear) and x.bias is None for x in lins)
+                  and all(isinstance(n, RMSNorm) for n in norms) and len({n.eps for n in norms}) == 1)
+            self._native_args = ((tuple(x.packed for x in lins), [x.format_id for x in lins],
+                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps),) \
+                if ok else ()
+            self._native_key = key
+        return bool(self._native_args) and kv.k[0].dtype == torch.bfloat16
+
+    def _native_forward(self, input_ids, kv: PagedKVCachePool, meta: AttnMeta) -> torch.Tensor:
+        """``_forward``'s result for a lone chain row through infer::llama_forward: its keys from storage rows
+        (consecutive blocks from ``row0``, else ``read_pos``)."""
+        (packed, formats, outs, norms, eps), = self._native_args
+        c = self.config
+        rows = torch.arange(meta.row0, meta.row0 + meta.kv_len) if meta.row0 is not None else meta.read_pos[0]
+        return torch.ops.infer.llama_forward(
+            input_ids[0], packed, formats, outs, norms, eps, self.embed_tokens.weight, self.rotary._cos,
+            self.rotary._sin, kv.k, kv.v, rows, meta.start[0], c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, list(self.aux_layers))
 
     def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
         """The network itself (checked inputs, rotary tables reserved): what torch.compile traces."""
