@@ -150,3 +150,19 @@ def test_engines_keep_greedy_parity_with_lone_rows_in_one_call(ckpt_dirs, counte
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
     assert len(counted) > lone and spec.engine.stats.num_draft_tokens > 0
     assert any(shape[1] > 1 for shape in counted[lone:])  # verifies among them
+
+
+def test_weights_moved_after_a_step_are_the_ones_read():
+    """model.hugepages replaces each weight buffer by a copy on huge pages while the engine serves: the next step must
+    read the new buffers (the old ones freed), not the ones a first step found."""
+    model = _model()
+    pool = PagedKVCachePool.for_model(model, 40, 4, 256, 1)
+    s = pool.allocate()
+    with torch.inference_mode():
+        meta = pool.prepare([s], [1])
+        model(torch.zeros(1, 1, dtype=torch.long), meta.positions, pool, meta)
+        qkv = model.layers[0].self_attn.qkv_proj
+        qkv._buffers["packed"] = qkv.packed.clone()
+        meta = pool.prepare([s], [1])
+        model(torch.zeros(1, 1, dtype=torch.long), meta.positions, pool, meta)
+    assert model._native_args[0][0][0] is qkv.packed
