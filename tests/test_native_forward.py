@@ -162,7 +162,8 @@ def test_weights_moved_after_a_step_are_the_ones_read():
         meta = pool.prepare([s], [1])
         model(torch.zeros(1, 1, dtype=torch.long), meta.positions, pool, meta)
         qkv = model.layers[0].self_attn.qkv_proj
-        qkv._buffers["packed"] = qkv.packed.clone()
+        qkv._buffers["packed"] = qkv.packed.clone()  # as model.hugepages._place moves every buffer,
+        model._on_hugepages = True  # then marks the model moved
         meta = pool.prepare([s], [1])
         model(torch.zeros(1, 1, dtype=torch.long), meta.positions, pool, meta)
     assert model._native_args[0][0][0] is qkv.packed
