@@ -90,7 +90,7 @@ def test_chat_prints_a_background_line_after_the_reply_not_inside_it(out):
 
 @pytest.mark.parametrize("ready", [False, True])
 def test_a_reply_streamed_while_warming_up_says_so_beside_its_speed(out, ready):
-    """A reply the engine ran before its compiled steps were built (eagerly, without speculation) must not have its
+    """A reply the engine ran before its compiled steps were built (eagerly or beside the compiler) must not have its
     tok/s read as the engine's speed."""
     def stream(ids, params):
         yield SimpleNamespace(text="Hi.", token_id=1, finish_reason="stop", acceptance_rate=None)

@@ -196,6 +196,51 @@ def test_serving_while_the_thread_compiles_gives_the_eager_tokens(gqa_dir):
     assert _ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
+def _native_pair(seed=0):
+    """A bfloat16 target and an EAGLE-3 head, its projections in Q8_0 blocks: a lone row's steps one call of
+    infer::llama_forward once the engine quantizes the target, the head's round one call of infer::eagle3_round."""
+    from infer.model.quant import quantize_linears
+    from infer.testing import random_heads, random_llama
+
+    target = random_llama(64, seed=seed, hidden_size=64).to(torch.bfloat16)
+    head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
+    head.quantized = "q8_0"
+    return target, head
+
+
+@needs_kernels
+def test_a_lone_request_drafts_before_the_warmup_ends_where_its_round_needs_no_graph(held_warmup):
+    """Where a lone request's round runs none of the graphs being built (the target's one-call steps, the head's
+    one-call round) it drafts from the first request, the warm-up held at its first stage, with plain decoding's
+    greedy tokens; a batch of two does not draft until the warm-up is done (its steps are graphs being built), nor
+    does a lone request on an engine whose target runs through the module (unquantized)."""
+    from infer.engine import Engine, EngineConfig
+    from infer.generate import autoregressive_generate
+
+    target, head = _native_pair()
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=2, compile=True,
+                              quantization="q8_0", block_size=4), model=target, draft_model=head)
+    assert eng.warmup is not None and eng.decoder.lone_ready and not eng.decoder.ready
+    held_warmup.wait_entered()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 1, 3, 2, 2, 9, 7, 0, 5, 3, 1, 8, 6, 4, 2]]
+    for prompt in prompts:
+        drafted = eng.stats.num_draft_tokens
+        want = autoregressive_generate(eng.model, prompt, params, eos_token_ids=[]).output_ids
+        assert eng.run([eng.add_request(prompt, params)])[0].output_ids == want
+        assert eng.stats.num_draft_tokens > drafted and not eng.warmup.ready
+    drafted = eng.stats.num_draft_tokens
+    eng.run([eng.add_request(p, params) for p in prompts])  # side by side from the first step to the last
+    assert eng.stats.num_draft_tokens == drafted and not eng.warmup.ready
+
+    target, head = _native_pair()
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=1, compile=True,
+                              block_size=4), model=target, draft_model=head)
+    assert eng.warmup is not None and not eng.decoder.lone_ready
+    eng.run([eng.add_request(prompts[0], params)])
+    assert eng.stats.num_draft_tokens == 0 and not eng.warmup.ready
+
+
 def test_the_compiler_is_imported_by_the_warmup_not_on_the_way_to_a_first_token(gqa_dir):
     """Importing Dynamo is ~1 s of Python (infer serve's first token: 4.9 -> 3.4 s once no module imported it at
     start): infer's modules and an engine serving without a graph never import it; the warm-up thread does."""

@@ -42,7 +42,8 @@ def stream_reply(llm, messages: list[dict], params, out=None) -> tuple[str, dict
 
 def _warming(llm) -> bool:
     """Whether the engine's compiled steps are still being built in the background (engine.warmup): its steps run
-    eagerly or partly compiled meanwhile, and without speculation, so a reply's tok/s is not the engine's speed."""
+    eagerly or partly compiled meanwhile (a lone request's one-call steps excepted), and share the cores with the
+    compiler, so a reply's tok/s is not the engine's speed."""
     warmup = getattr(getattr(llm, "engine", None), "warmup", None)
     return warmup is not None and not warmup.ready
 

@@ -141,8 +141,12 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
     llm = LLM(path, **settings)
     print(f"[ready in {time.perf_counter() - t_start:.1f}s; compiled: {llm.engine.compiled}]", file=out)
     if llm.engine.warmup is not None and not llm.engine.warmup.ready:
-        print("(the compiled steps are still being built in the background: replies run eagerly and without "
-              "speculation until they are ready, slower but with the same tokens)", file=out)
+        if llm.engine.decoder is not None and llm.engine.decoder.lone_ready:
+            print("(the compiled steps are still being built in the background: a lone request's steps need none of "
+                  "them and already speculate, sharing the cores with the compiler until it is done)", file=out)
+        else:
+            print("(the compiled steps are still being built in the background: replies run eagerly and without "
+                  "speculation until they are ready, slower but with the same tokens)", file=out)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     replies = []
     for prompt in CHAT_PROMPTS[:num_prompts]:
@@ -153,7 +157,7 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
             print(f"\n{format_stats(stats)}", file=out)
         replies.append({"prompt": prompt, "text": text, **stats})
     if any(r["warming_up"] for r in replies):
-        print("(replies marked 'still warming up' ran before the compiled steps and speculation were ready; `infer "
+        print("(replies marked 'still warming up' ran while the compiled steps were built beside them; `infer "
               "chat` reaches full speed once they are, and says so on stderr: docs/benchmarks.md, start-up)", file=out)
     # a warm-up still compiling in the background would share the cores with whatever is timed next (the demo pair's
     # cost profile read its verifies 2-3x too slow beside it); graphs already built stay in the on-disk cache

@@ -150,10 +150,23 @@ class Engine:
         background = self._compiles_in_background()
         if decoder is not None:
             decoder.ready = False  # drafts wait for compiled verify steps and a cost model (_finish_warmup)
+            decoder.lone_ready = background and self._lone_rounds_native(warmup)  # a lone request's need not
         warmup.start(background)
         if not background:
             self._finish_warmup(warmup)
         return warmup
+
+    def _lone_rounds_native(self, warmup: Warmup) -> bool:
+        """Whether a lone request's speculative rounds run none of the graphs the warm-up builds, so they may draft
+        from the first request (SpeculativeDecoder.lone_ready): every verify width through the target's one-call
+        forward (LlamaForCausalLM.runs_natively), the drafter's round one C++ call (Proposer.lone_round_native) or
+        no compiled drafter, and a cost model at hand for auto K (a first start profiles after the warm-up)."""
+        decoder = self.decoder
+        if getattr(decoder.spec_length, "costs", True) is None:
+            return False
+        if self.kv.lookahead + 1 > kernels.MAX_ROWS or not self.model.runs_natively(self.kv.pool):
+            return False
+        return warmup.drafter is None or warmup.proposer.lone_round_native()
 
     def _compiles_in_background(self) -> bool:
         """Whether a compiled target's steps are built in a background thread: where a step run eagerly meanwhile

@@ -13,8 +13,11 @@ pool (the same layout, so the same guards, over storage of its own: no KV the en
 need: the one-row decode step, the one-row verify widths (and tree verifies), then batches.
 Meanwhile the engine's own calls take the run-only steps (model.compile.CompiledSteps): a graph where one is ready,
 else the same code eagerly. Both give the same bits, so the tokens never depend on how far the warm-up got (tests:
-test_warmup.py). The speculative decoder drafts only once ``ready``: an eager verify costs several decode steps, and
-the cost model prices compiled ones. When the thread is done, the engine may compile on a miss again, as before.
+test_warmup.py). The speculative decoder drafts only once ``ready`` (an eager verify costs several decode steps, and
+the cost model prices compiled ones), except a lone request whose round runs none of the graphs being built: the
+target's one-call steps and the drafter's one-call round, with a stored cost model (SpeculativeDecoder.lone_ready,
+Engine._lone_rounds_native): `infer chat` speculates from its first reply. When the thread is done, the engine may
+compile on a miss again, as before.
 
 An engine whose eager and compiled steps may round differently (no infer kernels: CUDA, or a failed kernel build)
 runs the same warm-up in the foreground instead.

@@ -163,6 +163,11 @@ class LlamaForCausalLM(nn.Module):
                 return step(input_ids, positions, kv, attn_meta)
         return self._forward(input_ids, positions, kv, attn_meta)
 
+    def runs_natively(self, kv) -> bool:
+        """Whether a lone chain row's steps of up to kernels.MAX_ROWS tokens over ``kv`` go through the one-call
+        forward (``forward`` takes it there): no compiled graph is needed for them."""
+        return self.native and isinstance(kv, PagedKVCachePool) and self._native_stack(kv)
+
     def _native_stack(self, kv: PagedKVCachePool) -> bool:
         """Whether infer::llama_forward runs this model over ``kv``: on the CPU with infer's kernels, bfloat16 weights
         and cache, every layer's four products llama.cpp blocks without a bias (BlockLinear), one norm epsilon.

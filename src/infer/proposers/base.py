@@ -197,6 +197,12 @@ class Proposer(ABC):
         host; False when a draft step costs nothing worth timing."""
         return False
 
+    def lone_round_native(self) -> bool:
+        """Whether a lone row's round runs none of a compiled drafter's graphs (its whole round one C++ call), so it
+        may draft at full speed while the engine's warm-up still builds them (SpeculativeDecoder.lone_ready). Only
+        asked of a proposer whose drafter compiles (engine.warmup.Warmup.drafter)."""
+        return False
+
     def warm_steps(self, pool, ctx: int, widths: list[int], rows: int = 1) -> None:
         """Run the draft steps of ``rows`` rows (after about ``ctx`` tokens of context; first steps of each of
         ``widths``) on ``pool``, a twin of the draft pool, so a compiled drafter's graphs exist before rounds draft

@@ -89,6 +89,9 @@ class DraftModelProposer(Proposer):
                 if ok else ()
         return bool(self._native_args)
 
+    def lone_round_native(self) -> bool:
+        return self._native(self.kv.draft_pool, self._vocab.widened(self.draft_vocab))
+
     def _round(self, tokens: list[int], pool, slot: int, start: int, dv, temperature: torch.Tensor,
                u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A lone row's round in one call (kernels/lm_round.cpp): ``tokens`` at positions start .. of ``slot``

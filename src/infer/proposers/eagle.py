@@ -82,6 +82,9 @@ class EagleProposer(Proposer):
         return self.native and isinstance(self.head, Eagle3Head) and isinstance(vocab, HeadVocab) and \
             vocab._head is self.head and isinstance(pool, PagedKVCachePool) and self.head.native_round_ready()
 
+    def lone_round_native(self) -> bool:
+        return self._native(self.kv.draft_pool, self._vocab.widened(self.draft_vocab))
+
     def _fed_len(self, req) -> int:
         return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
 

@@ -83,6 +83,9 @@ class SpeculativeDecoder:
         self.tree = tree
         self.on_round = None  # optional callback(RoundRecord, Request), e.g. the debug view
         self.ready = True  # False: decode plainly (the engine's warm-up is still building compiled steps / costs)
+        # True: a lone request drafts before ``ready`` all the same where its round runs none of the graphs being
+        # built (the target's one-call steps, the drafter's one-call round: Engine._start_warmup decides; _early)
+        self.lone_ready = False
         self.profile_now = None  # auto K: measures the cost model (spec_decode.setup.build_decoder)
 
     def tree_shape(self, reqs: list[Request], k: int) -> TreeShape | None:
@@ -114,11 +117,21 @@ class SpeculativeDecoder:
         """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
         max_seq_len (the overflow guard); none when the batch is too large to speculate or the request asked not
         to (``Request.speculate``), or before the decoder is ``ready`` (its compiled steps and cost model are still
-        being built: engine.warmup)."""
-        if not self.ready or not self.kv.speculating(len(reqs)):
+        being built: engine.warmup), except a lone request whose round needs none of them (``_early``)."""
+        if not (self.ready or self._early(reqs)) or not self.kv.speculating(len(reqs)):
             return [0] * len(reqs)
         return [max(0, min(self.kv.lookahead, r.params.max_tokens - len(r.output_ids) - 1,
                            self.kv.max_seq_len - r.num_tokens)) if r.speculate else 0 for r in reqs]
+
+    def _early(self, reqs: list[Request]) -> bool:
+        """Whether these rows draft before the warm-up is done: one request (``lone_ready``) whose round is the
+        one-call one: no grammar (its masks go through the drafter's single steps), no repetition penalty (its
+        pipeline drafts in single steps too), no EGAG (it reads the drafter's raw logits); chains only (``decode``
+        leaves trees until ready). The tokens are the same either way (every step gives eager's bits); only the
+        speed differs."""
+        if not self.lone_ready or len(reqs) != 1 or self.spec_length.needs_logits:
+            return False
+        return reqs[0].grammar is None and reqs[0].params.repetition_penalty == 1.0
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
@@ -130,7 +143,8 @@ class SpeculativeDecoder:
         ks = [0 if b in forced else k for b, k in enumerate(ks)]
         if max(ks) == 0 and not forced:
             return self._plain(reqs, t_in)
-        shape = self.tree_shape(reqs, max(ks)) if self.tree is not None and not forced else None
+        # trees once ready only: a tree's verify is a compiled graph (the one-call forward takes chains)
+        shape = self.tree_shape(reqs, max(ks)) if self.tree is not None and not forced and self.ready else None
         if shape is not None:  # the round's K is each tree's depth, at most the shape's
             return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
@@ -200,13 +214,15 @@ class SpeculativeDecoder:
             # the round's one host sync
             n_acc, out_tokens, is_bonus = res.num_accepted.tolist(), res.output_tokens.tolist(), res.is_bonus.tolist()
         t2 = time.perf_counter()
-        self.spec_length.timed(B, sum(map(len, rows)) / B, t2 - t1)  # its real tokens a row: the pads are skipped
         # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that brought more than
-        # a round's worth of tokens (after rounds at K = 0) says little about a round's first step
-        usual = prop.catch_up <= self.kv.lookahead + 1
+        # a round's worth of tokens (after rounds at K = 0) says little about a round's first step. Before ready
+        # (_early) nothing is timed: the warm-up's compiler shares the cores
+        usual = prop.catch_up <= self.kv.lookahead + 1 and self.ready
+        if self.ready:
+            self.spec_length.timed(B, sum(map(len, rows)) / B, t2 - t1)  # its real tokens a row: pads skipped
         if prop.model_steps and usual:
             self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
-        if prop.catch_up_tokens:
+        if prop.catch_up_tokens and self.ready:
             self.spec_length.caught_up(prop.catch_up_tokens, prop.catch_up_s)
         forwards_s = t2 - t0
 
