@@ -460,3 +460,23 @@ def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them
     assert calls[0] == (2, [warmup.PROFILE_CONTEXT, warmup.PROFILE_CONTEXT + 1], False)  # two prompt lengths
     assert (2, [4], False) in calls and (1, [4], False) in calls and (1, [1], False) in calls
     assert eng.free_kv_tokens() == eng.initial_free_kv_tokens  # the scratch slots are freed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness per thread is Linux's")
+def test_the_warmup_thread_lowers_its_own_priority_only():
+    """The warm-up thread runs at WARMUP_NICE (its C++ work would otherwise take the cores from the engine's steps);
+    the thread that started it keeps its own."""
+    import os
+
+    seen = {}
+
+    def run():
+        warmup._lower_priority()
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["thread"] == max(before, warmup.WARMUP_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
