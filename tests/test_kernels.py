@@ -297,6 +297,31 @@ def test_rms_norm_matches_reference_and_is_batch_invariant(dt, h):
         assert torch.equal(torch.ops.infer.rms_norm(x[i:i + 1], w, 1e-5), y[i:i + 1])
 
 
+@pytest.mark.parametrize("h", [576, 64, 37])
+def test_rms_norm_bfloat16_is_exactly_its_documented_order(h):
+    """infer::rms_norm in bfloat16, bit for bit the math kernels/norm.cpp documents: 16 partial sums of squares (lane
+    l: the elements l, l + 16, .. in order, a multiply then an add), summed left to right, r = 1 / sqrt(sum / n +
+    eps), y = bf16(w * bf16(x * r)). The AVX-512 build's 16-lane body and the scalar loops must both be this."""
+    gen = torch.Generator().manual_seed(h + 1)
+    x = (torch.randn(5, h, generator=gen) * 3).bfloat16()
+    w = (1 + torch.randn(h, generator=gen) / 10).bfloat16()
+    y = torch.ops.infer.rms_norm(x, w, 1e-5)
+    for m in range(x.shape[0]):
+        xf = x[m].float()
+        part = torch.zeros(16)
+        full = h // 16 * 16
+        for i in range(0, full, 16):
+            part = part + xf[i:i + 16] * xf[i:i + 16]
+        tail = xf[full:]
+        part[:len(tail)] = part[:len(tail)] + tail * tail
+        total = torch.zeros((), dtype=torch.float32)
+        for lane in range(16):
+            total = total + part[lane]
+        r = torch.ones(()) / torch.sqrt(total / torch.tensor(float(h)) + torch.tensor(1e-5))
+        ref = (w.float() * (xf * r).bfloat16().float()).bfloat16()
+        assert torch.equal(y[m], ref)
+
+
 def test_rms_norm_rejects_bad_input():
     x, w = torch.randn(2, 8), torch.randn(8)
     with pytest.raises(RuntimeError, match="weight must be"):
