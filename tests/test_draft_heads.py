@@ -471,6 +471,42 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_u
     assert torch.equal(pool.k[0], want_kv[0]) and torch.equal(pool.v[0], want_kv[1])
 
 
+def test_a_one_call_rounds_sampled_draw_is_the_inverse_cdf_of_the_law_it_returns():
+    """The one-call round's draw (kernels/round.h) over a grid of uniforms u: each draft is the column where the
+    cumulation of the q the call returns passes u x its total, a column of q > 0. So every u in [0, 1) maps to a draft
+    drawn from exactly q: the blocked float64 cumulation on AVX-512 and the scalar one alike (losslessness rests on it:
+    the verify divides by this q)."""
+    from infer.cache.paged import PagedKVCachePool
+    from infer.model.quant import quantize_linears
+    from infer.proposers.draft_vocab import HeadVocab
+
+    target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)
+    head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
+    assert head.native_round_ready()
+    dv, c = HeadVocab(head), head.config
+    pool = PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4, dtype=torch.bfloat16)
+    a = pool.allocate()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 96, (1,), generator=g)
+    f = torch.randn(1, head.feature_width, generator=g).bfloat16() * 4  # a law with some weight on many columns
+    col = {int(t): j for j, t in enumerate(dv.ids)}
+    n = 400
+    hits = torch.zeros(len(dv.ids))
+    with torch.inference_mode():
+        for k in range(n):
+            u = torch.tensor([[(k + 0.5) / n]], dtype=torch.float64)
+            start = pool.extend(a, 1)
+            got, _, q = head.native_round(x, f, pool, a, start, torch.tensor([1.0]), u)
+            pool.truncate_to(a, 0)
+            q = q[0, 0].double()
+            cdf = q.cumsum(0) / q.sum()
+            j = col[int(got[0, 0])]
+            assert q[j] > 0
+            assert (cdf[j - 1] if j else 0.0) - 1e-9 <= u.item() <= cdf[j] + 1e-9
+            hits[j] += 1
+    assert hits.sum() == n and (hits > 0).sum() > 3  # the grid spreads over several columns
+
+
 def _native_head(target):
     """An EAGLE-3 head the one-call round runs (Eagle3Head.native_round): bfloat16, its projections in Q8_0 blocks
     (what an engine's draft_quantization makes of it over a quantized target)."""
