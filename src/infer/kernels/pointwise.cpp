@@ -30,29 +30,16 @@
 
 namespace {
 
-// bfloat16 <-> float32 without branches, so the loops vectorise (c10::BFloat16's constructor tests for NaN with a
-// branch); the same rounding: to nearest, ties to even, NaN kept quiet.
+// bfloat16 <-> float32 without branches, so the loops vectorise (bf16x16.h: c10::BFloat16's constructor tests for
+// NaN with a branch); the same rounding: to nearest, ties to even, NaN kept quiet.
 inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen(at::BFloat16 v) { return infer_kernels::bf16_widen(v); }
 template <typename T>
 inline T narrow(float f);
 template <>
 inline float narrow<float>(float f) { return f; }
 template <>
-inline at::BFloat16 narrow<at::BFloat16>(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
-  const uint32_t quiet_nan = 0x7FC0u;
-  at::BFloat16 out;
-  out.x = static_cast<uint16_t>(f != f ? quiet_nan : rounded);
-  return out;
-}
+inline at::BFloat16 narrow<at::BFloat16>(float f) { return infer_kernels::bf16_round(f); }
 
 // exp(x) for float32: x = n ln2 + r (ln2 split in two so n ln2 is exact), a degree-6 polynomial for exp(r) on
 // |r| <= ln2 / 2 (Cephes' expf coefficients, ~1 ulp), times 2^n built from the exponent bits.
