@@ -66,6 +66,46 @@ def test_the_one_call_forward_gives_the_modules_bits(fmt, interleaved, aux, coun
     assert all(torch.equal(x, y) for x, y in zip(pa.k + pa.v, pb.k + pb.v))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_native_step_is_the_forward_of_a_prepared_plan(interleaved, counted):
+    """``native_step`` (the runner's lone chain rows: no plan built) takes the blocks and length that ``prepare`` would
+    and gives ``forward``'s bits, outputs and cache alike, on consecutive blocks and on blocks interleaved with another
+    row's; the runner takes it for a lone row and ``forward`` for a batch."""
+    from infer.engine.runner import ModelRunner
+
+    model = _model("q8_0")
+    model.capture_layers((1,))
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randint(0, 96, (T,), generator=g).tolist() for T in (7, 1, 4, 16, 2)]
+    results = []
+    for native in (True, False):
+        pool = PagedKVCachePool.for_model(model, 40, 4, 256, 2)
+        slots = [pool.allocate() for _ in range(2 if interleaved else 1)]
+        assert model.runs_natively(pool)  # what the runner asks before a native_step
+        outs = []
+        with torch.inference_mode():
+            for ids in chunks:
+                for s in slots:
+                    if native:
+                        outs.append(model.native_step(ids, pool, s))
+                    else:
+                        meta = pool.prepare([s], [len(ids)])
+                        outs.append(model(torch.tensor([ids]), meta.positions, pool, meta))
+        results.append((outs, pool, [pool.seq_len(s) for s in slots]))
+    (a, pa, la), (b, pb, lb) = results
+    assert la == lb and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(pa.k + pa.v, pb.k + pb.v))
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = model.device
+    pool = PagedKVCachePool.for_model(model, 40, 4, 256, 2)
+    s, t = pool.allocate(), pool.allocate()
+    calls = len(counted)
+    with torch.inference_mode():
+        lone = runner.forward(model, pool, [s], [chunks[0]])
+        runner.forward(model, pool, [s, t], [chunks[1], chunks[1]])  # a batch: the module's path
+    assert torch.equal(lone, a[0]) and len(counted) == calls + 1
+
+
 def test_the_one_call_forward_runs_only_where_it_can(counted):
     """A batch, a token tree, a contiguous pool, a float32 model and an unquantized one take the module's path."""
     from infer.cache.base import TreeAttn

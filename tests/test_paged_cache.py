@@ -200,3 +200,17 @@ def test_extend_takes_blocks_and_addresses_positions_as_prepare_does():
     with pytest.raises(RuntimeError, match="exhausted"):
         pool.extend(b, 11)
     assert pool.num_free_blocks == free and pool.seq_len(a) == 9 and pool.seq_len(b) == 5
+
+
+def test_storage_rows_are_the_rows_a_plan_reads():
+    """``storage_rows`` (LlamaForCausalLM.native_step addresses keys through it) gives the storage row of every position
+    a ``prepare``'d plan reads: a range on consecutive blocks, the block table's rows on interleaved ones."""
+    pool = PagedKVCachePool(1, 1, 2, num_blocks=8, block_size=4, max_seq_len=24, max_slots=2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.prepare([a], [6])
+    meta = pool.prepare([a], [1])  # a's two blocks are consecutive: the plan reads a slice from row0
+    assert meta.row0 is not None and pool.storage_rows(a, 7).tolist() == list(range(meta.row0, meta.row0 + 7))
+    pool.prepare([b], [5])
+    meta = pool.prepare([a], [3])  # a's third block comes after b's: rows through the table
+    assert meta.row0 is None and pool.storage_rows(a, 10).tolist() == meta.read_pos[0].tolist()
+    assert pool.storage_rows(a, 10).tolist()[:8] == list(range(meta.read_pos[0][0], meta.read_pos[0][0] + 8))

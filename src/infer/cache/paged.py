@@ -260,6 +260,16 @@ class PagedKVCachePool(KVCachePool):
         one C++ call, Eagle3Head.native_round). -> the first new position."""
         return self._reserve([slot], [n])[0]
 
+    def storage_rows(self, slot: int, n: int) -> torch.Tensor:
+        """[n] int64: the storage row of each position 0 .. n - 1 of ``slot`` (its blocks taken): a range where the
+        blocks are consecutive (a lone sequence's common case), else through the block table. For a caller that
+        addresses the storage itself (LlamaForCausalLM.native_step) instead of reading a ``prepare``'d plan."""
+        bs = self.block_size
+        table = self._tables[slot][:_cdiv(n, bs)]
+        if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[0] + len(table))):
+            return torch.arange(table[0] * bs, table[0] * bs + n)
+        return (torch.tensor(table)[:, None] * bs + torch.arange(bs)).view(-1)[:n]
+
     def block_table(self, slot: int) -> torch.Tensor:
         """[blocks] int64: the storage block of each block of ``slot``'s positions (position p is storage row
         table[p // block_size] * block_size + p % block_size)."""

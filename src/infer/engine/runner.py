@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCachePool
+from .. import kernels
 from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
@@ -49,6 +50,9 @@ class ModelRunner:
                 tree: TreeAttn | None = None):
         """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H] (``tree``: the rows are token
         trees, cache.base.TreeAttn)."""
+        if len(rows) == 1 and len(rows[0]) <= kernels.MAX_ROWS and tree is None and isinstance(model, LlamaForCausalLM) \
+                and model.runs_natively(pool):
+            return model.native_step(rows[0], pool, slots[0])  # a lone row's decode or verify: one C++ call
         T = max(len(r) for r in rows)
         x = torch.zeros(len(rows), T, dtype=torch.long)
         for i, r in enumerate(rows):

@@ -154,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.reserve(max_pos, input_ids.device, self.dtype)
         if self.native and kv is not None and input_ids.shape[0] == 1 and input_ids.shape[1] <= kernels.MAX_ROWS \
                 and not attn_meta.tree and isinstance(kv, PagedKVCachePool) and self._native_stack(kv):
-            return self._native_forward(input_ids, kv, attn_meta)
+            rows = torch.arange(attn_meta.row0, attn_meta.row0 + attn_meta.kv_len) if attn_meta.row0 is not None \
+                else attn_meta.read_pos[0]
+            return self._native_forward(input_ids, kv, rows, attn_meta.start[0])
         c = self.compiled
         # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
         if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
@@ -191,16 +193,26 @@ class LlamaForCausalLM(nn.Module):
             self._native_key = key
         return bool(self._native_args) and kv.k[0].dtype == torch.bfloat16
 
-    def _native_forward(self, input_ids, kv: PagedKVCachePool, meta: AttnMeta) -> torch.Tensor:
-        """``_forward``'s result for a lone chain row through infer::llama_forward: its keys from storage rows
-        (consecutive blocks from ``row0``, else ``read_pos``)."""
+    def _native_forward(self, input_ids, kv: PagedKVCachePool, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """``_forward``'s result for a lone chain row through infer::llama_forward: input_ids [1, T] at positions
+        start .. start + T - 1, every key read from its storage row (rows [start + T]: consecutive blocks' range, else
+        the block table's rows)."""
         (packed, formats, outs, norms, eps), = self._native_args
         c = self.config
-        rows = torch.arange(meta.row0, meta.row0 + meta.kv_len) if meta.row0 is not None else meta.read_pos[0]
         return torch.ops.infer.llama_forward(
             input_ids[0], packed, formats, outs, norms, eps, self.embed_tokens.weight, self.rotary._cos,
-            self.rotary._sin, kv.k, kv.v, rows, meta.start[0], c.num_attention_heads, c.num_key_value_heads,
+            self.rotary._sin, kv.k, kv.v, rows, start, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, list(self.aux_layers))
+
+    def native_step(self, tokens: list[int], kv: PagedKVCachePool, slot: int) -> torch.Tensor:
+        """``forward`` of one chain row, ``tokens`` appended to ``slot`` of ``kv`` (where ``runs_natively(kv)``, at most
+        kernels.MAX_ROWS tokens) -> hidden [1, T, H'], through infer::llama_forward as ``forward`` takes it, without
+        the plan ``kv.prepare`` builds for the other paths (rotary positions, a [T, keys] mask, the pads' lengths),
+        which the kernel never reads: a verify's plan was ~50 us of host work a round."""
+        start = kv.extend(slot, len(tokens))
+        end = start + len(tokens)
+        self.rotary.reserve(end - 1, self.device, self.dtype)
+        return self._native_forward(torch.tensor([tokens]), kv, kv.storage_rows(slot, end), start)
 
     def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
         """The network itself (checked inputs, rotary tables reserved): what torch.compile traces."""

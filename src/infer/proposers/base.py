@@ -379,12 +379,19 @@ def temperature_law_drafts(sampling: SamplingBatch) -> bool:
     return not (sampling.use_penalty or any(p.greedy for p in sampling.rows))
 
 
+_GREEDY_UNIFORMS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (rows, draws, device) -> greedy's zeros
+
+
 def round_uniforms(batch: DraftBatch, idx: list[int], m: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """(temperature [n], u [n, m] float64) of rows idx for m draws in one call (a compiled round, a one-call round in
     C++): each row's next m uniforms from its generator, what m single draws would take (greedy: zeros, nothing
     drawn)."""
-    if batch.sampling is None:
-        return torch.zeros(len(idx), device=dev), torch.zeros(len(idx), m, dtype=torch.float64, device=dev)
+    if batch.sampling is None:  # the same zeros every greedy round (read, never written: ~20 us of two cold ops)
+        key = (len(idx), m, str(dev))
+        if key not in _GREEDY_UNIFORMS:
+            _GREEDY_UNIFORMS[key] = (torch.zeros(len(idx), device=dev),
+                                     torch.zeros(len(idx), m, dtype=torch.float64, device=dev))
+        return _GREEDY_UNIFORMS[key]
     if len(idx) == 1:  # a lone row's in one draw (the same stream): a round's host work runs cold, ~20 us an op
         b = idx[0]
         temp = batch.sampling.temperature if len(batch.reqs) == 1 else batch.sampling.temperature[idx]
