@@ -53,6 +53,28 @@ def test_a_second_engine_reads_the_stored_profile(gqa_dir, profile_dir, monkeypa
     assert _ids(second.generate(PROMPTS, GREEDY)) == _ids(first.generate(PROMPTS, GREEDY))
 
 
+def test_a_stored_profile_out_of_proportion_is_measured_again(gqa_dir, profile_dir):
+    """A stored profile whose widths past 2 tokens price 6x what they cost (as one taken under a sampling profiler did):
+    the next start's check times one row's widths, finds them out of proportion and profiles again, saving the new
+    shape; a profile in proportion (the one just saved) is kept as read."""
+    first = _speculating(gqa_dir)
+    path = _profile(profile_dir)
+    data = json.loads(path.read_text())
+    row = data["costs"]["verify"][1]  # one row's verify at T = 0 .. k_max + 1
+    data["costs"]["verify"][1] = row[:3] + [x * 6 for x in row[3:]]
+    path.write_text(json.dumps(data))
+    second = _speculating(gqa_dir)
+    assert second.engine.wait_until_ready()  # the check runs once the warm-up is done (Engine._finish_warmup)
+    got = second.engine.decoder.spec_length.costs
+    assert second.engine.decoder.cost_store.loaded and second.engine.decoder.check_costs is None
+    want = first.engine.decoder.spec_length.costs.verify[1]
+    assert got.verify[1][5] / got.verify[1][1] < 3 * want[5] / want[1]  # the shape measured, not the one stored
+    assert json.loads(path.read_text())["costs"]["verify"][1] == got.verify[1]  # and saved
+    third = _speculating(gqa_dir)
+    assert third.engine.wait_until_ready()
+    assert third.engine.decoder.spec_length.costs.verify == got.verify  # in proportion: kept
+
+
 def test_another_setting_gets_a_profile_of_its_own(gqa_dir, profile_dir):
     _speculating(gqa_dir)
     _speculating(gqa_dir, spec_length_max=3)  # the widths profiled differ

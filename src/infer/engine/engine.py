@@ -174,11 +174,14 @@ class Engine:
         return self.config.compile_in_background and self.device.type == "cpu" and kernels.available()
 
     def _finish_warmup(self, warmup: Warmup | None) -> None:
-        """Once the compiled steps exist: profile a missing cost model (now fast: no graph left to build), save it,
-        and let the decoder draft."""
+        """Once the compiled steps exist: check a stored cost model, or profile a missing one (now fast: no graph left
+        to build), save it, and let the decoder draft."""
         decoder = self.decoder
         if decoder is None or (warmup is not None and not warmup.ready):
             return
+        if decoder.check_costs is not None:  # a stored profile: checked once, against this process's forwards
+            check, decoder.check_costs = decoder.check_costs, None
+            check()
         if decoder.profile_now is not None and decoder.spec_length.costs is None:
             decoder.profile_now()
         decoder.ready = True

@@ -199,6 +199,21 @@ class CostModel:
             self.catch_up = self._update(self.catch_up, seconds / tokens)
 
 
+# A stored profile is measured anew where one row's verify widths, timed at start, differ in proportion from its prices
+# by more than this factor (same_shape)
+SHAPE_TOLERANCE = 2.0
+
+
+def same_shape(costs: CostModel, measured: dict[int, float], B: int = 1) -> bool:
+    """Whether ``measured`` ({T: seconds of a forward of B rows x T tokens}) is in proportion to what ``costs`` prices
+    those widths: every width's measured / priced within SHAPE_TOLERANCE of every other's. A level apart (a busier
+    hour) is what the rounds' fitted line absorbs; a shape apart was profiled under other conditions (SmolLM2's
+    profile taken under a sampling profiler priced 4 and 9 tokens at 6x a decode step, and auto K never drafted past
+    one token again in later processes)."""
+    r = [s / p for T, s in measured.items() if (p := costs.verify_cost(B, T)) > 0]
+    return not r or max(r) <= SHAPE_TOLERANCE * min(r)
+
+
 def profile_widths(k_max: int) -> list[int]:
     """Tokens per row of the steps that start-up runs (profiling, warming compiled graphs): decode, the narrowest and
     the widest verify, and one between (the cost model interpolates the rest)."""

@@ -26,7 +26,7 @@ from ..proposers.eagle import EagleProposer
 from ..proposers.medusa import MedusaProposer
 from ..proposers.ngram import HybridProposer, NgramProposer
 from .acceptance import make_policy
-from .cost_model import CostModel, profile_costs
+from .cost_model import CostModel, profile_costs, profile_widths, same_shape
 from .profile_store import ProfileStore, file_identity, profile_key
 from .round import SpeculativeDecoder
 from .spec_length import EntropySpecLength, FixedSpecLength, GoodputSpecLength
@@ -128,6 +128,18 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         decoder.profile_now, decoder.cost_store = profile_now, store
         if costs is not None:
             cache[key] = costs
+        if store.loaded:
+            # a profile taken under other conditions (a busy machine, a profiler attached) keeps its shape across
+            # restarts: rounds refit its level, never the widths it prices too dear, which auto K then never drafts
+            def check_now() -> None:
+                with progress.stage("checking the stored profile of a speculative round's costs"):
+                    holds = stored_costs_hold(decoder, costs, widest)
+                if not holds:
+                    with progress.stage("profiling again (the stored profile's widths disagree with this machine)"):
+                        cache[key] = decoder.spec_length.costs = measure_costs(decoder, max_batch, widest)
+                    store.save(decoder.spec_length.costs)
+
+            decoder.check_costs = check_now
         elif not defer_profile:
             profile_now()
         # at exit, the model as the rounds refreshed it (CostModel.refresh_*) replaces the file: the next start
@@ -193,6 +205,39 @@ def time_catch_up(runner, drafter, dpool, max_seq_len: int) -> float:
         dpool.free(slot)
 
 
+def _verify_seconds(runner, kv, slots: list[int], t: int, n_ctx: int) -> float:
+    """Seconds of one target forward of t tokens on each of ``slots`` (holding n_ctx tokens, and again after) and its
+    logits, as a round's verify."""
+    t0 = time.perf_counter()
+    hidden = runner.forward(runner.model, kv.pool, slots, [[1] * t] * len(slots))
+    lens = torch.tensor([t] * len(slots)) if t > 1 else None  # as a round's verify (a plain step's: none)
+    runner.model.compute_logits(hidden, lens).max(-1).indices.tolist()  # the host sync a round ends with
+    seconds = time.perf_counter() - t0
+    for s in slots:
+        kv.pool.truncate_to(s, n_ctx)
+    return seconds
+
+
+@torch.inference_mode()
+def stored_costs_hold(decoder: SpeculativeDecoder, costs: CostModel, k_max: int, repeats: int = 3) -> bool:
+    """Whether a cost model read from the store still prices this machine's verify widths in proportion: one row's
+    forward at each profiled width (the best of ``repeats``) against its price (cost_model.same_shape). True where
+    the pool has no room for a scratch row (nothing to compare)."""
+    runner, kv = decoder.runner, decoder.kv
+    n_ctx = max(1, min(PROFILE_CONTEXT, kv.max_seq_len - k_max - 1))
+    if not kv.pool.can_fit([(None, n_ctx + k_max + 1)]):
+        return True
+    slot = kv.pool.allocate(n_ctx + k_max + 1)
+    try:
+        runner.forward(runner.model, kv.pool, [slot], [[1] * n_ctx])
+        _verify_seconds(runner, kv, [slot], 1, n_ctx)  # a first call's one-time costs
+        measured = {t: min(_verify_seconds(runner, kv, [slot], t, n_ctx) for _ in range(repeats))
+                    for t in profile_widths(k_max)}
+    finally:
+        kv.pool.free(slot)
+    return same_shape(costs, measured)
+
+
 @torch.inference_mode()
 def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> CostModel:
     """Time target forwards of B rows x T tokens and draft steps of B rows on scratch slots of the real pools."""
@@ -240,14 +285,7 @@ def measure_costs(decoder: SpeculativeDecoder, max_batch: int, k_max: int) -> Co
                 catch_up = time_catch_up(runner, drafter.drafter, dpool, kv.max_seq_len)
 
         def run_verify(b: int, t: int) -> float:
-            t0 = time.perf_counter()
-            hidden = runner.forward(runner.model, kv.pool, slots[:b], [[1] * t] * b)
-            lens = torch.tensor([t] * b) if t > 1 else None  # as a round's verify (a plain step's: none)
-            runner.model.compute_logits(hidden, lens).max(-1).indices.tolist()  # the host sync a round ends with
-            seconds = time.perf_counter() - t0
-            for s in slots[:b]:
-                kv.pool.truncate_to(s, n_ctx)
-            return seconds
+            return _verify_seconds(runner, kv, slots[:b], t, n_ctx)
 
         def run_draft(b: int) -> float:
             t0 = time.perf_counter()
