@@ -75,6 +75,30 @@ def test_a_stored_profile_out_of_proportion_is_measured_again(gqa_dir, profile_d
     assert third.engine.decoder.spec_length.costs.verify == got.verify  # in proportion: kept
 
 
+def test_an_engine_over_models_this_process_profiled_measures_nothing(monkeypatch):
+    """A second engine over the same model objects (speculative_generate builds one a call) reads the cost model the
+    first measured, from the process (no file: models passed in loaded have none), and neither profiles nor checks it."""
+    from infer.engine import Engine, EngineConfig
+    from infer.testing import random_llama
+
+    target, drafter = random_llama(64, seed=0), random_llama(64, seed=1)
+
+    def engine():
+        return Engine(EngineConfig(model="target", draft_model="drafter", compile=False, max_batch_size=1),
+                      model=target, draft_model=drafter)
+
+    first = engine()
+    assert first.decoder.spec_length.costs is not None
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although this process measured these models")
+
+    monkeypatch.setattr(setup, "measure_costs", no_profiling)
+    monkeypatch.setattr(setup, "stored_costs_hold", no_profiling)
+    second = engine()
+    assert second.wait_until_ready() and second.decoder.spec_length.costs is first.decoder.spec_length.costs
+
+
 def test_another_setting_gets_a_profile_of_its_own(gqa_dir, profile_dir):
     _speculating(gqa_dir)
     _speculating(gqa_dir, spec_length_max=3)  # the widths profiled differ

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCachePool
 from .. import kernels
+from ..cache import KVCachePool
 from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
@@ -50,8 +50,8 @@ class ModelRunner:
                 tree: TreeAttn | None = None):
         """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H] (``tree``: the rows are token
         trees, cache.base.TreeAttn)."""
-        if len(rows) == 1 and len(rows[0]) <= kernels.MAX_ROWS and tree is None and isinstance(model, LlamaForCausalLM) \
-                and model.runs_natively(pool):
+        if len(rows) == 1 and len(rows[0]) <= kernels.MAX_ROWS and tree is None \
+                and isinstance(model, LlamaForCausalLM) and model.runs_natively(pool):
             return model.native_step(rows[0], pool, slots[0])  # a lone row's decode or verify: one C++ call
         T = max(len(r) for r in rows)
         x = torch.zeros(len(rows), T, dtype=torch.long)

@@ -120,14 +120,16 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         if proposer.drafts_either_way:
             decoder.spec_length.decline = proposer.decline
 
-        def profile_now() -> None:
-            with progress.stage("profiling what a speculative round costs (first start with these settings)"):
+        def profile_now(why: str = "first start with these settings") -> None:
+            with progress.stage(f"profiling what a speculative round costs ({why})"):
                 cache[key] = decoder.spec_length.costs = measure_costs(decoder, max_batch, widest)
             store.save(decoder.spec_length.costs)
 
         decoder.profile_now, decoder.cost_store = profile_now, store
         if costs is not None:
             cache[key] = costs
+        elif not defer_profile:
+            profile_now()
         if store.loaded:
             # a profile taken under other conditions (a busy machine, a profiler attached) keeps its shape across
             # restarts: rounds refit its level, never the widths it prices too dear, which auto K then never drafts
@@ -135,13 +137,9 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
                 with progress.stage("checking the stored profile of a speculative round's costs"):
                     holds = stored_costs_hold(decoder, costs, widest)
                 if not holds:
-                    with progress.stage("profiling again (the stored profile's widths disagree with this machine)"):
-                        cache[key] = decoder.spec_length.costs = measure_costs(decoder, max_batch, widest)
-                    store.save(decoder.spec_length.costs)
+                    profile_now("the stored profile's widths disagree with this machine now")
 
             decoder.check_costs = check_now
-        elif not defer_profile:
-            profile_now()
         # at exit, the model as the rounds refreshed it (CostModel.refresh_*) replaces the file: the next start
         # begins from the levels measured in use, not from the start-up profile
         ref = weakref.ref(decoder)
