@@ -29,6 +29,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _consecutive(table: list[int]) -> bool:
+    """Whether a row's blocks (a non-empty table) are consecutive in storage: its keys are then one slice."""
+    return table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[0] + len(table)))
+
+
 class PagedKVCachePool(KVCachePool):
     def __init__(
         self,
@@ -215,7 +220,7 @@ class PagedKVCachePool(KVCachePool):
         width = _cdiv(kv_len, bs)
         if len(slots) == 1:
             table = self._tables[slots[0]][:width]
-            if table[-1] - table[0] == width - 1 and table == list(range(table[0], table[0] + width)):
+            if _consecutive(table):
                 # consecutive blocks (the common case for a lone sequence): plain slices, no gather
                 return AttnMeta(slots=list(slots), slot_index=None, start=start,
                                 num_new=list(num_new), positions=positions, write_pos=write_pos, kv_len=kv_len,
@@ -266,7 +271,7 @@ class PagedKVCachePool(KVCachePool):
         addresses the storage itself (LlamaForCausalLM.native_step) instead of reading a ``prepare``'d plan."""
         bs = self.block_size
         table = self._tables[slot][:_cdiv(n, bs)]
-        if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[0] + len(table))):
+        if _consecutive(table):
             return torch.arange(table[0] * bs, table[0] * bs + n)
         return (torch.tensor(table)[:, None] * bs + torch.arange(bs)).view(-1)[:n]
 

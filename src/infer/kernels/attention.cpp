@@ -78,23 +78,18 @@ struct Query {
   bool dense;        // every key before len visible
 };
 
-// fn(std::integral_constant<int, n>) for n in 1..QB: a group's size as a compile-time constant, so that its
-// accumulators (arrays indexed by query) live in registers. With the count known only at run time they lived on the
-// stack, a store after every fma of the weighted values. AVX2 (AMD EPYC, SmolLM2's layer, bfloat16, 2 threads, best
-// of 400 interleaved): at 300 keys a decode's 9 queries 39 -> 31 us, a 9-token verify 174 -> 133 us; the same bits.
-template <typename Fn>
+// fn(std::integral_constant<int, n>) for n in 1..Max (QB by default; any other n: 1): a group's size as a
+// compile-time constant, so that its accumulators (arrays indexed by query) live in registers. With the count known
+// only at run time they lived on the stack, a store after every fma of the weighted values. AVX2 (AMD EPYC, SmolLM2's
+// layer, bfloat16, 2 threads, best of 400 interleaved): at 300 keys a decode's 9 queries 39 -> 31 us, a 9-token
+// verify 174 -> 133 us; the same bits.
+template <int Max = QB, typename Fn>
 inline void with_count(int n, Fn&& fn) {
-  switch (n) {
-#if INFER_ATTENTION_QB > 4
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-#endif
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    default: fn(std::integral_constant<int, 1>{});
+  if constexpr (Max > 1) {
+    if (n == Max) return fn(std::integral_constant<int, Max>{});
+    return with_count<Max - 1>(n, fn);
+  } else {
+    fn(std::integral_constant<int, 1>{});
   }
 }
 
@@ -340,15 +335,8 @@ inline void scores4(Query* qs, const T* const* k, int64_t j, int64_t D) {
 }
 
 template <typename T>
-inline void score_group(Query* qs, int n, const T* const* k, int64_t j, int64_t D) {
-  switch (n) {
-    case 6: scores4<6>(qs, k, j, D); break;
-    case 5: scores4<5>(qs, k, j, D); break;
-    case 4: scores4<4>(qs, k, j, D); break;
-    case 3: scores4<3>(qs, k, j, D); break;
-    case 2: scores4<2>(qs, k, j, D); break;
-    default: scores4<1>(qs, k, j, D);
-  }
+inline void score_group(Query* qs, int n, const T* const* k, int64_t j, int64_t D) {  // up to 6 queries (24 zmm)
+  with_count<6>(n, [&](auto c) { scores4<decltype(c)::value>(qs, k, j, D); });
 }
 
 template <typename T>
@@ -418,15 +406,8 @@ inline void values64_n(const Query* qs, const Rows<T>& V, int64_t mstride, T* co
 }
 
 template <typename T>
-inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, T* const* o) {
-  switch (nq) {
-    case 6: values64_n<6>(qs, V, mstride, o); break;
-    case 5: values64_n<5>(qs, V, mstride, o); break;
-    case 4: values64_n<4>(qs, V, mstride, o); break;
-    case 3: values64_n<3>(qs, V, mstride, o); break;
-    case 2: values64_n<2>(qs, V, mstride, o); break;
-    default: values64_n<1>(qs, V, mstride, o);
-  }
+inline void values64(const Query* qs, int nq, const Rows<T>& V, int64_t mstride, T* const* o) {  // up to 6 queries
+  with_count<6>(nq, [&](auto c) { values64_n<decltype(c)::value>(qs, V, mstride, o); });
 }
 
 #else
