@@ -401,35 +401,49 @@ def test_eagle3_training_steps_reach_every_weight():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def reference_draw(dv, temp: torch.Tensor, u: torch.Tensor):
+def screened_logits(head, h: torch.Tensor, top: int) -> torch.Tensor:
+    """What the one-call round's screen scores (kernels/eagle_round.cpp): the vocabulary head's rows in Q4_0, the
+    ``top`` largest of those rescored by the head's own rows (the full product's values there)."""
+    normed = head.norm(h)
+    screen = torch.ops.infer.qlinear(normed, head._screen(head.lm_head), 2, head.lm_head.out_features, None, True)
+    own = head.lm_head(normed).float()
+    best = screen.topk(top, -1).indices
+    return screen.scatter(-1, best, own.gather(-1, best))
+
+
+def reference_draw(dv, temp: torch.Tensor, u: torch.Tensor, logits_of=None):
     """The draw a one-call round is held to, over hidden states [1, H] -> (draft [1], q [1, N]) for draft i: the
-    argmax of the draft vocabulary's logits (temp 0), else inverse_cdf(q, u[:, i]), q = softmax(logits / temp)."""
+    argmax of the draft vocabulary's logits (temp 0), else inverse_cdf(q, u[:, i]), q = softmax(logits / temp).
+    ``logits_of``: the logits in place of the draft vocabulary's (a screen's)."""
     from infer.sampling import inverse_cdf
 
     sampled = bool(temp.item() > 0)
 
     def draw(h, i):
-        logits = dv.logits(h)
+        logits = (logits_of or dv.logits)(h)
         q = (logits / (temp[:, None] if sampled else 1.0)).softmax(-1)
         return dv.token(inverse_cdf(q, u[:, i]) if sampled else logits.max(-1).indices), q
 
     return draw
 
 
+@pytest.mark.parametrize("screen", [0, 8])
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("catch_up,steps", [(1, 1), (3, 4), (5, 2)])
-def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_up, steps, sampled):
+def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_up, steps, sampled, screen):
     """Eagle3Head.native_round (kernels/eagle_round.cpp: a lone row's round in one C++ call) against the module's
     single steps on a quantized bfloat16 head: the same drafts, the same last output, bit for bit, the same laws q (to
     the exp's last bits), and the same keys and values written to the same storage rows of a paged pool whose blocks
-    are not consecutive."""
+    are not consecutive. With a screen (``screen_top`` 8): the drafts and laws of the screen's logits, the Q4_0 rows'
+    with their best 8 the head's own."""
     from infer.cache.paged import PagedKVCachePool
     from infer.model.quant import quantize_linears
     from infer.proposers.draft_vocab import HeadVocab
 
     target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)
     head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
-    assert head.native_round_ready()
+    head.screen_top = screen
+    assert head.native_round_ready() and (head._native[0][5] is not None) == bool(screen)
     dv, c = HeadVocab(head), head.config
     pool = PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4, dtype=torch.bfloat16)
     a, b = pool.allocate(), pool.allocate()
@@ -447,7 +461,7 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_u
         u = torch.rand(1, steps, dtype=torch.float64, generator=g)
         temp = torch.tensor([0.8 if sampled else 0.0])
 
-        draw = reference_draw(dv, temp, u)
+        draw = reference_draw(dv, temp, u, (lambda h: screened_logits(head, h, screen)) if screen else None)
         meta = pool.prepare([a], [catch_up])
         h = head(x[None], f[None], meta.positions, pool, meta)[:, -1]
         t, q = draw(h, 0)
@@ -507,28 +521,33 @@ def test_a_one_call_rounds_sampled_draw_is_the_inverse_cdf_of_the_law_it_returns
     assert hits.sum() == n and (hits > 0).sum() > 3  # the grid spreads over several columns
 
 
-def _native_head(target):
+def _native_head(target, screen: int | None = None):
     """An EAGLE-3 head the one-call round runs (Eagle3Head.native_round): bfloat16, its projections in Q8_0 blocks
-    (what an engine's draft_quantization makes of it over a quantized target)."""
+    (what an engine's draft_quantization makes of it over a quantized target); ``screen``: its ``screen_top``, the
+    screen checked to be on (> 0) or off (0)."""
     from infer.model.quant import quantize_linears
 
     head = quantize_linears(random_heads(target, "eagle3", seed=3), "q8_0")
     head.quantized = "q8_0"
+    if screen is not None:
+        head.screen_top = screen
     assert head.native_round_ready()
+    assert screen is None or (head._native[0][5] is not None) == (screen > 0)
     return head
 
 
-def test_greedy_parity_with_a_lone_rows_round_in_one_cpp_call(monkeypatch):
+@pytest.mark.parametrize("screen", [0, 4])
+def test_greedy_parity_with_a_lone_rows_round_in_one_cpp_call(monkeypatch, screen):
     """Greedy tokens of a bfloat16 target speculating with a head whose rounds run as one C++ call equal plain
     decoding's, pinned and auto K, the head alone and beside the suffix tree; prompts longer than a catch-up batch
-    (fed alone first) too."""
+    (fed alone first) too; with the head's own vocabulary rows and with a screen of them."""
     from infer.model.draft_heads import Eagle3Head
 
     calls = []
     orig = Eagle3Head.native_round
     monkeypatch.setattr(Eagle3Head, "native_round", lambda *a: calls.append(1) or orig(*a))
     target = random_llama(64, seed=0, hidden_size=64).to(torch.bfloat16)
-    head = _native_head(target)
+    head = _native_head(target, screen)
     params = SamplingParams(temperature=0, max_tokens=40)
     for prompt in ([1, 2, 3], [5, 1, 7, 2, 2, 0, 3, 4, 6, 1, 5, 2, 7, 3, 0, 1, 1, 2, 6, 4, 3, 9, 11, 40, 33]):
         want = autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids
@@ -540,16 +559,26 @@ def test_greedy_parity_with_a_lone_rows_round_in_one_cpp_call(monkeypatch):
             assert calls or k == "auto", (k, proposer)  # the rounds ran as one call
 
 
-def test_joint_distribution_equals_target_through_a_lone_rows_cpp_round(monkeypatch):
+@pytest.mark.parametrize("screen", [0, 1])
+def test_joint_distribution_equals_target_through_a_lone_rows_cpp_round(monkeypatch, screen):
     """The law of (x2, x3) with the head's rounds drawn inside the one C++ call (one request at a time, K = 2, at
-    temperature 0.7 with top-k and top-p: drafts from the plain temperature law, judged by the q the call reports)."""
+    temperature 0.7 with top-k and top-p: drafts from the plain temperature law, judged by the q the call reports),
+    with the head's own vocabulary rows and with a screen (the best row rescored by the head's own: a law other than
+    the head's, which the verify must read as the law the drafts came from). The screen here is random rows, far
+    from the head's: a round that drew from the screen's law and reported the head's own is caught."""
     from infer.model.draft_heads import Eagle3Head
+    from infer.model.quant import pack_blocks, quantize_blocks
 
     calls = []
     orig = Eagle3Head.native_round
     monkeypatch.setattr(Eagle3Head, "native_round", lambda *a: calls.append(1) or orig(*a))
     target = random_llama(V, seed=0).to(torch.bfloat16)
-    head = _native_head(target)
+    head = _native_head(target, screen)
+    if screen:
+        (packed, formats, outs, norms, eps, _), = head._native
+        rows = torch.randn(head.lm_head.out_features, head.config.hidden_size,
+                           generator=torch.Generator().manual_seed(9))
+        head._native = ((packed, formats, outs, norms, eps, pack_blocks(quantize_blocks(rows, "q4_0"), "q4_0")),)
     eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=1, block_size=4,
                               seed=1234), model=target, draft_model=head)
     reqs = eng.run([eng.add_request(PROMPT, PARAMS[1]) for _ in range(N)])

@@ -19,8 +19,14 @@
 // with q = softmax(logits / T) (float64 cumulation, the first index whose cumulative sum exceeds u x the total).
 // q is returned (a greedy round's at T = 1, as the module's) and is the law the draft was drawn from; its exp is
 // Sleef's through ATen's vectors, so q may differ from torch.softmax's in the last bits, which any q allows.
+//
+// With a screen (screen_top > 0: Eagle3Head.screen_top), the logits the draw reads are the vocabulary head's rows in
+// Q4_0 with the screen's best screen_top rows rescored by the head's own (rescore_best below): a step reads ~2.7 MB
+// of rows instead of ~5 MB. Greedy, the draft is the head's own argmax wherever that row is among the screen's best;
+// sampled, q is the screen's law, and any law the draft is drawn from and reported with keeps the round lossless.
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -45,6 +51,53 @@ struct Scratch {
   std::vector<int64_t> rows;
 };
 
+// The screen (a draft step's largest product, the vocabulary head's 8,192 rows: ~5 MB of Q8_0 a step, bound by the
+// bytes it reads): the rows' logits in Q4_0, about half the bytes, and the `top` largest of those rescored with the
+// head's own rows. Any logits give a lossless round (the draft is drawn from the q the call returns, and the verify
+// judges it by that q); the rescoring keeps what the head's own would draft: a greedy draft is the head's own argmax
+// wherever that row is among the screen's best `top`, and the leading rows of a sampled law are the head's.
+constexpr int64_t kScreenFormat = 2;  // GGML's Q4_0
+constexpr int64_t kScreenMax = 64;
+
+// l [N] (the screen's logits) -> its `top` largest rows rescored by `packed` (the head), in place
+inline void rescore_best(const BF* x, int64_t K, const at::Tensor& packed, int64_t format, int64_t N, int64_t top,
+                         float* l) {
+  int64_t best[kScreenMax];  // row ids, by logit ascending: best[0] the smallest kept
+  float val[kScreenMax];
+  int64_t n = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const float v = l[i];
+    int64_t p;
+    if (n < top) {  // filling: insertion from the top
+      for (p = n++; p > 0 && val[p - 1] > v; --p) {
+        val[p] = val[p - 1];
+        best[p] = best[p - 1];
+      }
+    } else {
+      if (!(v > val[0])) continue;  // most rows: one compare
+      for (p = 0; p + 1 < top && val[p + 1] < v; ++p) {  // the smallest leaves; the smaller ones shift down
+        val[p] = val[p + 1];
+        best[p] = best[p + 1];
+      }
+    }
+    val[p] = v;
+    best[p] = i;
+  }
+  int64_t groups[kScreenMax];  // the groups of 8 rows holding them, each once
+  int64_t ng = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = best[i] / 8;
+    if (std::find(groups, groups + ng, g) == groups + ng) groups[ng++] = g;
+  }
+  thread_local std::vector<float> exact;
+  exact.resize(ng * 8);
+  infer_kernels::qlinear_groups_into(x, K, packed, format, N, groups, ng, exact.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = std::find(groups, groups + ng, best[i] / 8) - groups;
+    l[best[i]] = exact[g * 8 + best[i] % 8];
+  }
+}
+
 }  // namespace
 
 // tokens [T] int64 (the catch-up entries' tokens), features [T, W] (the target's captured layers, fused by fc; W = H:
@@ -57,7 +110,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
     at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    const at::Tensor& temperature, const at::Tensor& u) {
+    const at::Tensor& temperature, const at::Tensor& u, const std::optional<at::Tensor>& screen,
+    int64_t screen_top) {
   TORCH_CHECK(packed.size() == 6 && formats.size() == 6 && outs.size() == 6 && norms.size() == 4,
               "infer::eagle3_round: 6 products (fc, qkv, o, gate_up, down, lm_head) and 4 norms expected");
   auto bf16 = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kBFloat16; };
@@ -90,6 +144,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
              idc = draft_ids.expect_contiguous(), emc = embed.expect_contiguous(), uc = u.expect_contiguous(),
              cc = cos.expect_contiguous(), scn = sin.expect_contiguous(), n0 = norms[0].expect_contiguous(),
              n1 = norms[1].expect_contiguous(), n2 = norms[2].expect_contiguous(), n3 = norms[3].expect_contiguous();
+  // the screen: the vocabulary head's rows in Q4_0 (quant.py's packing), its best screen_top rescored by the head
+  const bool screened = screen.has_value() && screen->defined() && screen->numel() > 0 && screen_top > 0;
+  if (screened)
+    TORCH_CHECK(screen_top <= N && screen_top <= kScreenMax && formats[5] != kScreenFormat,
+                "infer::eagle3_round: a screen rescores 1 .. min(", kScreenMax, ", N) rows of a head in another "
+                "format than its own, got ", screen_top, " of ", N);
   thread_local Scratch sc;
   const int64_t* tp = tab->data_ptr<int64_t>();
   draft_round::storage_rows(tp, block_size, last_pos, k_cache.size(0), sc.rows, "infer::eagle3_round");
@@ -167,7 +227,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
     add_into(h, sc.m.data(), H);
     // the draw over the draft vocabulary
     infer_kernels::rms_norm_into(h, nw[3], sc.normed.data(), 1, H, H, eps);
-    linear(5, sc.normed.data(), 1, H, sc.logits.data(), true);  // [N] float32 holding bfloat16 values
+    if (screened) {  // [N]: the screen's logits, its best screen_top rows the head's own
+      infer_kernels::qlinear_into(sc.normed.data(), 1, H, *screen, kScreenFormat, N, sc.logits.data(), true);
+      rescore_best(sc.normed.data(), H, packed[5], formats[5], N, screen_top, sc.logits.data());
+    } else {
+      linear(5, sc.normed.data(), 1, H, sc.logits.data(), true);  // [N] float32 holding bfloat16 values
+    }
     const int64_t col = draw(sc.logits.data(), N, t, sampled, up[s], q.data_ptr<float>() + s * N);
     dp[s] = ids[col];
     hidden = h;

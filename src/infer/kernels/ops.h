@@ -45,7 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    const at::Tensor& temperature, const at::Tensor& u);  // eagle_round.cpp
+    const at::Tensor& temperature, const at::Tensor& u, const std::optional<at::Tensor>& screen,
+    int64_t screen_top);  // eagle_round.cpp
 std::tuple<at::Tensor, at::Tensor> draft_lm_round(
     const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs,
     at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& vocab_packed, int64_t vocab_format,
@@ -65,6 +66,10 @@ at::Tensor llama_forward(const at::Tensor& tokens, at::TensorList packed, at::In
 // y [M, N] (float_out: float32 holding the bfloat16 values) = x [M, K] @ W.T, W in `packed` (checked against N, K)
 void qlinear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
                   void* y, bool float_out);
+// y [n * 8] float32 (holding bfloat16 values) = x [1, K] @ the rows of the groups of 8 `groups` [n] of `packed`
+// (N rows in all), each row with the bits of the full product's
+void qlinear_groups_into(const c10::BFloat16* x, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
+                         const int64_t* groups, int64_t n, float* y);
 // y [M, N] = x [M, K] @ w.T, all bfloat16 and contiguous (infer::linear's bits)
 void linear_into(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, int64_t N, c10::BFloat16* y);
 // rows of n: x [rows, n] contiguous -> y's rows, y_stride apart

@@ -696,6 +696,25 @@ void qlinear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor
   product(x, M, K, nb, nullptr, packed.data_ptr<uint8_t>(), format, Out{y, !float_out, N, nullptr, float_out});
 }
 
+// One activation row x [K] against the groups of 8 weight rows `groups` [n] of `packed` -> y [n * 8] float32 (group i's
+// row r at y[8 i + r]): a product's rows picked out, to rescore a screen's best candidates (eagle_round.cpp). A row's
+// result does not depend on the rows beside it in a call (the numerics above), so each is the full product's bits.
+void qlinear_groups_into(const c10::BFloat16* x, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
+                         const int64_t* groups, int64_t n, float* y) {
+  const int64_t nb = blocks_of(packed, format, N, K);
+  const int64_t gb = format == kQ8_0 ? group_bytes_of<kQ8_0>(nb) : format == kQ4_0 ? group_bytes_of<kQ4_0>(nb)
+                     : format == kQ4_1 ? group_bytes_of<kQ4_1>(nb) : group_bytes_of<kQ4_K>(nb);
+  thread_local std::vector<uint8_t> picked;  // the groups' chunks side by side: a packed weight of n * 8 rows
+  picked.resize(n * gb);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(groups[i] >= 0 && groups[i] < packed.size(0), "infer::qlinear_groups_into: group ", groups[i],
+                " outside the weight's ", packed.size(0));
+    std::memcpy(picked.data() + i * gb, wp + groups[i] * gb, gb);
+  }
+  product(x, 1, K, nb, nullptr, picked.data(), format, Out{y, false, n * 8, nullptr, true});
+}
+
 // Whether calls of several rows run the 16-lane pairs (the same bits either way) -> whether this build has them.
 bool qlinear_pairs(bool on) {
 #if defined(INFER_QLINEAR_PAIRS)
