@@ -429,7 +429,7 @@ def reference_draw(dv, temp: torch.Tensor, u: torch.Tensor, logits_of=None):
 
 @pytest.mark.parametrize("screen", [0, 8])
 @pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("catch_up,steps", [(1, 1), (3, 4), (5, 2)])
+@pytest.mark.parametrize("catch_up,steps", [(1, 1), (3, 4), (5, 2), (20, 1)])  # 20: a long catch-up (a prompt)
 def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_up, steps, sampled, screen):
     """Eagle3Head.native_round (kernels/eagle_round.cpp: a lone row's round in one C++ call) against the module's
     single steps on a quantized bfloat16 head: the same drafts, the same last output, bit for bit, the same laws q (to
