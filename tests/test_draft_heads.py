@@ -478,10 +478,14 @@ def test_a_lone_rows_round_in_one_cpp_call_gives_the_single_steps_drafts(catch_u
         for t in (pool.k[0], pool.v[0]):
             t[written] = 0  # what the round writes, wiped
         start = pool.extend(a, catch_up + steps - 1)
-        got, got_h, got_q = head.native_round(x, f, pool, a, start, temp, u)
+        got, got_h, got_q, got_conf = head.native_round(x, f, pool, a, start, temp, u)
     assert start == 9 and pool.seq_len(a) == 9 + catch_up + steps - 1
     assert torch.equal(got, torch.stack(want, 1)) and torch.equal(got_h, h)
     torch.testing.assert_close(got_q, torch.stack(want_q, 1), rtol=1e-5, atol=1e-7)
+    cols = torch.searchsorted(dv.ids, got[0])  # each draft's column of the draft vocabulary
+    assert torch.equal(got_conf[0], got_q[0, torch.arange(steps), cols])  # each draft's probability under its q
+    if not sampled:
+        assert torch.equal(got_conf, got_q.amax(-1))  # a greedy draft's: its law's largest
     assert torch.equal(pool.k[0], want_kv[0]) and torch.equal(pool.v[0], want_kv[1])
 
 
@@ -510,7 +514,7 @@ def test_a_one_call_rounds_sampled_draw_is_the_inverse_cdf_of_the_law_it_returns
         for k in range(n):
             u = torch.tensor([[(k + 0.5) / n]], dtype=torch.float64)
             start = pool.extend(a, 1)
-            got, _, q = head.native_round(x, f, pool, a, start, torch.tensor([1.0]), u)
+            got, _, q, _ = head.native_round(x, f, pool, a, start, torch.tensor([1.0]), u)
             pool.truncate_to(a, 0)
             q = q[0, 0].double()
             cdf = q.cumsum(0) / q.sum()

@@ -102,10 +102,11 @@ inline void rescore_best(const BF* x, int64_t K, const at::Tensor& packed, int64
 
 // tokens [T] int64 (the catch-up entries' tokens), features [T, W] (the target's captured layers, fused by fc; W = H:
 // already a hidden) at positions start .. start + T - 1, then S - 1 draft steps, each feeding the draft before and the
-// last output -> (drafts [1, S] token ids, the last output [1, H], q [1, S, N]). The draft pool's storage k, v
+// last output -> (drafts [1, S] token ids, the last output [1, H], q [1, S, N], conf [1, S]: each draft's q, a greedy
+// one's the largest, what auto K's cut reads without a pass over q). The draft pool's storage k, v
 // [R, Hkv, D] is addressed through the row's block table: position p at table[p / bs] * bs + p % bs (the pool has
 // taken the blocks and advanced the row's length: PagedKVCachePool.extend).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
     const at::Tensor& tokens, const at::Tensor& features, at::TensorList packed, at::IntArrayRef formats,
     at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -170,6 +171,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
   auto drafts = empty({1, S}, tokens.options());
   auto last = empty({1, H}, features.options());  // the last output; the residual stream h of each step meanwhile
   auto q = empty({1, S, N}, features.options().dtype(at::kFloat));
+  auto conf = empty({1, S}, features.options().dtype(at::kFloat));  // each draft's probability under its q
+  float* cp_out = conf.data_ptr<float>();
   int64_t* dp = drafts.data_ptr<int64_t>();
   BF* h = last.data_ptr<BF>();
   auto linear = [&](int i, const BF* x, int64_t rows, int64_t K, void* y, bool float_out = false) {
@@ -235,8 +238,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3_round(
     }
     const int64_t col = draw(sc.logits.data(), N, t, sampled, up[s], q.data_ptr<float>() + s * N);
     dp[s] = ids[col];
+    cp_out[s] = q.data_ptr<float>()[s * N + col];
     hidden = h;
     pos0 += n;
   }
-  return {drafts, last, q};
+  return {drafts, last, q, conf};
 }

@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_logits(
     const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& drafts,
     const std::optional<at::Tensor>& q, const at::Tensor& nd, const at::Tensor& u, const at::Tensor& u_final,
     const std::optional<at::Tensor>& q_ids);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle3_round(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     const at::Tensor& tokens, const at::Tensor& features, at::TensorList packed, at::IntArrayRef formats,
     at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& draft_ids,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,

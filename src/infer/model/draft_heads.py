@@ -323,11 +323,12 @@ class Eagle3Head(DraftHead):
         return pack_blocks(quantize_blocks(head.dequantized_weight().float(), "q4_0"), "q4_0")
 
     def native_round(self, tokens: torch.Tensor, features: torch.Tensor, pool, slot: int, start: int,
-                     temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``draft_round`` for one row in one C++ call (kernels/eagle_round.cpp, where ``native_round_ready``): the
         catch-up entries tokens [T] and features [T, W] at positions start .. start + T - 1 of ``slot`` in a paged
         ``pool`` (which holds the row's blocks and length for them and the u.shape[1] - 1 steps after them:
-        PagedKVCachePool.extend), then those steps -> (drafts [1, S], the last output [1, H], q [1, S, N]), the same
+        PagedKVCachePool.extend), then those steps -> (drafts [1, S], the last output [1, H], q [1, S, N], and each draft's
+        probability under q [1, S]), the same
         ops as draft_round's, so the same drafts. A round's drafting was a compiled graph entered cold after every
         verify: ~1.8 ms for 3 drafts, of which the kernels' own work was ~0.75 (issue 33's c).
 

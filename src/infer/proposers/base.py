@@ -268,11 +268,13 @@ class DraftDrawer:
             self.q_sub = None
         return self._q
 
-    def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None) -> None:
+    def put(self, j: int, idx: list[int], drafts: torch.Tensor, q: torch.Tensor | None = None,
+            conf: torch.Tensor | None = None) -> None:
         """Drafts of positions j .. j+m-1 of rows ``idx``, [n, m], drawn by the drafter itself (a chain of steps:
         EagleHead.draft_chain; from j = 0, a round's first steps: draft_round) over the draft vocabulary, with the
         law q [n, m, N] they were drawn from (a greedy batch's: softmax at temperature 1): what m calls of ``draw``
-        would have kept, timing included."""
+        would have kept, timing included. ``conf`` [n, m]: each draft's probability under q, where the call gave it
+        (Eagle3Head.native_round), else read from q."""
         m = drafts.shape[1]
         every = len(idx) == len(self.batch.reqs)
         rows_t = None if every else torch.tensor(idx, device=self.batch.device)
@@ -298,8 +300,8 @@ class DraftDrawer:
                 for i in range(m):
                     self.q[rows_t[:, None], j + i, self.dv.ids] = q[:, i]
         if self.batch.confidence:  # a greedy draft is its law's argmax; a drawn one is read back from the scattered q
-            if whole and self._conf is None and self.batch.sampling is None:
-                self._conf = q.amax(-1).float()
+            if whole and self._conf is None and self.batch.sampling is None:  # a greedy draft's: q's largest
+                self._conf = conf if conf is not None else q.amax(-1).float()
             else:
                 self.conf[rows, j:j + m] = q.amax(-1) if self.q is None else \
                     self.q[rows, j:j + m].gather(2, drafts[..., None])[..., 0]

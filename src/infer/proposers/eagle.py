@@ -172,8 +172,8 @@ class EagleProposer(Proposer):
             m = ks[b] - 1
             start = pool.extend(slot, len(toks[0]) + m)
             temp, u = round_uniforms(batch, idx, m + 1, dev)
-            drafts, _, q = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u)
-            drawer.put(0, idx, drafts, q)
+            drafts, _, q, conf = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u)
+            drawer.put(0, idx, drafts, q, conf)
             j = ks[b]
         while j < max(ks):
             idx = [b for b in range(len(reqs)) if ks[b] > j]
