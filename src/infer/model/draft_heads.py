@@ -241,7 +241,7 @@ class Eagle3Head(DraftHead):
     has_kv = True  # one layer's KV in the draft pool
     hidden_input = True  # the proposer feeds each draft entry the previous step's output (EagleProposer)
     # ``native_round``'s screen of the vocabulary head (kernels/eagle_round.cpp): its rows in Q4_0, the best
-    # SCREEN_TOP rescored by the head's own; 0: the head's own rows alone. Set before native_round_ready first runs.
+    # ``screen_top`` rescored by the head's own; 0: the head's own rows alone. Set before native_round_ready first runs.
     screen_top = 8
 
     def __init__(self, target_config: ModelConfig, aux_layers: tuple[int, ...], draft_ids: list[int],
@@ -327,10 +327,10 @@ class Eagle3Head(DraftHead):
         """``draft_round`` for one row in one C++ call (kernels/eagle_round.cpp, where ``native_round_ready``): the
         catch-up entries tokens [T] and features [T, W] at positions start .. start + T - 1 of ``slot`` in a paged
         ``pool`` (which holds the row's blocks and length for them and the u.shape[1] - 1 steps after them:
-        PagedKVCachePool.extend), then those steps -> (drafts [1, S], the last output [1, H], q [1, S, N], and each draft's
-        probability under q [1, S]), the same
-        ops as draft_round's, so the same drafts. A round's drafting was a compiled graph entered cold after every
-        verify: ~1.8 ms for 3 drafts, of which the kernels' own work was ~0.75 (issue 33's c).
+        PagedKVCachePool.extend), then those steps -> (drafts [1, S], the last output [1, H], q [1, S, N], each
+        draft's probability under q [1, S]), the same ops as draft_round's, so the same drafts. A round's drafting
+        was a compiled graph entered cold after every verify: ~1.8 ms for 3 drafts, of which the kernels' own work was
+        ~0.75 (issue 33's c).
 
         With a screen (``screen_top`` > 0, and a vocabulary head in Q8_0 of >= 4 x that many rows), each step scores
         the draft vocabulary with the head's rows in Q4_0 and rescores the best ``screen_top`` with its own: ~half a

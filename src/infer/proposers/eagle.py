@@ -114,7 +114,8 @@ class EagleProposer(Proposer):
             f[i, :len(t)] = h
         return x.to(dev), f
 
-    def _catch_up(self, reqs, slots: list[int], native: bool = False) -> tuple[list[list[int]], list[torch.Tensor], int]:
+    def _catch_up(self, reqs, slots: list[int],
+                  native: bool = False) -> tuple[list[list[int]], list[torch.Tensor], int]:
         """Entries fed .. L-2 of each row from true features; rows longer than CATCH_UP_BATCHED feed all but their
         last entry alone. Returns each row's remaining (tokens, features) and the entries fed alone.
 
