@@ -156,6 +156,36 @@ def test_greedy_rows_cut_by_confidence_decode_as_the_target(monkeypatch, backend
     assert 0 < verified < drafted
 
 
+def test_a_round_whose_drafts_are_all_cut_prices_its_drafting_as_drafting(monkeypatch):
+    """Every draft cut: the round decodes plainly, and its drafting is a draft round's cost (``drafted``), not the
+    plain step's overhead (``round_overhead``), which auto K adds to a plain step's price. Counted as overhead, a lone
+    SmolLM2 row's plain steps were priced ~0.6 ms dear (docs/benchmarks.md, a fourth session on the Xeon)."""
+    import time as _time
+
+    from infer.proposers.draft_model import DraftModelProposer
+
+    target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
+    monkeypatch.setattr(GoodputSpecLength, "choose", lambda self, reqs, caps: [min(2, c) for c in caps])
+    monkeypatch.setattr(GoodputSpecLength, "cut", lambda self, reqs, nd, *a: [0] * len(nd))
+    propose = DraftModelProposer.propose
+    monkeypatch.setattr(DraftModelProposer, "propose", lambda self, batch: _time.sleep(0.03) or propose(self, batch))
+    overheads, drafted = [], []
+    over, draft = GoodputSpecLength.round_overhead, GoodputSpecLength.drafted
+    monkeypatch.setattr(GoodputSpecLength, "round_overhead",
+                        lambda self, B, spec, s: overheads.append((spec, s)) or over(self, B, spec, s))
+    monkeypatch.setattr(GoodputSpecLength, "drafted", lambda self, *a: drafted.append(a) or draft(self, *a))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    plain = Engine(EngineConfig(model="target", max_batch_size=1), model=target)
+    want = plain.run([plain.add_request([1, 2], params)])[0].output_ids
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", max_batch_size=1, block_size=4, **CUT_COSTS),
+                 model=target, draft_model=drafter)
+    eng.decoder.spec_length = GoodputSpecLength(2, _cut_costs())
+    assert eng.run([eng.add_request([1, 2], params)])[0].output_ids == want
+    plain_steps = [s for spec, s in overheads if not spec]
+    assert len(plain_steps) >= 5 and len(drafted) >= 5  # every round drafted, was cut whole, and stepped plainly
+    assert max(plain_steps) < 0.03  # the 30 ms of drafting a round are not the plain step's
+
+
 @pytest.mark.parametrize("acceptance", ["typical", "lenient"])
 def test_lossy_acceptance_rules_fail_the_test(acceptance):
     """The opt-in lossy rules accept more drafts (what they buy) and fail the chi-square test (what it costs)."""

@@ -179,7 +179,11 @@ class SpeculativeDecoder:
                 grammar.release()
             for r, n in zip(reqs, lens):  # a draft model fed its drafts: back to the target's L - 1 entries
                 self.kv.rollback(r, n - 1)
-            return self._plain(reqs, t_in)
+            # the drafting (every draft cut) is a draft round's cost, not the plain step's overhead: counted there, a
+            # lone SmolLM2 row's plain-step overhead read 0.5-0.8 ms against ~0.1, and auto K priced plain steps so
+            if prop.model_steps and self.ready and prop.catch_up <= self.kv.lookahead + 1:
+                self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
+            return self._plain(reqs, t_in + (t1 - t0))
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
         # a sampled batch of plain temperature laws is judged where the rule reads p and q (verify's
