@@ -701,9 +701,7 @@ void qlinear_into(const c10::BFloat16* x, int64_t M, int64_t K, const at::Tensor
 // result does not depend on the rows beside it in a call (the numerics above), so each is the full product's bits.
 void qlinear_groups_into(const c10::BFloat16* x, int64_t K, const at::Tensor& packed, int64_t format, int64_t N,
                          const int64_t* groups, int64_t n, float* y) {
-  const int64_t nb = blocks_of(packed, format, N, K);
-  const int64_t gb = format == kQ8_0 ? group_bytes_of<kQ8_0>(nb) : format == kQ4_0 ? group_bytes_of<kQ4_0>(nb)
-                     : format == kQ4_1 ? group_bytes_of<kQ4_1>(nb) : group_bytes_of<kQ4_K>(nb);
+  const int64_t nb = blocks_of(packed, format, N, K), gb = packed.size(1);  // a packed row: a group of 8 rows
   thread_local std::vector<uint8_t> picked;  // the groups' chunks side by side: a packed weight of n * 8 rows
   picked.resize(n * gb);
   const uint8_t* wp = packed.data_ptr<uint8_t>();

@@ -181,8 +181,7 @@ class SpeculativeDecoder:
                 self.kv.rollback(r, n - 1)
             # the drafting (every draft cut) is a draft round's cost, not the plain step's overhead: counted there, a
             # lone SmolLM2 row's plain-step overhead read 0.5-0.8 ms against ~0.1, and auto K priced plain steps so
-            if prop.model_steps and self.ready and prop.catch_up <= self.kv.lookahead + 1:
-                self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
+            self._time_drafting(prop)
             return self._plain(reqs, t_in + (t1 - t0))
         K = max(nd)
         drafts = prop.drafts[:, :K]  # [B, K]
@@ -219,16 +218,9 @@ class SpeculativeDecoder:
             # the round's one host sync
             n_acc, out_tokens, is_bonus = res.num_accepted.tolist(), res.output_tokens.tolist(), res.is_bonus.tolist()
         t2 = time.perf_counter()
-        # the drafter's lazy prefills are timed apart (a one-time cost per row); a first step that brought more than
-        # a round's worth of tokens (after rounds at K = 0) says little about a round's first step. Before ready
-        # (_early) nothing is timed: the warm-up's compiler shares the cores
-        usual = prop.catch_up <= self.kv.lookahead + 1 and self.ready
         if self.ready:
             self.spec_length.timed(B, sum(map(len, rows)) / B, t2 - t1)  # its real tokens a row: pads skipped
-        if prop.model_steps and usual:
-            self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
-        if prop.catch_up_tokens and self.ready:
-            self.spec_length.caught_up(prop.catch_up_tokens, prop.catch_up_s)
+        usual = self._time_drafting(prop)
         forwards_s = t2 - t0
 
         # -- accept, roll back, emit ---------------------------------------------------------------------------
@@ -274,6 +266,20 @@ class SpeculativeDecoder:
             if r.finished:
                 break
         return emitted
+
+    def _time_drafting(self, prop) -> bool:
+        """Hand a round's drafting times to auto K -> whether the round was a usual one (timed). The drafter's lazy
+        prefills are timed apart (a one-time cost per row); a first step that brought more than a round's worth of
+        tokens (after rounds at K = 0) says little about a round's first step. Before ready (_early) nothing is
+        timed: the warm-up's compiler shares the cores."""
+        if not self.ready:
+            return False
+        usual = prop.catch_up <= self.kv.lookahead + 1
+        if prop.model_steps and usual:
+            self.spec_length.drafted(prop.model_rows, prop.model_steps, prop.first_s, prop.steps_s)
+        if prop.catch_up_tokens:
+            self.spec_length.caught_up(prop.catch_up_tokens, prop.catch_up_s)
+        return usual
 
     def _plain(self, reqs: list[Request], t_in: float) -> list[tuple[Request, StepOutput]]:
         """K = 0 for every row: one ordinary decode step (the drafter catches up lazily when it drafts again)."""
