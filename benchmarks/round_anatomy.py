@@ -16,7 +16,8 @@ Workloads: "defaults-T": SmolLM2 as ``infer chat`` runs it (bfloat16 over its Q4
 with its default speculation (the suffix tree's copies, else the EAGLE-3 head; auto K), 8 held-out prompts (4 chat, 4 code) x
 128 tokens at temperature T; "suffix-json": the suffix proposer on benchmarks/suffix.py's 48-input JSON loop, greedy
 (the tree cleared before each pass). Each beside a plain engine on the same inputs, passes alternating (the first a
-warm-up). Writes benchmarks/results/round_anatomy.json and the "round-anatomy" section of docs/benchmarks.md.
+warm-up). Writes benchmarks/results/round_anatomy.json and the "round-anatomy" section of docs/benchmarks.md
+(with --tag T: round_anatomy-T.json and the "round-anatomy-T" section).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def run(workload: str, passes: int) -> dict:
     return res
 
 
-def render(res: dict) -> None:
+def render(res: dict, section: str = "round-anatomy") -> None:
     m = res["machine"]
     lines = [f"`python benchmarks/round_anatomy.py` ({m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}). "
              "SmolLM2-135M-Instruct, bfloat16 over its GGUF's Q4_1 blocks, compiled, one request; each engine step "
@@ -206,7 +207,7 @@ def render(res: dict) -> None:
         if r["first_step_ms"]:
             lines.append("A round's model proposal, median ms: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in r["first_step_ms"].items()) + ".")
-    update_doc_section("round-anatomy", "\n".join(lines))
+    update_doc_section(section, "\n".join(lines))
 
 
 def main() -> None:
@@ -214,15 +215,19 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="recorded passes per engine (after a warm-up pass)")
     ap.add_argument("--workloads", nargs="+", default=["defaults-0", "defaults-0.7", "suffix-json"])
     ap.add_argument("--render", action="store_true", help="only redraw the docs section from the JSON")
+    ap.add_argument("--tag", default="", help="a host's own figures: results/round_anatomy-<tag>.json and the "
+                    "round-anatomy-<tag> section (untagged: the round-anatomy section)")
     a = ap.parse_args()
+    name, section = ("round_anatomy", "round-anatomy") if not a.tag else (f"round_anatomy-{a.tag}",
+                                                                           f"round-anatomy-{a.tag}")
     if a.render:
-        return render(json.loads((RESULTS / "round_anatomy.json").read_text()))
+        return render(json.loads((RESULTS / f"{name}.json").read_text()), section)
     res = {"machine": machine(), "workloads": {}}
     for wl in a.workloads:
         res["workloads"][wl] = run(wl, a.passes)
         print(wl, {k: v for k, v in res["workloads"][wl].items() if k != "steps"}, flush=True)
-    write_json("round_anatomy", res)
-    render(res)
+    write_json(name, res)
+    render(res, section)
 
 
 if __name__ == "__main__":
