@@ -15,6 +15,15 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
     python scripts/eagle3_gpu.py install --from DIR [DIR ...] [--head-out src/infer/drafters/smollm2-eagle3]
     # a second run can go on from the first (--init DIR, with --answers DIR/answers-new.jsonl.gz)
 
+The device tool's rules, as a lease met them: a call carries at most 64 MiB (the tracked tree too: the shipped models
+left out of the index for the calls), and a carried path that a later call does not carry is removed there, so the
+GGUF's first part is copied to the machine's /tmp in the first call. One run at a time: three side by side (the
+3-way teacher pass and 3 x 16 CPU threads) outran a 600 s call with nothing written; a run now writes its best head at
+each evaluation, so a cut run still leaves one.
+
+`--init DIR --mlp N --draft-vocab M` trains on a smaller head cut out of DIR's (slim_eagle3): a draft step on the CPU
+reads the layer's and the vocabulary screen's bytes, so the head's c goes with their rows.
+
 `--magpie N` (Magpie, Xu et al. 2024) first asks the target itself for up to N user prompts: the chat template up to
 the user's turn, sampled until the model closes the turn. The training prompts are templates over a few hundred
 topics and the standard library's functions, so the head's chat acceptance stays below its code acceptance on
@@ -43,6 +52,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -277,12 +287,22 @@ def run(args) -> None:
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
     if args.init:  # go on from an earlier run's head (a warm restart of the schedule), its draft vocabulary kept
-        state = {**load_file(str(args.init / "head-a.safetensors")), **load_file(str(args.init / "head-b.safetensors"))}
+        state = {}  # a run's output (head-a, head-b) or a drafter directory (model.safetensors)
+        for name in ("head-a.safetensors", "head-b.safetensors", "model.safetensors"):
+            if (args.init / name).exists():
+                state.update(load_file(str(args.init / name)))
         subset = state["draft_ids"]
         sub_index = torch.full_like(sub_index, -1)
         sub_index[subset.to(sub_index.device)] = torch.arange(len(subset), device=sub_index.device)
-        head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist()).to(args.device)
+        head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist(),
+                          state["layer.mlp.down_proj.weight"].shape[1]).to(args.device)
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    if args.mlp or args.draft_vocab:  # a smaller head cut out of the one it starts from, then trained on
+        head = slim_eagle3(head, embed, sub_index, train, target.config, args.mlp, args.draft_vocab,
+                           args.seed)
+        subset = head.draft_ids.cpu()
+        sub_index = torch.full_like(sub_index, -1)
+        sub_index[subset.to(sub_index.device)] = torch.arange(len(subset), device=sub_index.device)
     step_fn, eval_fn = eagle3_fns(head, embed, sub_index, train, val, args.batch, args.seed)
     # time a few steps (no update) to size the schedule to the budget: the cosine decays over the steps that fit.
     # The first steps are not timed: they pay for CUDA's lazy start-up (cuBLAS handles, kernel choice), and timing
@@ -311,14 +331,22 @@ def run(args) -> None:
           flush=True)
     work = args.out / "work"
     work.mkdir(exist_ok=True)
-    log, seconds, kept = train_loop("eagle3", head, step_fn, eval_fn, work, steps, left / 60, args.lr, args.seed,
-                                    ckpt_every=10 ** 9, eval_every=max(1, steps // evals))
+    best = {"overlap": -1.0}
+
+    def eval_and_keep():  # the best head so far written at each evaluation: a run cut short still leaves one
+        out = eval_fn()
+        if out["overlap"] > best["overlap"]:
+            best["overlap"] = out["overlap"]
+            save_head(head, args.out)
+            (args.out / "partial.json").write_text(json.dumps({"eval": out, "seconds": time.time() - t0}) + "\n")
+        return out
+
+    log, seconds, kept = train_loop("eagle3", head, step_fn, eval_and_keep, work, steps, left / 60, args.lr,
+                                    args.seed, ckpt_every=10 ** 9, eval_every=max(1, steps // evals))
     final = eval_fn()
     (work / "eagle3.pt").unlink(missing_ok=True)
-    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
-             for k, v in head.state_dict().items()}
-    save_file({k: v for k, v in state.items() if k == "lm_head.weight"}, str(args.out / "head-a.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(args.out / "head-b.safetensors"))
+    (args.out / "partial.json").unlink(missing_ok=True)
+    save_head(head, args.out)
     (args.out / "training.json").write_text(json.dumps({
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
@@ -327,9 +355,67 @@ def run(args) -> None:
         "init": str(args.init) if args.init else None, "steps": len(log), "kept_step": kept,
         "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "start": start_eval,
         "final": final,
-        "draft_vocab": len(subset), "evals": [e for e in log if "eval" in e]}) + "\n")
+        "draft_vocab": len(subset), "intermediate_size": head.config.intermediate_size,
+        "slimmed": {"mlp": args.mlp, "draft_vocab": args.draft_vocab} if args.mlp or args.draft_vocab else None,
+        "evals": [e for e in log if "eval" in e]}) + "\n")
     print(f"trained {len(log)} steps in {seconds:.0f} s, kept step {kept}: {final}; total {time.time() - t0:.0f} s",
           file=sys.stderr)
+
+
+def save_head(head, out: Path) -> None:
+    """The head in bfloat16 as two safetensors files (each under the device tool's 16 MB a file)."""
+    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.state_dict().items()}
+    save_file({k: v for k, v in state.items() if k == "lm_head.weight"}, str(out / "head-a.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(out / "head-b.safetensors"))
+
+
+@torch.no_grad()
+def slim_eagle3(head, embed, sub_index, train: list[dict], target_config, mlp: int | None, vocab: int | None,
+                seed: int, probe: int = 256):
+    """A smaller EAGLE-3 head cut out of a trained one, to be trained on (issue 33: a draft step on the CPU reads the
+    layer's and the vocabulary screen's bytes, so its cost goes with their rows):
+      - the MLP's ``mlp`` units with the largest mean |silu(gate) * up| times their down column's norm, over the
+        training-time test of ``probe`` training conversations (the units whose removal changes the output least);
+      - the draft vocabulary's ``vocab`` commonest tokens in the training answers, the EOS tokens always among them.
+    Every other weight is kept as it is."""
+    from infer.model.draft_heads import Eagle3Head
+    from train_drafters import token_counts
+    from train_heads import eagle3_losses
+
+    I = head.config.intermediate_size
+    ids = head.draft_ids.cpu()
+    units = torch.arange(I)
+    if mlp and mlp < I:
+        acc = torch.zeros(I, device=head.draft_ids.device)
+
+        def hook(mod, args):  # the MLP's input -> sum over the entries of |silu(gate) * up| per unit
+            gate, up = mod.gate_up_proj(args[0]).split(I, dim=-1)
+            acc.add_((torch.nn.functional.silu(gate) * up).abs().flatten(0, -2).float().sum(0))
+
+        handle = head.layer.mlp.register_forward_pre_hook(hook)
+        batch = random.Random(seed).sample(train, min(probe, len(train)))
+        for i in range(0, len(batch), 16):
+            eagle3_losses(head, embed, sub_index, batch[i:i + 16])
+        handle.remove()
+        score = acc * head.layer.mlp.down_proj.weight.float().norm(dim=0)
+        units = score.topk(mlp).indices.sort().values.cpu()
+    cols = torch.arange(len(ids))
+    if vocab and vocab < len(ids):
+        counts = token_counts(train, head.config.vocab_size)[ids]
+        eos = torch.isin(ids, torch.tensor(list(target_config.eos_token_ids)))
+        counts[eos] = counts.max() + 1  # EOS stays draftable
+        cols = counts.topk(vocab).indices.sort().values  # ascending columns: draft_ids stay ascending
+    state = {k: v for k, v in head.state_dict().items()}
+    state["layer.mlp.gate_up_proj.weight"] = state["layer.mlp.gate_up_proj.weight"][torch.cat([units, units + I])]
+    state["layer.mlp.down_proj.weight"] = state["layer.mlp.down_proj.weight"][:, units]
+    state["lm_head.weight"] = state["lm_head.weight"][cols]
+    state["draft_ids"] = ids[cols]
+    small = Eagle3Head(target_config, head.aux_layers, ids[cols].tolist(), len(units)).to(head.draft_ids.device)
+    small.load_state_dict(state)
+    print(f"slimmed the head: MLP {I} -> {len(units)} units, draft vocabulary {len(ids)} -> {len(cols)} tokens",
+          file=sys.stderr, flush=True)
+    return small
 
 
 def write_answers(path: Path, rows: list[dict], answered_on: str, mode: str = "at") -> None:
@@ -459,27 +545,32 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
         logs = json.loads(history.read_text())["runs"] + logs
     log = logs[-1]
     target = load_model(real_model_path(), dtype="float32")
-    head = Eagle3Head(target.config, AUX_LAYERS, state["draft_ids"].tolist())
+    head = Eagle3Head(target.config, AUX_LAYERS, state["draft_ids"].tolist(),
+                      state["layer.mlp.down_proj.weight"].shape[1])
     head.load_state_dict(state)
     save_heads(head, head_out, extra={"target": "SmolLM2-135M-Instruct"})
     n = sum(p.numel() for p in head.parameters())
     per = "; ".join(f"{k} {v:.3f}" for k, v in log["final"].items() if k != "overlap")
-    start = ("" if "start" not in log else " (the head it started from: "
+    start = ("" if "start" not in log else " (the head it started from" + (", as cut" if log.get("slimmed") else "")
+             + ": "
              + "; ".join(f"{k} {v:.3f}" for k, v in log["start"].items() if k != "overlap") + ")")
     schedule = ", then ".join(f"{g['steps']} steps of {g['batch']} at peak lr {g['lr']} "
                               f"({g['seconds'] / 60:.1f} min wall time)"
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
+                              + (f", cut first to MLP {g['intermediate_size']} and {g['draft_vocab']} draft tokens "
+                                 "(slim_eagle3)" if g.get("slimmed") else "")
                               for i, g in enumerate(logs))
     own = (f", {log['own_prompts']} of those to prompts the target wrote itself, scripts/eagle3_gpu.py --magpie; in "
            "data/drafter-answers and data/drafter-magpie" if log.get("own_prompts")
            else "; all in data/drafter-answers")
     (head_out / "README.md").write_text(f"""# smollm2-eagle3: an EAGLE-3 head for SmolLM2-135M-Instruct
 
-{n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP 1536) whose attention reads
-[norm(embed(x_{{i+1}})); norm(h_i)], h_i = fc(the target's layers {list(AUX_LAYERS)} at i) for true entries and the
-layer's own previous output when drafting, and its own head over a {log['draft_vocab']}-token draft vocabulary
-(model.draft_heads.Eagle3Head). The target's embedding is borrowed (not shipped). `LLM(model, draft_model=<this
-directory>)`; the kind is recorded in config.json (`infer_drafter.kind = "eagle3"`).
+{n / 1e6:.2f}M parameters, bfloat16: one decoder layer (SmolLM2's attention shape, MLP
+{head.config.intermediate_size}) whose attention reads [norm(embed(x_{{i+1}})); norm(h_i)], h_i = fc(the target's
+layers {list(AUX_LAYERS)} at i) for true entries and the layer's own previous output when drafting, and its own head
+over a {log['draft_vocab']}-token draft vocabulary (model.draft_heads.Eagle3Head). The target's embedding is borrowed
+(not shipped). `LLM(model, draft_model=<this directory>)`; the kind is recorded in config.json (`infer_drafter.kind =
+"eagle3"`).
 
 - Data: SmolLM2's own answers at temperature 0.7 and greedy to scripts/drafter_data.py's training prompts
   ({log['answered_cpu']} answered on the CPU by the Q4_1 engine, {log['answered_gpu']} on the GPU by the bfloat16
@@ -518,8 +609,12 @@ def main(argv=None):
     p.add_argument("--subset", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--answers", type=Path, default=None, help="an earlier run's answers-new.jsonl.gz")
-    p.add_argument("--init", type=Path, default=None, help="an earlier run's output: train on from its head")
+    p.add_argument("--init", type=Path, default=None,
+                   help="an earlier run's output or a drafter directory: train on from its head")
     p.add_argument("--every", type=int, default=1, help="every n-th job only (a quick trial of the pipeline)")
+    p.add_argument("--mlp", type=int, default=None, help="cut the --init head's MLP to this many units (slim_eagle3)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="cut the --init head's draft vocabulary to this many tokens (slim_eagle3)")
     p.add_argument("--magpie", type=int, default=0, help="first ask the target for this many user prompts of its own")
     p.add_argument("--magpie-share", type=float, default=0.25, help="of the generation budget, for those prompts")
     p = sub.add_parser("answer")
@@ -544,6 +639,8 @@ def main(argv=None):
     p.add_argument("--history", type=Path, default=None,
                    help="the drafter's training_log.json whose runs came before --from's (the first went on from it)")
     args = ap.parse_args(argv)
+    if args.cmd == "run" and (args.mlp or args.draft_vocab) and not args.init:
+        ap.error("--mlp and --draft-vocab cut a trained head: they need --init")
     if args.cmd == "prepare":
         prepare(args.out, args.num_jobs)
     elif args.cmd == "run":

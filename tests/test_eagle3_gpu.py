@@ -201,3 +201,42 @@ def test_own_prompts_on_the_cpu_number_after_the_packed_ones_resume_and_install(
     eagle3_gpu.install([out], None)
     with gzip.open(own / "magpie-001.jsonl.gz", "rt") as f:
         assert [json.loads(line)["job"] for line in f] == [r["job"] for r in answered()]
+
+
+def test_a_slimmed_head_keeps_the_units_that_matter_and_the_commonest_draft_tokens(tmp_path):
+    """slim_eagle3 (a smaller head cut out of a trained one, then trained on): the MLP units it drops are those whose
+    output is smallest (here: units whose down column is zero, so the cut MLP computes exactly what the whole one
+    did); the draft vocabulary keeps the tokens commonest in the training answers, EOS always, ascending; every
+    other weight is copied."""
+    from infer.model.draft_heads import Eagle3Head
+
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0)
+    model = load_model(path)
+    model.capture_layers((0, 1))
+    V, eos = model.config.vocab_size, model.config.eos_token_ids[0]
+    answers = [[7] * 5 + [8] * 4 + [9] * 3 + [10] * 2 + [11], [7, 8, 12, 13, 9]]
+    rows = [{"job": i, "prompt_ids": [3, 4, 5], "answer_ids": a} for i, a in enumerate(answers)]
+    items, _ = eagle3_gpu.teacher(path, rows, "cpu", batch=2, layers=(0, 1), maxlen=64)
+    ids = sorted({eos, *range(3, 20)})
+    torch.manual_seed(0)
+    head = Eagle3Head(model.config, (0, 1), ids, intermediate_size=16)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    dead = torch.tensor([0, 3, 4, 6, 9, 10, 13, 15])
+    with torch.no_grad():
+        head.layer.mlp.down_proj.weight[:, dead] = 0
+    sub_index = torch.full((V,), -1, dtype=torch.long)
+    sub_index[torch.tensor(ids)] = torch.arange(len(ids))
+    small = eagle3_gpu.slim_eagle3(head, model.embed_tokens, sub_index, items, model.config, mlp=8, vocab=4, seed=0)
+
+    assert small.config.intermediate_size == 8 and small.aux_layers == (0, 1)
+    assert small.draft_ids.tolist() == sorted({eos, 7, 8, 9})  # 7, 8, 9 the commonest answer tokens, EOS kept
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(small.layer.mlp(x), head.layer.mlp(x), atol=1e-5)
+        cols = torch.tensor([ids.index(t) for t in small.draft_ids.tolist()])
+        assert torch.equal(small.lm_head.weight, head.lm_head.weight[cols])
+    big = head.state_dict()
+    for k, v in small.state_dict().items():
+        if not k.startswith(("layer.mlp.", "lm_head.", "draft_ids")):
+            assert torch.equal(v, big[k]), k
