@@ -376,7 +376,7 @@ def slim_eagle3(head, embed, sub_index, train: list[dict], target_config, mlp: i
     """A smaller EAGLE-3 head cut out of a trained one, to be trained on (issue 33: a draft step on the CPU reads the
     layer's and the vocabulary screen's bytes, so its cost goes with their rows):
       - the MLP's ``mlp`` units with the largest mean |silu(gate) * up| times their down column's norm, over the
-        training-time test of ``probe`` training conversations (the units whose removal changes the output least);
+        training-time test of ``probe`` training conversations (those dropped change the output least);
       - the draft vocabulary's ``vocab`` commonest tokens in the training answers, the EOS tokens always among them.
     Every other weight is kept as it is."""
     from infer.model.draft_heads import Eagle3Head
