@@ -17,9 +17,9 @@ more training steps than the CPU allows (3,000 steps took 160 min on 2 cores, an
 
 The device tool's rules, as a lease met them: a call carries at most 64 MiB (the tracked tree too: the shipped models
 left out of the index for the calls), and a carried path that a later call does not carry is removed there, so the
-GGUF's first part is copied to the machine's /tmp in the first call. One run at a time: three side by side (the
-3-way teacher pass and 3 x 16 CPU threads) outran a 600 s call with nothing written; a run now writes its best head at
-each evaluation, so a cut run still leaves one.
+GGUF's first part is copied to the machine's /tmp in the first call. One run at a time: three side by side (likely
+the 3-way teacher pass and 3 x 16 CPU threads) outran a 600 s call with nothing written; a run now writes its best
+head at each evaluation, so a cut run still leaves one.
 
 `--init DIR --mlp N --draft-vocab M` trains on a smaller head cut out of DIR's (slim_eagle3): a draft step on the CPU
 reads the layer's and the vocabulary screen's bytes, so the head's c goes with their rows.
