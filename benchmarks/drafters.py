@@ -66,6 +66,16 @@ def position_stats(outs) -> dict:
             "mean_accepted_length": sum(len(o.token_ids) for o in outs) / forwards if forwards else None}
 
 
+def cost_terms(costs, k: int) -> dict:
+    """A cost model's terms for one row at K = k, in target decode steps: c (a draft step's mean cost in a round of k;
+    rounds are priced whole, per number of drafts: CostModel.draft_cost), c_first (a round of one draft), c_step (what
+    each further draft adds) and v (a verify of k + 1 tokens)."""
+    d1 = costs.verify_cost(1, 1)
+    return {"c": costs.draft_cost(1, k) / k / d1, "v": costs.verify_cost(1, k + 1) / d1,
+            "c_first": costs.draft_cost(1, 1) / d1,
+            "c_step": (costs.draft_cost(1, k) - costs.draft_cost(1, 1)) / max(1, k - 1) / d1}
+
+
 def leviathan(alpha: float, k: int, c: float, v: float) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + v)) if alpha < 1 else (k + 1) / (k * c + v)
 
@@ -237,15 +247,10 @@ def main() -> None:
             costs = getattr(ours[source].engine.decoder.spec_length, "costs", None)
             pinned = rows[f"ours + {name} K={PINNED_K}"]
             if costs is not None and pinned.get("alpha") is not None:
-                # c: a draft step's mean cost in a round of PINNED_K (rounds are priced whole, per number of drafts:
-                # CostModel.draft_cost); c_first a round of one draft, c_step what each further one adds
-                d1 = costs.verify_cost(1, 1)
-                c = costs.draft_cost(1, PINNED_K) / PINNED_K / d1
-                v = costs.verify_cost(1, PINNED_K + 1) / d1
+                terms = cost_terms(costs, PINNED_K)
                 results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {
-                    "c": c, "v": v, "c_first": costs.draft_cost(1, 1) / d1, "cost_model_of": source,
-                    "c_step": (costs.draft_cost(1, PINNED_K) - costs.draft_cost(1, 1)) / max(1, PINNED_K - 1) / d1}
-                pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, c, v)
+                    **terms, "cost_model_of": source}
+                pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, terms["c"], terms["v"])
         results[str(temp)] = rows
     if a.llama_dir is not None:  # llama.cpp's fastest plain configuration: llama-bench tg of each GGUF
         import llama_cpp as lc

@@ -19,13 +19,14 @@ Writes benchmarks/results/eagle3_ab[-T].json and the "eagle3-ab[-T]" section of 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, quartiles, update_doc_section, write_json  # noqa: E402
-from drafters import leviathan, position_stats  # noqa: E402
+from drafters import cost_terms, leviathan, position_stats  # noqa: E402
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, drafter_paths, real_model_path  # noqa: E402
@@ -35,8 +36,6 @@ K = 4
 
 
 def head_info(path: Path) -> dict:
-    import json
-
     spec = json.loads((path / "config.json").read_text())["infer_drafter"]
     return {"path": str(path), "intermediate_size": spec["intermediate_size"],
             "draft_vocab": spec.get("draft_vocab_size"), "bytes": (path / "model.safetensors").stat().st_size}
@@ -50,6 +49,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24, help="per kind (chat, code)")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
+    if a.passes < 2 or a.prompts < 1:
+        ap.error("--passes must be at least 2 (each side's quartiles) and --prompts at least 1")
     name = "eagle3_ab" + (f"-{a.tag}" if a.tag else "")
     heads = {"baseline": a.baseline or drafter_paths()["eagle3"], "candidate": a.candidate}
     for h, p in heads.items():
@@ -93,10 +94,8 @@ def main() -> None:
                 row["same_tokens"][n] = texts[n] == texts["plain"]
         for h in heads:
             st = position_stats(outs_all[f"{h} K={K}"])
-            costs = llms[f"{h} defaults"].engine.decoder.spec_length.costs
-            d1 = costs.verify_cost(1, 1)
-            c, v = costs.draft_cost(1, K) / K / d1, costs.verify_cost(1, K + 1) / d1
-            row[h] = {**st, "c": c, "v": v, "leviathan": leviathan(st["alpha"], K, c, v)}
+            terms = cost_terms(llms[f"{h} defaults"].engine.decoder.spec_length.costs, K)
+            row[h] = {**st, **terms, "leviathan": leviathan(st["alpha"], K, terms["c"], terms["v"])}
         res["temperatures"][str(temp)] = row
         print(temp, row, flush=True)
     for llm in llms.values():

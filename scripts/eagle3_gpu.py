@@ -292,8 +292,7 @@ def run(args) -> None:
             if (args.init / name).exists():
                 state.update(load_file(str(args.init / name)))
         subset = state["draft_ids"]
-        sub_index = torch.full_like(sub_index, -1)
-        sub_index[subset.to(sub_index.device)] = torch.arange(len(subset), device=sub_index.device)
+        sub_index = column_index(subset, sub_index)
         head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist(),
                           state["layer.mlp.down_proj.weight"].shape[1]).to(args.device)
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
@@ -301,8 +300,7 @@ def run(args) -> None:
         head = slim_eagle3(head, embed, sub_index, train, target.config, args.mlp, args.draft_vocab,
                            args.seed)
         subset = head.draft_ids.cpu()
-        sub_index = torch.full_like(sub_index, -1)
-        sub_index[subset.to(sub_index.device)] = torch.arange(len(subset), device=sub_index.device)
+        sub_index = column_index(subset, sub_index)
     step_fn, eval_fn = eagle3_fns(head, embed, sub_index, train, val, args.batch, args.seed)
     # time a few steps (no update) to size the schedule to the budget: the cosine decays over the steps that fit.
     # The first steps are not timed: they pay for CUDA's lazy start-up (cuBLAS handles, kernel choice), and timing
@@ -362,6 +360,14 @@ def run(args) -> None:
           file=sys.stderr)
 
 
+def column_index(subset: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[V] column of each token in the draft vocabulary ``subset`` (ascending ids), -1 elsewhere; ``like``'s shape,
+    dtype and device (new_eagle3's sub_index)."""
+    out = torch.full_like(like, -1)
+    out[subset.to(out.device)] = torch.arange(len(subset), device=out.device)
+    return out
+
+
 def save_head(head, out: Path) -> None:
     """The head in bfloat16 as two safetensors files (each under the device tool's 16 MB a file)."""
     state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
@@ -406,7 +412,7 @@ def slim_eagle3(head, embed, sub_index, train: list[dict], target_config, mlp: i
         eos = torch.isin(ids, torch.tensor(list(target_config.eos_token_ids)))
         counts[eos] = counts.max() + 1  # EOS stays draftable
         cols = counts.topk(vocab).indices.sort().values  # ascending columns: draft_ids stay ascending
-    state = {k: v for k, v in head.state_dict().items()}
+    state = dict(head.state_dict())
     state["layer.mlp.gate_up_proj.weight"] = state["layer.mlp.gate_up_proj.weight"][torch.cat([units, units + I])]
     state["layer.mlp.down_proj.weight"] = state["layer.mlp.down_proj.weight"][:, units]
     state["lm_head.weight"] = state["lm_head.weight"][cols]
