@@ -105,7 +105,29 @@ def test_another_setting_gets_a_profile_of_its_own(gqa_dir, profile_dir):
     assert len(list(profile_dir.glob("costs-*.json"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncated", "foreign", "bad table"])
+def test_the_draft_prices_rounds_measured_survive_a_restart(gqa_dir, profile_dir):
+    """What the engine saves (at exit; here called) carries each k's measured round of drafts, and the next start
+    prices its rounds from them, not from the profile's lone draft step."""
+    first = _speculating(gqa_dir)
+    costs = first.engine.decoder.spec_length.costs
+    # rounds of 2 and 3 drafts measured at a third of the profile's price (whether a tiny model's rounds draft at
+    # all is auto K's call, timed: set here)
+    for k in (2, 3):
+        costs.refresh_draft(1, k, costs.draft_cost(1, k) / 3)
+    first.engine.decoder.cost_store.save(costs)
+    second = _speculating(gqa_dir)
+    got = second.engine.decoder.spec_length.costs
+    assert second.engine.decoder.cost_store.loaded and got.rounds == costs.rounds
+    assert got.draft_costs(1, costs.k_max) == costs.draft_costs(1, costs.k_max)
+    assert got.draft_costs(1, costs.k_max) != _profile_only(got).draft_costs(1, costs.k_max)
+
+
+def _profile_only(c):
+    """The same cost model with no round measured: its draft prices are the start-up profile's."""
+    return type(c)(c.max_batch, c.k_max, c.verify, c.draft, c.draft_first)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "bad table", "bad rounds"])
 def test_a_corrupt_or_foreign_profile_is_reported_and_rebuilt(gqa_dir, profile_dir, damage):
     _speculating(gqa_dir)
     path = _profile(profile_dir)
@@ -114,8 +136,11 @@ def test_a_corrupt_or_foreign_profile_is_reported_and_rebuilt(gqa_dir, profile_d
         path.write_text(path.read_text()[:40])
     elif damage == "foreign":  # another torch's profile under this name
         path.write_text(json.dumps({**good, "key": {**good["key"], "torch": "0.0"}}))
-    else:
+    elif damage == "bad table":
         path.write_text(json.dumps({**good, "costs": {**good["costs"], "draft": [1.0]}}))
+    else:  # a round of more drafts than the profile's widest
+        rounds = [{str(good["costs"]["k_max"] + 1): 1e-3}] * len(good["costs"]["draft"])
+        path.write_text(json.dumps({**good, "costs": {**good["costs"], "rounds": rounds}}))
     with pytest.warns(RuntimeWarning, match=f"cost profile {path}.*profiling anew"):
         llm = _speculating(gqa_dir)
     assert not llm.engine.decoder.cost_store.loaded
