@@ -112,7 +112,9 @@ class ProfileStore:
 
 def _to_json(c: CostModel) -> dict:
     return {"max_batch": c.max_batch, "k_max": c.k_max, "verify": c.verify, "draft": c.draft,
-            "draft_first": c.draft_first, "rounds": [{str(k): v for k, v in r.items()} for r in c.rounds],
+            "draft_first": c.draft_first,
+            # only the k the table prices (a longer round, were one ever measured, would make the file unreadable)
+            "rounds": [{str(k): v for k, v in r.items() if 1 <= k <= c.k_max} for r in c.rounds],
             "fit": {str(b): s for b, s in c.fit.items()}, "last_scale": c.last_scale, "catch_up": c.catch_up}
 
 
