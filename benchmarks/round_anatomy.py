@@ -218,8 +218,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="a host's own figures: results/round_anatomy-<tag>.json and the "
                     "round-anatomy-<tag> section (untagged: the round-anatomy section)")
     a = ap.parse_args()
-    name, section = ("round_anatomy", "round-anatomy") if not a.tag else (f"round_anatomy-{a.tag}",
-                                                                           f"round-anatomy-{a.tag}")
+    name = "round_anatomy" + (f"-{a.tag}" if a.tag else "")
+    section = name.replace("_", "-")
     if a.render:
         return render(json.loads((RESULTS / f"{name}.json").read_text()), section)
     res = {"machine": machine(), "workloads": {}}

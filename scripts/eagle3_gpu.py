@@ -244,7 +244,6 @@ def split_jobs(items: list[dict], frac: float = 0.03) -> tuple[list[dict], list[
 
 def run(args) -> None:
     from train_drafters import train_loop
-    from infer.model.draft_heads import Eagle3Head
     from train_heads import eagle3_fns, new_eagle3
 
     t0 = time.time()
@@ -287,15 +286,9 @@ def run(args) -> None:
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
     if args.init:  # go on from an earlier run's head (a warm restart of the schedule), its draft vocabulary kept
-        state = {}  # a run's output (head-a, head-b) or a drafter directory (model.safetensors)
-        for name in ("head-a.safetensors", "head-b.safetensors", "model.safetensors"):
-            if (args.init / name).exists():
-                state.update(load_file(str(args.init / name)))
-        subset = state["draft_ids"]
+        head = load_head(args.init, target.config).to(args.device)
+        subset = head.draft_ids.cpu()
         sub_index = column_index(subset, sub_index)
-        head = Eagle3Head(target.config, AUX_LAYERS, subset.tolist(),
-                          state["layer.mlp.down_proj.weight"].shape[1]).to(args.device)
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     if args.mlp or args.draft_vocab:  # a smaller head cut out of the one it starts from, then trained on
         head = slim_eagle3(head, embed, sub_index, train, target.config, args.mlp, args.draft_vocab,
                            args.seed)
@@ -366,6 +359,21 @@ def column_index(subset: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     out = torch.full_like(like, -1)
     out[subset.to(out.device)] = torch.arange(len(subset), device=out.device)
     return out
+
+
+def load_head(path: Path, target_config):
+    """The float32 EAGLE-3 head in ``path``: a run's output (head-a, head-b: ``save_head``) or a drafter directory
+    (model.safetensors), its MLP and draft vocabulary sized by the weights (a cut head's too)."""
+    from infer.model.draft_heads import Eagle3Head
+
+    state = {}
+    for name in ("head-a.safetensors", "head-b.safetensors", "model.safetensors"):
+        if (path / name).exists():
+            state.update(load_file(str(path / name)))
+    head = Eagle3Head(target_config, AUX_LAYERS, state["draft_ids"].tolist(),
+                      state["layer.mlp.down_proj.weight"].shape[1])
+    head.load_state_dict(state)  # copied into the module's float32
+    return head
 
 
 def save_head(head, out: Path) -> None:
@@ -540,20 +548,17 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
     if head_out is None:
         return
     from infer.demo import real_model_path
-    from infer.model.draft_heads import Eagle3Head, save_heads
+    from infer.model.draft_heads import save_heads
     from infer.model.loader import load_model
     from train_heads import STEP_DECAY, TTT_STEPS
 
     src = runs[-1]
-    state = {**load_file(str(src / "head-a.safetensors")), **load_file(str(src / "head-b.safetensors"))}
     logs = [json.loads((r / "training.json").read_text()) for r in runs]
     if history is not None:
         logs = json.loads(history.read_text())["runs"] + logs
     log = logs[-1]
     target = load_model(real_model_path(), dtype="float32")
-    head = Eagle3Head(target.config, AUX_LAYERS, state["draft_ids"].tolist(),
-                      state["layer.mlp.down_proj.weight"].shape[1])
-    head.load_state_dict(state)
+    head = load_head(src, target.config)
     save_heads(head, head_out, extra={"target": "SmolLM2-135M-Instruct"})
     n = sum(p.numel() for p in head.parameters())
     per = "; ".join(f"{k} {v:.3f}" for k, v in log["final"].items() if k != "overlap")

@@ -225,8 +225,7 @@ def test_a_slimmed_head_keeps_the_units_that_matter_and_the_commonest_draft_toke
     dead = torch.tensor([0, 3, 4, 6, 9, 10, 13, 15])
     with torch.no_grad():
         head.layer.mlp.down_proj.weight[:, dead] = 0
-    sub_index = torch.full((V,), -1, dtype=torch.long)
-    sub_index[torch.tensor(ids)] = torch.arange(len(ids))
+    sub_index = eagle3_gpu.column_index(torch.tensor(ids), torch.empty(V, dtype=torch.long))
     small = eagle3_gpu.slim_eagle3(head, model.embed_tokens, sub_index, items, model.config, mlp=8, vocab=4, seed=0)
 
     assert small.config.intermediate_size == 8 and small.aux_layers == (0, 1)
