@@ -21,6 +21,18 @@ GGUF's first part is copied to the machine's /tmp in the first call. One run at 
 the 3-way teacher pass and 3 x 16 CPU threads) outran a 600 s call with nothing written; a run now writes its best
 head at each evaluation, so a cut run still leaves one.
 
+A lease in two calls, as the 2026-12-04 evening one ran (556 s of its 900; docs/benchmarks.md says what it trained):
+  - here: `git rm -r -q --cached` the shipped models (src/infer/demo_models, src/infer/drafters/smollm2-*), data/,
+    benchmarks/results and docs/*.png, with the same paths in .git/info/exclude, leaving ~3 MB that travels; the
+    GGUF split with head -c / tail -c into a 60 MB part (.gpu1/) and the rest (.gpu2/, beside the jobs, the --init
+    head's directory, the whole file's sha256sum, and the `gguf` wheel in .whl/, which that image lacks);
+  - call 1 (carry .gpu1): copy the first part to /tmp; call 2 at once (carry .gpu2 and .whl; the machine stays
+    warm 30 s): join the parts, check the sum, start `run` and, 20 s later, tests/test_cuda.py beside it (251 s,
+    the one other process a run shares its GPU with), and copy the head's two files, training.json and the logs
+    into $OUT (at most 8 files come back);
+  - here: `git reset -q` and the exclude file as it was, then `install --from` with `--history` the shipped
+    head's training_log.json, into a scratch directory until benchmarks/eagle3_ab.py has compared it.
+
 `--init DIR --mlp N --draft-vocab M` trains on a smaller head cut out of DIR's (slim_eagle3): a draft step on the CPU
 reads the layer's and the vocabulary screen's bytes, so the head's c goes with their rows.
 
