@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -157,6 +158,16 @@ def test_validation_reads_both_kinds_and_keeps_most_of_the_targets_prompts_for_t
     own = [v for v in val if v["index"] >= eagle3_gpu.MAGPIE_BASE]
     assert len(own) == 10 and len(val) == 31 and [v["index"] for v in val[:21]] == list(range(979, 1000))
     assert eagle3_gpu.split_jobs(items[:1000]) == (items[:970], items[970:1000])
+
+
+def test_own_repeat_draws_the_targets_prompts_that_many_times_as_often():
+    items = [{"index": i} for i in range(6)] + [{"index": eagle3_gpu.MAGPIE_BASE + i} for i in range(2)]
+    assert eagle3_gpu.weight_own(items, 1) == items
+    fit = eagle3_gpu.weight_own(items, 3)
+    counts = {it["index"]: sum(x is it for x in fit) for it in items}
+    assert counts == {**{i: 1 for i in range(6)}, eagle3_gpu.MAGPIE_BASE: 3, eagle3_gpu.MAGPIE_BASE + 1: 3}
+    with pytest.raises(ValueError, match="own-repeat"):
+        eagle3_gpu.weight_own(items, 0)
 
 
 def test_own_prompts_on_the_cpu_number_after_the_packed_ones_resume_and_install(tmp_path, monkeypatch):
