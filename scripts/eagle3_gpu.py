@@ -269,7 +269,6 @@ def run(args) -> None:
     from train_drafters import train_loop
     from train_heads import eagle3_fns, new_eagle3
 
-    weight_own([], args.own_repeat)  # a bad --own-repeat fails here, not after the teacher pass
     t0 = time.time()
     end = t0 + args.seconds
     args.out.mkdir(parents=True, exist_ok=True)
@@ -682,6 +681,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cmd == "run" and (args.mlp or args.draft_vocab) and not args.init:
         ap.error("--mlp and --draft-vocab cut a trained head: they need --init")
+    if args.cmd == "run" and args.own_repeat < 1:  # here, not after the teacher pass
+        ap.error(f"--own-repeat must be at least 1, got {args.own_repeat}")
     if args.cmd == "prepare":
         prepare(args.out, args.num_jobs)
     elif args.cmd == "run":

@@ -170,6 +170,14 @@ def test_own_repeat_draws_the_targets_prompts_that_many_times_as_often():
         eagle3_gpu.weight_own(items, 0)
 
 
+def test_a_bad_own_repeat_is_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        eagle3_gpu.main(["run", "--jobs", str(tmp_path / "none.json.gz"), "--model", "none.gguf",
+                         "--out", str(tmp_path / "out"), "--own-repeat", "0"])
+    assert "--own-repeat must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_own_prompts_on_the_cpu_number_after_the_packed_ones_resume_and_install(tmp_path, monkeypatch):
     """`own` (the target's prompts and answers in a CPU session's background): numbered after the packed ones and
     after its own file's, each with its prompt and answer; install packs them. The prompts' stage is the one tested
