@@ -163,7 +163,7 @@ def render(res: dict) -> str:
     m = res["machine"]
     lines = [f"`python benchmarks/plain_price.py` ({m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}). "
              f"{res['model']}; {res['drafter']}; {res['prompts']} x {res['new_tokens']} tokens, {res['passes']} "
-             "recorded passes; one speculating engine, the two cost models swapped generation by generation, the "
+             "recorded passes; one speculating engine, the variants' cost models swapped generation by generation, the "
              "order rotating, beside a plain engine. Plain step: the median of the last 200 plain steps' price and "
              "measured forward (the runner's decode call).", "",
              "| temperature | variant | decode over plain, per (pass, prompt): all | chat | code | time a token, one "
