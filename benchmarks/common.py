@@ -94,6 +94,42 @@ def paired_passes(plain, spec, ids: list, variants: list[str], setup, passes: in
     return runs, counts
 
 
+def defaults_beside_plain(per_kind: int) -> tuple[list[tuple[str, str]], object, object]:
+    """The first ``per_kind`` chat and code held-out prompts as (kind, text), a plain engine and one running SmolLM2's
+    default speculation (as ``infer chat``: bfloat16 over its Q4_1 blocks, compiled, one request), both ready: what
+    ``paired_passes`` takes."""
+    from infer import LLM
+    from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation
+    from infer.drafters import eval_prompts
+
+    settings = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
+    held = eval_prompts()
+    prompts = [(kind, p["prompt"]) for kind in ("chat", "code") for p in held[kind][:per_kind]]
+    plain = LLM(real_model_path(), max_batch_size=1, **settings)
+    spec = LLM(real_model_path(), max_batch_size=1, **settings, **real_model_speculation())
+    plain.engine.wait_until_ready()
+    spec.engine.wait_until_ready()
+    return prompts, plain, spec
+
+
+def pass_over_plain(runs: dict, name: str, rep: int) -> float:
+    """``paired_passes``' runs: the median over pass ``rep``'s prompts of plain decoding's time a token over ``name``'s
+    (its decode speed over plain's)."""
+    return statistics.median(runs["plain"][key][0] / max(runs["plain"][key][1], 1) / (v[0] / max(v[1], 1))
+                             for key, v in runs[name].items() if key[0] == rep)
+
+
+def ratio_quartiles(runs: dict, prompts: list[tuple[str, str]]):
+    """``paired_passes``' runs -> over(n, base, kind=None): quartiles of ``base``'s time a token over ``n``'s on the
+    same (pass, prompt), over every prompt or those of one kind."""
+    per_tok = {n: {key: s / max(t, 1) for key, (s, t, _) in r.items()} for n, r in runs.items()}
+
+    def over(n: str, base: str, kind: str | None = None) -> dict:
+        return quartiles([per_tok[base][key] / t for key, t in per_tok[n].items()
+                          if kind is None or prompts[key[1]][0] == kind])
+    return over
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a server a benchmark starts)."""
     with socket.socket() as s:

@@ -27,11 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
+from common import (defaults_beside_plain, machine, paired_passes, pass_over_plain, ratio_quartiles,  # noqa: E402
+                    results_of, update_doc_section)
 
-from infer import LLM  # noqa: E402
-from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
-from infer.drafters import eval_prompts  # noqa: E402
 from infer.spec_decode import spec_length as SL  # noqa: E402
 from infer.spec_decode.cost_model import CostModel  # noqa: E402
 
@@ -71,14 +69,7 @@ class PlainApart(CostModel):
 
 
 def run(args) -> dict:
-    settings = {**REAL_MODEL_SETTINGS, "compile_in_background": False}
-    held = eval_prompts()
-    prompts = [("chat", p["prompt"]) for p in held["chat"][:args.prompts]] + \
-        [("code", p["prompt"]) for p in held["code"][:args.prompts]]
-    plain = LLM(real_model_path(), max_batch_size=1, **settings)
-    spec = LLM(real_model_path(), max_batch_size=1, **settings, **real_model_speculation())
-    plain.engine.wait_until_ready()
-    spec.engine.wait_until_ready()
+    prompts, plain, spec = defaults_beside_plain(args.prompts)
     decoder = spec.engine.decoder
     policy, runner = decoder.spec_length, spec.engine.runner
     start = policy.costs
@@ -112,32 +103,13 @@ def run(args) -> dict:
         for temp in args.temperatures:
             for n in priced:
                 priced[n].clear()
-            plain_steps = {n: 0 for n in variants}
-            stats = runner.stats
-
-            before = {}
 
             def on_pass(rep, runs):
-                print(temp, rep, {n: round(statistics.median(
-                    runs["plain"][k][0] / max(runs["plain"][k][1], 1) / (v[0] / max(v[1], 1))
-                    for k, v in runs[n].items() if k[0] == rep), 3) for n in variants}, flush=True)
+                print(temp, rep, {n: round(pass_over_plain(runs, n, rep), 3) for n in variants}, flush=True)
 
-            # plain steps per variant (the warm-up pass's included): the counter read between its generations
-            def wrapped(name: str) -> None:
-                if "name" in before:
-                    plain_steps[before["name"]] += stats.num_plain_decode_steps - before["n"]
-                setup(name)
-                before.update(name=name, n=stats.num_plain_decode_steps)
-
-            runs, counts = paired_passes(plain, spec, ids, variants, wrapped, args.passes, temp, args.new_tokens,
+            runs, counts = paired_passes(plain, spec, ids, variants, setup, args.passes, temp, args.new_tokens,
                                          on_pass=on_pass)
-            if "name" in before:
-                plain_steps[before["name"]] += stats.num_plain_decode_steps - before["n"]
-            per_tok = {n: {key: s / max(t, 1) for key, (s, t, _) in runs[n].items()} for n in ["plain", *variants]}
-
-            def over(n: str, base: str, kind: str | None = None) -> dict:
-                return quartiles([per_tok[base][key] / t for key, t in per_tok[n].items()
-                                  if kind is None or prompts[key[1]][0] == kind])
+            over = ratio_quartiles(runs, prompts)
 
             same = all(runs[n][k][2] == runs["plain"][k][2] for n in variants for k in runs[n]) if temp == 0 else None
             out[str(temp)] = {
@@ -145,7 +117,7 @@ def run(args) -> dict:
                 "variants": {n: {"over_plain": {k or "all": over(n, "plain", k) for k in (None, "chat", "code")},
                                  "over_one_line": over(n, ONE_LINE),
                                  "accepted": counts[n][0], "verified": counts[n][1], "rounds": counts[n][2],
-                                 "plain_steps": plain_steps[n],
+                                 "plain_steps": len(priced[n]),  # each timed by timed_decode, warm-up included
                                  "plain_step_ms": {"priced": 1e3 * statistics.median(p for p, _ in priced[n][-200:]),
                                                    "measured": 1e3 * statistics.median(s for _, s in priced[n][-200:])}
                                  if priced[n] else None}
