@@ -108,10 +108,9 @@ def run(passes: int, per_kind: int) -> dict:
             med = {k: statistics.median(v) for k, v in d.items()}
             rest = statistics.median(s - sum(d[p][i] for p in PHASES if p != "head")
                                      for i, s in enumerate(d["step"]))
-            tokens = statistics.mean(d["tokens"])
+            tokens, step = statistics.mean(d["tokens"]), statistics.mean(d["step"])
             rows[f"{tag} T={T}"] = {**med, "rest": rest, "steps": len(d["step"]), "tokens_mean": tokens,
-                                    "step_mean": statistics.mean(d["step"]),
-                                    "over_plain_step": tokens / statistics.mean(d["step"]) * base}
+                                    "step_mean": step, "over_plain_step": tokens / step * base}
         res["temperatures"][str(temp)] = rows
         print(temp, {k: round(v["step"], 3) for k, v in rows.items()}, flush=True)
     plain.close()
