@@ -41,3 +41,19 @@ def test_engine_places_cpu_weights_and_generates_the_same(gqa_dir):
     x = torch.tensor(ids)
     assert torch.equal(llm.model.compute_logits(llm.model(x)), ref.compute_logits(ref(x)))
     assert len(out) == 12
+
+
+def test_kv_storage_is_zeroed_on_hugepages_and_writable_to_its_end():
+    from infer.cache.base import kv_storage
+
+    rows = HUGE_PAGE // (3 * 64 * 2) + 7  # past one huge page: the arena's path where THP is offered
+    t = kv_storage((rows, 3, 64), torch.bfloat16, torch.device("cpu"))
+    assert t.shape == (rows, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()  # zeros: masked keys meet the attention with weight 0 (kv_storage)
+    if hugepages_supported():
+        assert t.data_ptr() % HUGE_PAGE == 0
+    t[-1] = 1.5
+    t[0, 0, 0] = -2
+    assert t[-1].float().sum().item() == 1.5 * 3 * 64 and t[0, 0, 0].item() == -2 and not t[1:-1].any()
+    small = kv_storage((4, 3, 64), torch.float32, torch.device("cpu"))  # under a huge page: calloc's zeros
+    assert small.shape == (4, 3, 64) and not small.any()

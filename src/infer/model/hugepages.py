@@ -10,6 +10,11 @@ Most Linux machines run THP in ``madvise`` mode: only memory that asks for huge 
 allocator does not ask. ``place_on_hugepages`` moves a model's parameters and buffers into one 2 MiB-aligned
 anonymous mapping advised ``MADV_HUGEPAGE``. The values are copied bit for bit; nothing else changes. Where the
 platform has no THP (macOS, Windows, THP off) it does nothing.
+
+``zeroed_on_hugepages`` gives the KV cache the same pages (cache/base.py's kv_storage): a step reads every layer's
+keys and values of the sequence, ~1,300 pages of 4 KiB at 200 tokens. Measured (SmolLM2, a 200-400-token context,
+one process, two engines alternating 300 times): steps of 1 and 4 tokens 1.5-3.3% faster (medians over three runs,
+AMD EPYC Zen 4, 2026-12-05; docs/benchmarks.md, "a verify's extra rows taken apart").
 """
 
 from __future__ import annotations
@@ -34,6 +39,23 @@ def hugepages_supported() -> bool:
     except OSError:
         return False
     return "[never]" not in mode
+
+
+def zeroed_on_hugepages(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of zeros (uint8) starting on a 2 MiB boundary of an anonymous mapping advised ``MADV_HUGEPAGE``:
+    zero pages from the OS, committed as they are first written (as calloc's large blocks are), 2 MiB at a time.
+    None where the platform has no THP or the buffer is smaller than one huge page (the caller's own then)."""
+    if nbytes < HUGE_PAGE or not hugepages_supported():
+        return None
+    arena = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP support for anonymous memory
+        arena.close()
+        return None
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps `arena` alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start:start + nbytes]
 
 
 # One placement at a time: a second engine over the same model places it from its own thread (Engine._start_warmup)
