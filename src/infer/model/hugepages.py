@@ -13,7 +13,7 @@ platform has no THP (macOS, Windows, THP off) it does nothing.
 
 ``zeroed_on_hugepages`` gives the KV cache the same pages (cache/base.py's kv_storage): a step reads every layer's
 keys and values of the sequence, ~1,300 pages of 4 KiB at 200 tokens. Measured (SmolLM2, a 200-400-token context,
-one process, two engines alternating 300 times): steps of 1 and 4 tokens 1.5-3.3% faster (medians over three runs,
+one process, two engines alternating 300 times): steps of 1 and 4 tokens 1.5-3.3% faster (medians over four runs,
 AMD EPYC Zen 4, 2026-12-05; docs/benchmarks.md, "a verify's extra rows taken apart").
 """
 
