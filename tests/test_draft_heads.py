@@ -17,6 +17,8 @@ from infer.request import Request
 from infer.sampling import SamplingParams
 from infer.speculative import speculative_generate
 from infer.proposers.features import FeatureStore
+from infer.spec_decode.cost_model import CostModel
+from infer.spec_decode.spec_length import GoodputSpecLength
 from infer.testing import random_heads, random_llama
 
 from test_spec_distribution import N, V, chi2_pvalue, exact_joint
@@ -591,3 +593,121 @@ def test_joint_distribution_equals_target_through_a_lone_rows_cpp_round(monkeypa
         counts[r.output_ids[1], r.output_ids[2]] += 1
     assert len(calls) >= N // 2 and 0.1 < eng.stats.acceptance_rate < 0.9
     assert chi2_pvalue(counts, exact_joint(target, PARAMS[1], first=2, prompt=PROMPT)) > 0.001
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_one_call_round_stopped_by_confidence_is_the_whole_rounds_prefix(sampled):
+    """Eagle3Head.native_round with a stop (kernels/eagle_round.cpp; auto K's GoodputSpecLength.stop): the round ends
+    before draft j + 1 exactly where the product of the calibrated confidences of drafts 1 .. j falls under below[j - 1],
+    and what it returns is the first drafts, laws and confidences of the same round without a stop, bit for bit."""
+    from infer.cache.paged import PagedKVCachePool
+
+    target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)
+    head = _native_head(target)
+    c, steps = head.config, 6
+    pool = PagedKVCachePool(1, c.num_key_value_heads, c.head_dim, 32, 4, dtype=torch.bfloat16)
+    a = pool.allocate()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 96, (3,), generator=g)
+    f = torch.randn(3, head.feature_width, generator=g).bfloat16() * 2
+    u = torch.rand(1, steps, dtype=torch.float64, generator=g)
+    temp = torch.tensor([0.8 if sampled else 0.0])
+    cal = torch.linspace(0.05, 0.95, 10)
+
+    def run(stop=None):
+        with torch.inference_mode():
+            start = pool.extend(a, 3 + steps - 1)
+            out = head.native_round(x, f, pool, a, start, temp, u, stop)
+            pool.truncate_to(a, 0)
+        return out
+
+    whole, _, whole_q, whole_conf = run()
+    conf = whole_conf[0].tolist()
+    chances, chance = [], 1.0  # after each draft, that the drafts so far are all accepted
+    for p in conf[:-1]:
+        chance *= cal.tolist()[min(9, int((torch.tensor(p) * 10).item()))]
+        chances.append(chance)
+    # no stop, a stop at every step, a bound just above the chance after draft j (and none elsewhere): a stop at j
+    bounds = [[0.0] * 5, [1.0] * 5] + [[0.0] * j + [chances[j] * 1.01] + [0.0] * (4 - j) for j in range(5)]
+    lengths = set()
+    for below in bounds:
+        got, _, q, got_conf = run((cal, torch.tensor(below)))
+        want, chance = steps, 1.0
+        for j in range(steps - 1):  # the rule, in the kernel's arithmetic: a float32 bin, a float64 product
+            chance *= cal.tolist()[min(9, int((torch.tensor(conf[j]) * 10).item()))]
+            if chance < torch.tensor(below[j]).item():
+                want = j + 1
+                break
+        n = got.shape[1]
+        lengths.add(n)
+        assert n == want, below
+        assert torch.equal(got, whole[:, :n]) and torch.equal(q, whole_q[:, :n]) and \
+            torch.equal(got_conf, whole_conf[:, :n])
+    assert lengths == set(range(1, steps + 1))
+
+
+def _stopping(monkeypatch, below: float, drawn: list):
+    """Auto K asking one draft a round, and a stop up to the row's cap at a fixed bound (``below`` for every step; 100
+    confidence bins, acceptance 10 x the confidence up to 1: a random head's drafts, of a few percent confidence
+    greedy, stop after one to several): the rounds' lengths are the head's confidence's. ``drawn``: the drafts each
+    round drew."""
+    from infer.model.draft_heads import Eagle3Head
+    from infer.proposers.base import DraftStop
+
+    monkeypatch.setattr(GoodputSpecLength, "choose", lambda self, reqs, caps: [min(1, c) for c in caps])
+    cal = (torch.arange(100.0) / 10).clamp(max=1.0)
+    monkeypatch.setattr(GoodputSpecLength, "stop", lambda self, reqs, caps, ks: DraftStop(
+        caps[0], cal, torch.full((max(1, caps[0] - 1),), below)))
+    orig = Eagle3Head.native_round
+
+    def spy(*a):
+        out = orig(*a)
+        if len(a) > 7 and a[7] is not None:
+            drawn.append(out[0].shape[1])
+        return out
+
+    monkeypatch.setattr(Eagle3Head, "native_round", spy)
+
+
+def _auto_k_engine(target, head, **cfg) -> Engine:
+    costs = CostModel.from_points(1, 4, {(1, 1): 1.0, (1, 5): 1.2}, {1: 0.05})
+    costs.ema = 0.0
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length="auto", spec_length_max=4,
+                              max_batch_size=1, block_size=4, seed=1234, **cfg), model=target, draft_model=head)
+    eng.decoder.spec_length = GoodputSpecLength(4, costs)
+    return eng
+
+
+def test_greedy_parity_with_one_call_rounds_stopped_by_confidence(monkeypatch):
+    """Greedy tokens of a bfloat16 target whose head's rounds run to lengths its confidence sets (1 .. 4 drafts)
+    equal plain decoding's."""
+    drawn = []
+    _stopping(monkeypatch, 0.32, drawn)
+    target = random_llama(64, seed=0, hidden_size=64).to(torch.bfloat16)
+    head = _native_head(target, 0)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    prompts = [[1, 2, 3], [5, 1, 7, 2, 2, 0, 3, 4, 6, 1, 5, 2]]
+    want = [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids for p in prompts]
+    eng = _auto_k_engine(target, head)
+    got = [r.output_ids for r in eng.run([eng.add_request(p, params) for p in prompts])]
+    assert got == want
+    assert len(set(drawn)) >= 3 and max(drawn) > 1  # rounds stopped at several lengths, some beyond the K asked
+
+
+def test_joint_distribution_equals_target_through_rounds_stopped_by_confidence(monkeypatch):
+    """The law of (x2, x3) at temperature 0.7 with top-k and top-p, one request at a time, each round drawing 1 .. 4
+    drafts inside the one C++ call as the head's confidence in the drafts before each step carries it: whether a step
+    runs depends on the drafts already drawn, every one of which is judged, so the law is the target's."""
+    drawn = []
+    _stopping(monkeypatch, 0.32, drawn)
+    target = random_llama(V, seed=0).to(torch.bfloat16)
+    head = _native_head(target)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=6)
+    eng = _auto_k_engine(target, head)
+    reqs = eng.run([eng.add_request(PROMPT, params) for _ in range(N)])
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert len(drawn) >= N and len(set(drawn)) >= 3  # rounds of several lengths
+    assert 0.1 < eng.stats.acceptance_rate < 0.9
+    assert chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT)) > 0.001

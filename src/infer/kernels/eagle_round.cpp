@@ -24,6 +24,16 @@
 // Q4_0 with the screen's best screen_top rows rescored by the head's own (rescore_best below): a step reads ~2.7 MB
 // of rows instead of ~5 MB. Greedy, the draft is the head's own argmax wherever that row is among the screen's best;
 // sampled, q is the screen's law, and any law the draft is drawn from and reported with keeps the round lossless.
+//
+// A round's length by the head's confidence (stop_cal, stop_below: EagleProposer, from auto K): after draft j the
+// round's chance that every draft so far is accepted, prod_{i <= j} cal[bin(conf_i)] (cal: the acceptance measured
+// for drafts of each confidence bin), and the round stops before the next step where that chance is below
+// stop_below[j - 1] (what draft j + 1 must be worth to pay for its step and verify row), returning the drafts so far (S' <= S columns; the cache's entries past them are never read: the next round
+// truncates to its true features). The head is sure of a draft far more often where it is right (SmolLM2: drafts of
+// confidence >= 0.9 accepted at 0.99, < 0.3 at ~0.25), so a confident run goes on and an unsure one stops, where a K
+// fixed before drafting drafts the same count for both. Lossless at any temperature: whether step j + 1 runs depends
+// on drafts 1 .. j alone, each of which is kept and judged by the law it was drawn from (a draft dropped by its own
+// probability would not be: spec_decode.spec_length.cut).
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -112,7 +122,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const at::Tensor& temperature, const at::Tensor& u, const std::optional<at::Tensor>& screen,
-    int64_t screen_top) {
+    int64_t screen_top, const std::optional<at::Tensor>& stop_cal,
+    const std::optional<at::Tensor>& stop_below) {
   TORCH_CHECK(packed.size() == 6 && formats.size() == 6 && outs.size() == 6 && norms.size() == 4,
               "infer::eagle3_round: 6 products (fc, qkv, o, gate_up, down, lm_head) and 4 norms expected");
   auto bf16 = [](const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kBFloat16; };
@@ -151,6 +162,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3
     TORCH_CHECK(screen_top <= N && screen_top <= kScreenMax && formats[5] != kScreenFormat,
                 "infer::eagle3_round: a screen rescores 1 .. min(", kScreenMax, ", N) rows of a head in another "
                 "format than its own, got ", screen_top, " of ", N);
+  // the stop: the acceptance of drafts by confidence bin (bins of equal width over [0, 1]) and a bound a step
+  const bool stops = stop_cal.has_value() && stop_cal->defined() && stop_below.has_value() && stop_below->defined();
+  at::Tensor cal, below;
+  if (stops) {
+    cal = stop_cal->to(at::kFloat).contiguous();
+    below = stop_below->to(at::kFloat).contiguous();
+    TORCH_CHECK(cal.dim() == 1 && cal.numel() >= 1 && cal.device().is_cpu() && below.dim() == 1 &&
+                below.numel() >= S - 1 && below.device().is_cpu(),
+                "infer::eagle3_round: stop_cal (acceptance by confidence bin) and stop_below (a bound for each of the "
+                "S - 1 = ", S - 1, " later steps) must be 1-d CPU tensors, got ", stop_cal->sizes(), " and ",
+                stop_below->sizes());
+  }
+  const int64_t bins = stops ? cal.numel() : 0;
+  const float* calp = stops ? cal.data_ptr<float>() : nullptr;
+  const float* belowp = stops ? below.data_ptr<float>() : nullptr;
   thread_local Scratch sc;
   const int64_t* tp = tab->data_ptr<int64_t>();
   draft_round::storage_rows(tp, block_size, last_pos, k_cache.size(0), sc.rows, "infer::eagle3_round");
@@ -198,6 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3
   }
   const int64_t* tk = tok->data_ptr<int64_t>();
   int64_t pos0 = start;  // the step's first entry's position
+  double chance = 1.0;  // that every draft so far is accepted (stops)
+  int64_t drawn = S;  // drafts drawn: S unless the round stops early
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = s == 0 ? T : 1;
     for (int64_t i = 0; i < n; ++i) {  // the entries' token embeddings
@@ -241,6 +269,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> infer_kernels::eagle3
     cp_out[s] = q.data_ptr<float>()[s * N + col];
     hidden = h;
     pos0 += n;
+    if (stops && s + 1 < S) {
+      const auto bin = std::min<int64_t>(bins - 1, std::max<int64_t>(0, static_cast<int64_t>(cp_out[s] * bins)));
+      chance *= calp[bin];
+      if (chance < belowp[s]) {
+        drawn = s + 1;
+        break;
+      }
+    }
   }
+  if (drawn < S)
+    return {drafts.narrow(1, 0, drawn), last, q.narrow(1, 0, drawn), conf.narrow(1, 0, drawn)};
   return {drafts, last, q, conf};
 }

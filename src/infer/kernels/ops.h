@@ -46,7 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle3_round(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& table, int64_t block_size, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
     const at::Tensor& temperature, const at::Tensor& u, const std::optional<at::Tensor>& screen,
-    int64_t screen_top);  // eagle_round.cpp
+    int64_t screen_top, const std::optional<at::Tensor>& stop_cal,
+    const std::optional<at::Tensor>& stop_below);  // eagle_round.cpp
 std::tuple<at::Tensor, at::Tensor> draft_lm_round(
     const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs,
     at::TensorList norms, double eps, const at::Tensor& embed, const at::Tensor& vocab_packed, int64_t vocab_format,

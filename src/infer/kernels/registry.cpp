@@ -22,7 +22,8 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("eagle3_round(Tensor tokens, Tensor features, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, "
         "float eps, Tensor embed, Tensor draft_ids, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor table, int block_size, int start, int heads, int kv_heads, int head_dim, Tensor temperature, "
-        "Tensor u, Tensor? screen=None, int screen_top=0) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor u, Tensor? screen=None, int screen_top=0, Tensor? stop_cal=None, Tensor? stop_below=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   m.def("draft_lm_round(Tensor tokens, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, float eps, "
         "Tensor embed, Tensor vocab_packed, int vocab_format, Tensor? extra_weight, Tensor vocab_ids, Tensor cos, "
         "Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor table, int block_size, int start, int heads, "

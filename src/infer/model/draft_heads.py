@@ -323,7 +323,8 @@ class Eagle3Head(DraftHead):
         return pack_blocks(quantize_blocks(head.dequantized_weight().float(), "q4_0"), "q4_0")
 
     def native_round(self, tokens: torch.Tensor, features: torch.Tensor, pool, slot: int, start: int,
-                     temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                     temperature: torch.Tensor, u: torch.Tensor,
+                     stop: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """``draft_round`` for one row in one C++ call (kernels/eagle_round.cpp, where ``native_round_ready``): the
         catch-up entries tokens [T] and features [T, W] at positions start .. start + T - 1 of ``slot`` in a paged
         ``pool`` (which holds the row's blocks and length for them and the u.shape[1] - 1 steps after them:
@@ -336,7 +337,12 @@ class Eagle3Head(DraftHead):
         the draft vocabulary with the head's rows in Q4_0 and rescores the best ``screen_top`` with its own: ~half a
         step's largest product's bytes. Greedy drafts are the head's own argmax wherever it is among the screen's
         best; a sampled draft is drawn from the screen's law, which q reports (lossless: the verify judges by q).
-        SmolLM2's head, 3 drafts in a loop: 0.614 -> 0.540 ms (docs/benchmarks.md)."""
+        SmolLM2's head, 3 drafts in a loop: 0.614 -> 0.540 ms (docs/benchmarks.md).
+
+        ``stop`` = (acceptance by confidence bin [bins], below [>= S - 1], float32): the round ends before step j + 1
+        where the chance that drafts 1 .. j are all accepted (the product of their bins' acceptance) is under
+        below[j - 1], returning the S' <= S drafts drawn (kernels/eagle_round.cpp; EagleProposer's rounds under auto K). The drafts it returns are
+        the first S' of the round without a stop, the same bits."""
         (packed, formats, outs, norms, eps, screen), = self._native
         S = u.shape[1]
         self.rotary.reserve(start + tokens.shape[0] + S - 2, features.device, features.dtype)
@@ -345,7 +351,7 @@ class Eagle3Head(DraftHead):
             tokens, features, packed, formats, outs, norms, eps, self._target.target.embed_tokens.weight,
             self.draft_ids, self.rotary._cos, self.rotary._sin, k, v, pool.block_table(slot), pool.block_size, start,
             self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim, temperature, u,
-            screen, self.screen_top if screen is not None else 0)
+            screen, self.screen_top if screen is not None else 0, *(stop if stop is not None else (None, None)))
 
     def unroll(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int, select: torch.Tensor | None = None,
                embed: nn.Embedding | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:

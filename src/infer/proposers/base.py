@@ -46,6 +46,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class DraftStop:
+    """A lone row's round whose length the drafter's confidence sets (auto K: GoodputSpecLength.stop): up to ``cap``
+    drafts, ending before draft j + 1 where the chance that drafts 1 .. j are all accepted, the product of ``cal`` at
+    their confidences' bins, is under below[j - 1]. Lossless: whether a step runs depends on the drafts before it
+    alone, and every draft drawn is judged (kernels/eagle_round.cpp). A proposer that cannot stop early drafts ``ks``."""
+
+    cap: int
+    cal: torch.Tensor  # [bins] float32: acceptance of drafts by confidence bin (equal bins over [0, 1])
+    below: torch.Tensor  # [cap - 1] float32: what draft j + 1 must be worth (the chance before it) to be drawn
+
+
+@dataclass
 class DraftBatch:
     """One round's decode requests as a proposer sees them."""
 
@@ -59,6 +71,7 @@ class DraftBatch:
     keep_logits: bool = False
     grammar: RoundGrammar | None = None  # structured output: the round's masks, which model drafters draw under
     confidence: bool = False  # keep each model draft's probability (Proposal.confidence: auto K's cut, the round)
+    stop: DraftStop | None = None  # a lone row's round drafted by confidence, up to stop.cap (else ks)
 
     @property
     def K(self) -> int:

@@ -34,6 +34,7 @@ only shortens it further.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 
@@ -168,12 +169,19 @@ class EagleProposer(Proposer):
         catch_up = max(len(t) for t in toks)
         j, prev_idx = 0, None
         if native:
-            # a lone row's whole round (catch-up, first draw, every later step) in one C++ call
+            # a lone row's whole round (catch-up, first draw, every later step) in one C++ call; with a stop (auto K),
+            # as many drafts as the head's confidence carries, up to the stop's cap
             b, slot = idx[0], dslots[idx[0]]
-            m = ks[b] - 1
+            stop = batch.stop if len(reqs) == 1 else None
+            m = (max(ks[b], stop.cap) if stop is not None else ks[b]) - 1
             start = pool.extend(slot, len(toks[0]) + m)
             temp, u = round_uniforms(batch, idx, m + 1, dev)
-            drafts, _, q, conf = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u)
+            drafts, _, q, conf = self.head.native_round(torch.tensor(toks[0]), feats[0], pool, slot, start, temp, u,
+                                                        None if stop is None else (stop.cal, stop.below))
+            if drafts.shape[1] != ks[b]:  # the round's own length: the drawer's shapes follow it
+                ks[b] = drafts.shape[1]
+                drawer.batch = dataclasses.replace(batch, ks=list(ks))
+                pool.truncate_to(slot, start + len(toks[0]) + ks[b] - 1)  # entries past the last draft: none written
             drawer.put(0, idx, drafts, q, conf)
             j = ks[b]
         while j < max(ks):

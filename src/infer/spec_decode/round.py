@@ -162,8 +162,12 @@ class SpeculativeDecoder:
         # where a grammar follows the drafts (its matchers have taken them all)
         policy = self.spec_length
         cut = policy.cuts and grammar is None and (policy.cut_drawn or any(p.greedy for p in params))
-        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar, cut)) \
-            if max(ks) else Proposal(torch.zeros(B, 0, dtype=torch.long), [0] * B)
+        # a lone row's round as long as its drafter's confidence carries it (auto K: spec_length.stop)
+        stop = policy.stop(reqs, caps, ks) if hasattr(policy, "stop") and grammar is None and not forced and \
+            not keep_logits and B == 1 and ks[0] else None
+        prop = self.proposer.propose(DraftBatch(reqs, ks, sampling, seen, gens, V, dev, keep_logits, grammar, cut,
+                                                stop)) if max(ks) else Proposal(torch.zeros(B, 0, dtype=torch.long),
+                                                                                [0] * B)
         if forced:
             prop = with_forced(prop, forced, K, V)
         t1 = time.perf_counter()
