@@ -598,8 +598,9 @@ def test_joint_distribution_equals_target_through_a_lone_rows_cpp_round(monkeypa
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_one_call_round_stopped_by_confidence_is_the_whole_rounds_prefix(sampled):
     """Eagle3Head.native_round with a stop (kernels/eagle_round.cpp; auto K's GoodputSpecLength.stop): the round ends
-    before draft j + 1 exactly where the product of the calibrated confidences of drafts 1 .. j falls under below[j - 1],
-    and what it returns is the first drafts, laws and confidences of the same round without a stop, bit for bit."""
+    before draft j + 1 exactly where the product of the calibrated confidences of drafts 1 .. j falls under
+    below[j - 1], and what it returns is the first drafts, laws and confidences of the same round without a stop, bit
+    for bit."""
     from infer.cache.paged import PagedKVCachePool
 
     target = random_llama(96, seed=0, hidden_size=64).to(torch.bfloat16)

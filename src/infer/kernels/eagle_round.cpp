@@ -28,12 +28,12 @@
 // A round's length by the head's confidence (stop_cal, stop_below: EagleProposer, from auto K): after draft j the
 // round's chance that every draft so far is accepted, prod_{i <= j} cal[bin(conf_i)] (cal: the acceptance measured
 // for drafts of each confidence bin), and the round stops before the next step where that chance is below
-// stop_below[j - 1] (what draft j + 1 must be worth to pay for its step and verify row), returning the drafts so far (S' <= S columns; the cache's entries past them are never read: the next round
-// truncates to its true features). The head is sure of a draft far more often where it is right (SmolLM2: drafts of
-// confidence >= 0.9 accepted at 0.99, < 0.3 at ~0.25), so a confident run goes on and an unsure one stops, where a K
-// fixed before drafting drafts the same count for both. Lossless at any temperature: whether step j + 1 runs depends
-// on drafts 1 .. j alone, each of which is kept and judged by the law it was drawn from (a draft dropped by its own
-// probability would not be: spec_decode.spec_length.cut).
+// stop_below[j - 1] (what draft j + 1 must be worth to pay for its step and verify row), returning the drafts so far
+// (S' <= S columns; the caller truncates the cache's entries past them, none written). The head is sure of a draft
+// far more often where it is right (SmolLM2: drafts of confidence >= 0.9 accepted at 0.99, < 0.3 at ~0.25), so a
+// confident run goes on and an unsure one stops, where a K fixed before drafting drafts the same count for both.
+// Lossless at any temperature: whether step j + 1 runs depends on drafts 1 .. j alone, each of which is kept and
+// judged by the law it was drawn from (a draft dropped by its own probability would not be: spec_length.cut).
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>

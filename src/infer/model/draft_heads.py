@@ -341,8 +341,8 @@ class Eagle3Head(DraftHead):
 
         ``stop`` = (acceptance by confidence bin [bins], below [>= S - 1], float32): the round ends before step j + 1
         where the chance that drafts 1 .. j are all accepted (the product of their bins' acceptance) is under
-        below[j - 1], returning the S' <= S drafts drawn (kernels/eagle_round.cpp; EagleProposer's rounds under auto K). The drafts it returns are
-        the first S' of the round without a stop, the same bits."""
+        below[j - 1], returning the S' <= S drafts drawn (kernels/eagle_round.cpp; EagleProposer's rounds under auto
+        K). The drafts it returns are the first S' of the round without a stop, the same bits."""
         (packed, formats, outs, norms, eps, screen), = self._native
         S = u.shape[1]
         self.rotary.reserve(start + tokens.shape[0] + S - 2, features.device, features.dtype)

@@ -50,7 +50,8 @@ class DraftStop:
     """A lone row's round whose length the drafter's confidence sets (auto K: GoodputSpecLength.stop): up to ``cap``
     drafts, ending before draft j + 1 where the chance that drafts 1 .. j are all accepted, the product of ``cal`` at
     their confidences' bins, is under below[j - 1]. Lossless: whether a step runs depends on the drafts before it
-    alone, and every draft drawn is judged (kernels/eagle_round.cpp). A proposer that cannot stop early drafts ``ks``."""
+    alone, and every draft drawn is judged (kernels/eagle_round.cpp). A proposer that cannot stop early drafts
+    ``ks``."""
 
     cap: int
     cal: torch.Tensor  # [bins] float32: acceptance of drafts by confidence bin (equal bins over [0, 1])

@@ -494,7 +494,9 @@ class GoodputSpecLength:
         Why: K is chosen before drafting from one rate a row, but the head knows, draft by draft, how sure it is, and
         that predicts acceptance well (SmolLM2's EAGLE-3 head: drafts of confidence >= 0.9 accepted at 0.99, < 0.3 at
         ~0.25). Replayed on rounds of 8 drafts (24 held-out prompts, greedy, half calibrating the other), drafting by
-        confidence read 1.55-1.71x plain decoding against 1.48-1.60x for the best fixed K (docs/benchmarks.md)."""
+        confidence read 1.56-1.71x plain decoding against 1.48-1.60x for the best fixed K; in place, against auto K's
+        K (Zen 4, 16 prompts): 1.048x at temperature 0.7 (its unsure rounds end after 1-2 drafts), 1.007x greedy
+        (docs/benchmarks.md, "rounds as long as the head's confidence carries them")."""
         if not self.stops or len(reqs) != 1 or not ks[0] or self.sheet is None or self.costs is None:
             return None
         cap = min(caps[0], self.k_max)
@@ -506,7 +508,8 @@ class GoodputSpecLength:
         drafts = self.sheet.drafts[1]
         per_token = self.last_rate / max(self.alpha(reqs[0]), 0.05)
         # draft j + 1's price: the verify's row j + 2 and its draft step (drafts[j + 1] - drafts[j]), j = 1 .. cap - 1
-        below = [per_token * max(verify[j + 2] - verify[j + 1] + drafts[j + 1] - drafts[j], 0.0) for j in range(1, cap)]
+        below = [per_token * max(verify[j + 2] - verify[j + 1] + drafts[j + 1] - drafts[j], 0.0)
+                 for j in range(1, cap)]
         cal = self.draft_calibrations[not reqs[0].params.greedy]
         table = torch.tensor([a / j for a, j in zip(cal.accepted, cal.judged)])
         return DraftStop(cap, table, torch.tensor(below or [0.0]))
