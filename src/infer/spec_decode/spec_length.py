@@ -495,8 +495,8 @@ class GoodputSpecLength:
         that predicts acceptance well (SmolLM2's EAGLE-3 head: drafts of confidence >= 0.9 accepted at 0.99, < 0.3 at
         ~0.25). Replayed on rounds of 8 drafts (24 held-out prompts, greedy, half calibrating the other), drafting by
         confidence read 1.56-1.71x plain decoding against 1.48-1.60x for the best fixed K; in place, against auto K's
-        K (Zen 4, 16 prompts): 1.048x at temperature 0.7 (its unsure rounds end after 1-2 drafts), 1.007x greedy
-        (docs/benchmarks.md, "rounds as long as the head's confidence carries them")."""
+        K (Zen 4, 16 prompts, two runs each): 1.022-1.048x at temperature 0.7 (its unsure rounds end after 1-2
+        drafts), 1.007-1.011x greedy (docs/benchmarks.md, "rounds as long as the head's confidence carries them")."""
         if not self.stops or len(reqs) != 1 or not ks[0] or self.sheet is None or self.costs is None:
             return None
         cap = min(caps[0], self.k_max)
