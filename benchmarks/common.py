@@ -112,6 +112,14 @@ def defaults_beside_plain(per_kind: int) -> tuple[list[tuple[str, str]], object,
     return prompts, plain, spec
 
 
+def over_plain(runs: dict, name: str, rep: int) -> float:
+    """``paired_passes``' runs: pass ``rep``'s decode speed of ``name`` over plain decoding's, each side's seconds and
+    tokens summed over the pass's prompts."""
+    secs = lambda m: sum(v[0] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
+    toks = lambda m: sum(v[1] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
+    return secs("plain") / toks("plain") / (secs(name) / toks(name))
+
+
 def pass_over_plain(runs: dict, name: str, rep: int) -> float:
     """``paired_passes``' runs: the median over pass ``rep``'s prompts of plain decoding's time a token over ``name``'s
     (its decode speed over plain's)."""

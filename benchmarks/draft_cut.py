@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
+from common import machine, over_plain, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
 
 from infer import LLM  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
@@ -45,11 +45,6 @@ def run(args) -> dict:
         policy.choose = auto_choose if k is None else (lambda reqs, caps: [min(k, c) for c in caps])
 
     ids = [spec.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-
-    def over_plain(runs: dict, n: str, rep: int) -> float:  # a pass's decode speed over plain's
-        secs = lambda m: sum(v[0] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
-        toks = lambda m: sum(v[1] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
-        return secs("plain") / toks("plain") / (secs(n) / toks(n))
 
     runs, counts = paired_passes(
         plain, spec, ids, variants, setup, args.passes, args.temperature, args.new_tokens,

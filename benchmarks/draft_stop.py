@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
+from common import machine, over_plain, paired_passes, quartiles, results_of, update_doc_section  # noqa: E402
 
 from infer import LLM  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, real_model_path, real_model_speculation  # noqa: E402
@@ -62,11 +62,6 @@ def run(args) -> dict:
         generations[0] += 1
         policy.stops = name == "stop"
         decoder.proposer.clear()  # the suffix tree learns across requests: every prompt meets it empty
-
-    def over_plain(runs: dict, n: str, rep: int) -> float:  # a pass's decode speed over plain's
-        secs = lambda m: sum(v[0] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
-        toks = lambda m: sum(v[1] for (r, _), v in runs[m].items() if r == rep)  # noqa: E731
-        return secs("plain") / toks("plain") / (secs(n) / toks(n))
 
     runs, counts = paired_passes(
         plain, spec, ids, VARIANTS, setup, args.passes, args.temperature, args.new_tokens,
