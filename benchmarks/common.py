@@ -42,7 +42,27 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "revision": revision(), "l3_cache": l3_cache()}
+
+
+def l3_cache() -> str | None:
+    """The last-level cache a core sees (sysfs), e.g. "32768K": whether the model's ~95 MB stay in cache changes
+    which term a figure is bound by (the same CPU model read 1.5x apart on hosts with 32 MB and 480 MB)."""
+    try:
+        return Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return None
+
+
+def revision() -> str:
+    """The checkout's commit, "+dirty" when tracked files differ from it: the build a figure was measured on."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if head else "unknown"
 
 
 def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:
