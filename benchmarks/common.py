@@ -55,14 +55,16 @@ def l3_cache() -> str | None:
 
 
 def revision() -> str:
-    """The checkout's commit, "+dirty" when tracked files differ from it: the build a figure was measured on."""
+    """The checkout's commit, "+dirty" when the code differs from it (src/, benchmarks/ less its results: docs and
+    figures written meanwhile are not the build): the build a figure was measured on."""
     import subprocess
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD")
-    return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if head else "unknown"
+    return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks",
+                                        ":!benchmarks/results") else "")) if head else "unknown"
 
 
 def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:

@@ -3,11 +3,11 @@
 Each ``benchmarks/drafters.py --only "ours defaults" --prompts 24 --tag drafters-defaults48*`` run stores one
 reading (results/drafters-defaults48*.json): the speculating engine's decode speed over plain decoding's in the same
 run, greedy and at temperature 0.7. A single reading moves by ~0.1 with the host's hour (a verify's extra rows share
-the second core with whatever else runs there), so the issue's targets (>= 1.5x greedy, >= 1.3x at 0.7) are judged
-over all of them. This script reads no model and times nothing: it gathers the stored readings, per host, with the
-commit that stored each (its build is that commit's parent or the commit itself), and writes
-results/readings-defaults48.json, the "readings-defaults48" section of docs/benchmarks.md and a PNG (each reading's
-greedy ratio against its ratio at 0.7, the targets as lines).
+the second core with whatever else runs there), so one reading says little about the issue's targets (>= 1.5x
+greedy, >= 1.3x at 0.7); this puts them all side by side. It reads no model and times nothing: it gathers the stored
+readings per host, with the build each ran (machine()'s revision; before it recorded one, the commit that stored the
+reading), and writes results/readings-defaults48.json, the "readings-defaults48" section of docs/benchmarks.md and a
+PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines).
 
     python benchmarks/readings.py
 """
@@ -58,7 +58,7 @@ def reading(path: Path) -> dict | None:
         return None
     commit, date = stored_by(path)
     row = {"tag": path.stem, "host": host_of(path.stem, d["machine"]), "date": d["machine"].get("date") or date[:10],
-           "commit": commit, "committed": date, "repeats": d.get("repeats")}
+           "build": d["machine"].get("revision") or commit, "committed": date, "repeats": d.get("repeats")}
     for t in TARGETS:
         ours, plain = res[t]["ours defaults"], res[t]["ours AR"]
         row[t] = {"decode_over_plain": ours["decode_speedup_vs_ours_AR"], "end_to_end": ours["speedup_vs_ours_AR"],
@@ -69,7 +69,7 @@ def reading(path: Path) -> dict | None:
 
 def gather() -> dict:
     rows = [r for r in map(reading, sorted(RESULTS.glob("drafters-defaults48*.json"))) if r]
-    rows.sort(key=lambda r: (r["host"], r["date"], r["committed"], r["tag"]))
+    rows.sort(key=lambda r: (r["host"], r["date"], r["committed"], r["tag"]))  # committed: the order they were read
     hosts = {}
     for h in dict.fromkeys(r["host"] for r in rows):
         mine = [r for r in rows if r["host"] == h]
@@ -83,14 +83,15 @@ def render(res: dict) -> None:
     lines = ["`python benchmarks/readings.py`: every stored reading of the defaults over plain decoding on all 48 "
              "held-out prompts (`benchmarks/drafters.py --only \"ours defaults\" --prompts 24`, one request, the two "
              "engines interleaved prompt by prompt; decode speed ratios, end to end in brackets), per host. Builds "
-             "differ down the table (the commit that stored each reading): the uncut EAGLE-3 head up to "
-             "-xeon-l3-screen, the cut head from -xeon-l3-slow and -zen4, the cut head trained a whole lease more "
-             "from -zen4-b, auto K's confidence stop from -zen4-g. Same tokens: greedy tokens plain decoding's.", "",
-             "| host | reading | date | stored by | greedy | at 0.7 | alpha greedy / 0.7 | plain tok/s greedy / 0.7 "
+             "differ down the table (build: the revision machine() recorded, else the commit that stored the "
+             "reading): the uncut EAGLE-3 head up to -xeon-l3-screen, the cut head from -xeon-l3-slow and -zen4, "
+             "the cut head trained a whole lease more from -zen4-b, auto K's confidence stop from -zen4-g. Same "
+             "tokens: greedy tokens plain decoding's.", "",
+             "| host | reading | date | build | greedy | at 0.7 | alpha greedy / 0.7 | plain tok/s greedy / 0.7 "
              "| both targets | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["readings"]:
         g, s = r["0.0"], r["0.7"]
-        lines.append(f"| {r['host']} | {r['tag'].removeprefix('drafters-')} | {r['date']} | {r['commit']} | "
+        lines.append(f"| {r['host']} | {r['tag'].removeprefix('drafters-')} | {r['date']} | {r['build']} | "
                      f"{g['decode_over_plain']:.2f}x ({g['end_to_end']:.2f}x) | "
                      f"{s['decode_over_plain']:.2f}x ({s['end_to_end']:.2f}x) | {g['alpha']:.2f} / {s['alpha']:.2f} | "
                      f"{g['plain_tok_s']:.0f} / {s['plain_tok_s']:.0f} | {'met' if r['meets_both'] else '-'} | "
