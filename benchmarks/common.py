@@ -8,6 +8,7 @@ import platform
 import re
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def machine() -> dict:
 
 def l3_cache() -> str | None:
     """The last-level cache a core sees (sysfs), e.g. "32768K": whether the model's ~95 MB stay in cache changes
-    which term a figure is bound by (the same CPU model read 1.5x apart on hosts with 32 MB and 480 MB)."""
+    which term a figure is bound by (one Xeon model's plain decoding read 2-3x apart on hosts with
+    480 MB and less)."""
     try:
         return Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
     except OSError:
@@ -56,11 +58,12 @@ def l3_cache() -> str | None:
 
 def revision() -> str:
     """The checkout's commit, "+dirty" when the code differs from it (src/, benchmarks/ less its results: docs and
-    figures written meanwhile are not the build): the build a figure was measured on."""
-    import subprocess
-
+    figures written meanwhile are not the build): the build a figure was measured on; "unknown" outside a checkout."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
 
     head = git("rev-parse", "--short", "HEAD")
     return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks",

@@ -26,8 +26,8 @@ from common import RESULTS, ROOT, update_doc_section, write_json  # noqa: E402
 NAME = "readings-defaults48"
 TARGETS = {"0.0": 1.5, "0.7": 1.3}  # issue 33: decode over plain decoding, greedy and at temperature 0.7
 # Readings stored before machine() recorded the family/model or the last-level cache: their hosts as
-# docs/benchmarks.md names them (the Zen 4 host's 32 MB L3; the Xeon whose 480 MB L3 holds the model). The same CPU
-# model read ~1.5x apart in plain speed on those two cache sizes, so the cache is part of the host.
+# docs/benchmarks.md names them (the Zen 4 host's 32 MB L3; the Xeon whose 480 MB L3 holds the model). One Xeon
+# model's plain decoding read 2-3x apart with and without the 480 MB L3, so the cache is part of the host.
 KNOWN_HOSTS = {"AMD EPYC": "AMD EPYC (family 25 model 17, AVX-512 VNNI)"}
 KNOWN_CACHE = {"family 25 model 17": "32 MB", "-xeon-l3": "480 MB"}  # a CPU string's or a tag's part -> its L3
 
