@@ -56,18 +56,22 @@ def l3_cache() -> str | None:
         return None
 
 
+def git(*args: str) -> str:
+    """``git args`` in the checkout, its stdout stripped; "" where git is missing or fails (no checkout)."""
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git on this machine
+        return ""
+
+
 def revision() -> str:
     """The checkout's commit, "+dirty" when the code differs from it (src/, benchmarks/ less its results: docs and
     figures written meanwhile are not the build): the build a figure was measured on; "unknown" outside a checkout."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        except OSError:  # no git on this machine
-            return ""
-
     head = git("rev-parse", "--short", "HEAD")
-    return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks",
-                                        ":!benchmarks/results") else "")) if head else "unknown"
+    if not head:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks", ":!benchmarks/results")
+    return head + ("+dirty" if dirty else "")
 
 
 def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:
