@@ -74,6 +74,55 @@ def revision() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+# host_probe's 2-thread over 1-thread rate at or above which the host reads quiet: 1.90-1.93 in quiet phases; 1.78-1.86
+# where something else shares the cores a little (the defaults read 1.42x greedy there against 1.63x quiet, ten
+# minutes apart, 2026-12-05), ~1.0 where the second core is taken
+QUIET_SCALING = 1.88
+
+
+def host_probe(bursts: int = 3, mms: int = 20) -> dict:
+    """What the 2 cores give right now (~30 ms): a float32 product held in L2 (256 x 256) timed on 1 thread and on
+    2 (the best of ``bursts`` bursts of ``mms`` products each). Why: the shared Zen 4 host's cores come and go in
+    phases of tens of seconds, and the speculating engine's rounds feel it where plain decoding, which streams its
+    weights from memory, barely does. This probe read 1.90-1.93x (2 threads over 1, ~102 GFLOP/s on 1) quiet and
+    1.78-1.86x contended; a longer probe read 0.86-1.05x, the 1-thread rate ~77, where the second core was taken
+    (2026-12-05; docs/benchmarks.md, "the host's state beside each run").
+    -> {"gflops_1": ..., "gflops_2": ..., "scaling": gflops_2 / gflops_1}."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    threads = torch.get_num_threads()
+    rates = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            best = float("inf")
+            for _ in range(bursts):
+                t0 = time.perf_counter()
+                for _ in range(mms):
+                    torch.mm(a, b)
+                best = min(best, time.perf_counter() - t0)
+            rates[n] = mms * 2 * 256 ** 3 / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return {"gflops_1": rates[1], "gflops_2": rates[2], "scaling": rates[2] / rates[1]}
+
+
+def by_host_state(runs: dict, name: str, base: str = "ours AR") -> dict:
+    """``name``'s decode speed over ``base``'s by the host's state, from drafters.py's stored runs of one temperature
+    ({variant: per prompt, per round [t, decode s, decode tokens, probe scaling, probe GFLOP/s on 1 thread]}): over
+    the (round, prompt) pairs both of whose probes read quiet (>= QUIET_SCALING), and both contended (pairs with one
+    of each are in neither). A reading mixes the states in whatever shares its hour had; this says what each gives.
+    -> {state: {"pairs": n, "decode_speedup": x}} for the states that have pairs."""
+    out = {}
+    for state in ("quiet", "contended"):
+        pairs = [(s, p) for ss, ps in zip(runs[name], runs[base]) for s, p in zip(ss, ps)
+                 if (s[3] >= QUIET_SCALING) == (p[3] >= QUIET_SCALING) == (state == "quiet")]
+        if pairs:
+            rate = lambda rs: sum(r[2] for r in rs) / sum(r[1] for r in rs)  # noqa: E731
+            out[state] = {"pairs": len(pairs),
+                          "decode_speedup": rate([s for s, _ in pairs]) / rate([p for _, p in pairs])}
+    return out
+
+
 def interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:
     """Run every variant once per round, rounds repeated (A B C A B C ...); returns seconds per variant."""
     times = {k: [] for k in fns}

@@ -26,6 +26,9 @@ its n-gram lookup (llama-lookup), plus llama-bench's token generation for each G
 (--llama-gguf: the fastest plain llama.cpp configuration). llama.cpp's times are its own (encode + decode).
 Speeds: end to end (prefill included) and the decode phase alone (first token to last; llama.cpp's "decoded"
 time), which is what llama-bench's tg measures.
+Host state: before each recorded run common.host_probe (~30 ms) reads what the shared host's 2 cores give right now,
+and each variant's decode ratio over plain decoding is also given over the prompt pairs read quiet and over those
+read busy (--no-probe leaves the probe out).
 Writes benchmarks/results/<tag>.json, the "<tag>" section of docs/benchmarks.md and <tag>.png (``--tag``, default
 "drafters"; another machine's run keeps its own: ``--tag drafters-avx2``).
 """
@@ -41,7 +44,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, update_doc_section, write_json  # noqa: E402
+from common import (QUIET_SCALING, RESULTS, by_host_state, host_probe, machine, quartiles,  # noqa: E402
+                    update_doc_section, write_json)
 
 from infer import LLM, SamplingParams  # noqa: E402
 from infer.demo import REAL_MODEL_SETTINGS, drafter_paths, real_model_path, real_model_speculation  # noqa: E402
@@ -95,6 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--tag", default="drafters", help="results/<tag>.json, docs/benchmarks.md's <tag> section and "
                     "results/<tag>.png")
+    ap.add_argument("--no-probe", action="store_true", help="leave out the host probe before each recorded run")
     ap.add_argument("--render", action="store_true", help="only rewrite the table and plot from the last results")
     a = ap.parse_args()
     if a.render:
@@ -166,7 +171,7 @@ def main() -> None:
                                                                              PINNED_K, a.threads))
         llama = {n: f for n, f in llama.items() if keep(n)}
 
-    results = {}
+    results, host_state, runs, t_start = {}, {}, {}, time.perf_counter()
     for temp in [float(t) for t in a.temperatures.split(",")]:
         params = SamplingParams(temperature=temp, max_tokens=a.new_tokens, seed=0)
         hf_common = dict(max_new_tokens=a.new_tokens, pad_token_id=eos[0], eos_token_id=eos, do_sample=temp > 0)
@@ -201,10 +206,12 @@ def main() -> None:
         for rep in range(a.repeats + 1):  # A B C A B C ...; round 0 warms up and is not recorded
             for i in range(len(ids)):
                 for n in names:
+                    # what the host's 2 cores give just before the run (common.host_probe), drawn before the seed
+                    probe = host_probe() if rep and not a.no_probe else None
                     torch.manual_seed(1000 * rep + i)
                     r = run(n, i)
                     if rep and r is not None:
-                        recs[n][i].append(r)
+                        recs[n][i].append({**r, "probe": probe, "t": time.perf_counter() - t_start})
         rows = {}
         for n in names:
             if not all(recs[n]):  # a variant that does not run at this temperature (llama.cpp plain: greedy only)
@@ -231,6 +238,16 @@ def main() -> None:
                 row["same_as_ours_AR"] = [o.token_ids for o in outs] == \
                     [recs["ours AR"][i][-1]["out"].token_ids for i in range(len(ids))]
             rows[n] = row
+        if not a.no_probe:
+            scalings = [r["probe"]["scaling"] for rs in recs["ours AR"] for r in rs]
+            # every timed run as [seconds from the start, decode s, decode tokens, probe's scaling, its 1-thread
+            # GFLOP/s], per variant and prompt, round by round: the host's phases against the ratio, run by run
+            runs[str(temp)] = {n: [[[round(r["t"], 2), r["decode_s"], r["decode_tokens"],
+                                     round(r["probe"]["scaling"], 3), round(r["probe"]["gflops_1"], 1)] for r in rs]
+                                    for rs in recs[n]] for n in rows if rows[n].get("decode_tok_s") is not None}
+            host_state[str(temp)] = {
+                "probes": len(scalings),
+                "scaling": quartiles(scalings)}
         base = rows["ours AR"]
         for r in rows.values():
             r["speedup_vs_ours_AR"] = r["tok_s"] / base["tok_s"]
@@ -262,7 +279,8 @@ def main() -> None:
            "defaults": {k: (Path(v).name if k == "draft_model" else v) for k, v in real_model_speculation().items()},
            "pinned_k": PINNED_K, "llama_cpp": llama_info or None,
            "prompts": [{"kind": k, "source": p["source"]} for k, p in chosen], "new_tokens": a.new_tokens,
-           "repeats": a.repeats, "results": results,
+           "repeats": a.repeats, "results": results, "host_state": host_state or None,
+           "runs": runs or None,
            "transformers_dtype": None if a.no_hf else "float32 (its fastest for this GGUF)"}
     write_json(a.tag, res)
     update_doc_section(a.tag, render(res, a.tag))
@@ -306,6 +324,19 @@ def render(res: dict, tag: str = "drafters") -> str:
                       f"{pk['chat']:.1f} / {pk['code']:.1f} | {alpha} | {pos or '-'} | "
                       f"{f(r.get('mean_accepted_length'))} | {f(r.get('leviathan_predicted_speedup'))} | "
                       f"{r.get('same_as_ours_AR', '-')} |")
+        hs = (res.get("host_state") or {}).get(temp)
+        runs = (res.get("runs") or {}).get(temp, {})
+        by_state = {n: by_host_state(runs, n) for n in runs if n != "ours AR"}
+        if hs:
+            ar = [r[3] for rs in runs.get("ours AR", []) for r in rs]  # the share quiet at today's threshold
+            share = f"{sum(x >= QUIET_SCALING for x in ar) / len(ar):.0%} of {len(ar)} probes quiet, " if ar else ""
+            md += ["", "Host state (common.host_probe before each recorded run: a product in cache, 2 threads' rate "
+                   f"over 1 thread's; quiet >= {QUIET_SCALING}): {share}scaling median {hs['scaling']['median']:.2f} "
+                   f"(quartiles {hs['scaling']['q1']:.2f}-{hs['scaling']['q3']:.2f})" + (
+                       ". Decode over plain decoding by state (pairs whose two probes agree): " + "; ".join(
+                           f"{n}: " + ", ".join(f"{st} {v['decode_speedup']:.2f}x ({v['pairs']} pairs)"
+                                                for st, v in by.items())
+                           for n, by in by_state.items() if by) if any(by_state.values()) else "") + "."]
         mc = res["results"].get("model_costs", {}).get(temp)
         if mc:
             mc = mc if "c" not in mc else {"smollm2-lm": mc}  # results of the one-drafter version

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, git, update_doc_section, write_json  # noqa: E402
+from common import QUIET_SCALING, RESULTS, ROOT, by_host_state, git, update_doc_section, write_json  # noqa: E402
 
 NAME = "readings-defaults48"
 TARGETS = {"0.0": 1.5, "0.7": 1.3}  # issue 33: decode over plain decoding, greedy and at temperature 0.7
@@ -62,6 +62,12 @@ def reading(path: Path) -> dict | None:
         row[t] = {"decode_over_plain": ours["decode_speedup_vs_ours_AR"], "end_to_end": ours["speedup_vs_ours_AR"],
                   "alpha": ours.get("alpha"), "plain_decode_tok_s": plain["decode_tok_s"],
                   "same_tokens": ours.get("same_as_ours_AR")}
+        hs = (d.get("host_state") or {}).get(t)  # drafters.py's host probe (from -zen4-m)
+        if hs:
+            runs = (d.get("runs") or {}).get(t)  # each run's probe (from -zen4-n): the ratio by the host's state
+            row[t]["probe_scaling"] = hs["scaling"]["median"]
+            row[t]["by_host_state"] = {st: v["decode_speedup"] for st, v in
+                                       (by_host_state(runs, "ours defaults") if runs else {}).items()}
     row["meets_both"] = all(row[t]["decode_over_plain"] >= TARGETS[t] for t in TARGETS)
     return row
 
@@ -102,6 +108,21 @@ def render(res: dict) -> None:
         lines.append(f"| {h} | {s['readings']} | " + " | ".join(
             f"{s[t]['min']:.2f} / {s[t]['median']:.2f} / {s[t]['max']:.2f}" for t in TARGETS)
             + f" | {s['meets_both']} of {s['readings']} |")
+    probed = [r for r in res["readings"] if "probe_scaling" in r["0.0"]]
+    if probed:
+        f = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines += ["", "Readings taken with drafters.py's host probe (common.host_probe before each run: a product in "
+                  "cache, 2 threads' rate over 1 thread's): its median, and the ratio over the prompt pairs whose two "
+                  f"runs both read quiet (>= {QUIET_SCALING}) and both contended (below; from -zen4-n, which stores "
+                  "every run's probe).", "",
+                  "| reading | probe median greedy / 0.7 | greedy: quiet / contended | at 0.7: quiet / contended |",
+                  "|---|---|---|---|"]
+        for r in probed:
+            g, s = r["0.0"], r["0.7"]
+            lines.append(f"| {r['tag'].removeprefix('drafters-')} | "
+                         f"{g['probe_scaling']:.2f} / {s['probe_scaling']:.2f} | "
+                         + " | ".join(f"{f(x['by_host_state'].get('quiet'))} / {f(x['by_host_state'].get('contended'))}"
+                                      for x in (g, s)) + " |")
     lines += ["", f"![{NAME}](../benchmarks/results/{NAME}.png)"]
     update_doc_section(NAME, "\n".join(lines))
 
