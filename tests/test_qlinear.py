@@ -106,28 +106,6 @@ def test_qlinear_is_batch_invariant(fmt, n, k=136):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_qlinear_chunks_off_a_counter_give_the_halves_bits(fmt):
-    """Several rows' groups shared out in chunks taken from a counter (infer::qlinear_dynamic(True)) or in one fixed
-    half per thread (the default): the same bits, alone or among others, on 2 threads. 1,030 rows over 64 columns
-    make enough groups for chunks (129, the last one partial; chunks of 14-52 groups by block type, a shorter last)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        w, x, blocks, packed = _case(fmt, 1030, 64, 9, seed=7)
-        halves = _qlinear(x, packed, fmt, 1030)
-        torch.ops.infer.qlinear_dynamic(True)
-        try:
-            chunks = _qlinear(x, packed, fmt, 1030)
-            assert torch.equal(_qlinear(x[:5], packed, fmt, 1030), halves[:5])
-        finally:
-            torch.ops.infer.qlinear_dynamic(False)
-        assert torch.equal(chunks, halves)
-        assert torch.equal(_qlinear(x[2:3], packed, fmt, 1030), chunks[2:3])  # one row: decode's halves
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_float_out_holds_the_cast_outputs_bits(fmt):
     """float_out (a model's logits): float32 holding exactly what the bfloat16 output cast to float32 holds (a float32
     x: the float32 output itself), pads past lens skipped as without it; and BlockLinear's float_out is its forward's

@@ -24,7 +24,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& packed, int64_t format, int64_t out_features,
                    const std::optional<at::Tensor>& lens, bool float_out);  // qlinear.cpp
 bool qlinear_pairs(bool on);
-bool qlinear_dynamic(bool on);
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& rows,
                      const std::optional<at::Tensor>& lens);  // attention.cpp

@@ -597,18 +597,11 @@ __attribute__((noinline)) int64_t pair_groups(const uint8_t* w, int64_t nb, cons
 }
 #endif
 
-// infer::qlinear_dynamic (off; an A/B in one process, benchmarks/qlinear_dynamic.py): several rows' calls share their
-// groups out in chunks taken from a counter rather than one half each, so that a core the shared host slows does not
-// set the call's time. Measured 0.85x (greedy) and 0.80x (at 0.7) the speculating engine's decode speed with it on,
-// quiet and contended alike (AMD EPYC Zen 4, 2026-12-05): not kept.
-std::atomic<bool> dynamic_on{false};
-constexpr int64_t kDynamicChunks = 16;  // chunks a call is cut into (even groups each: the pairs stay whole)
-
 template <int64_t F>
 void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, const Out& y) {
   const int64_t groups = (N + 7) / 8, group_bytes = group_bytes_of<F>(nb);
   const int64_t grain = std::max<int64_t>(2, 16384 / std::max<int64_t>(group_bytes, 1));
-  const auto body = [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     int64_t g = g0;
 #if defined(INFER_QLINEAR_PAIRS)
     if constexpr (F != kQ4_K) {  // several rows (verify, prompt): pairs of groups; decode's few chains stay 8 wide
@@ -624,19 +617,7 @@ void run(const uint8_t* w, int64_t N, int64_t nb, const QuantX& q, int64_t M, co
     }
     for (; g + 2 <= g1; g += 2) rows_block<F, 2>(w + g * group_bytes, nb, q, M, y, N, g);
     for (; g < g1; ++g) rows_block<F, 1>(w + g * group_bytes, nb, q, M, y, N, g);
-  };
-  const int threads = at::get_num_threads();
-  if (M > 1 && threads > 1 && groups >= 2 * grain && dynamic_on.load(std::memory_order_relaxed)) {
-    // a row's bits do not depend on the tile it lands in (the numerics above): any cut gives the same output
-    const int64_t chunk = (std::max<int64_t>(grain, groups / kDynamicChunks) + 1) & ~int64_t{1};
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t g0; (g0 = next.fetch_add(chunk, std::memory_order_relaxed)) < groups;)
-        body(g0, std::min(groups, g0 + chunk));
-    });
-    return;
-  }
-  at::parallel_for(0, groups, grain, body);
+  });
 }
 
 const char* format_name(int64_t f) {
@@ -730,12 +711,6 @@ void qlinear_groups_into(const c10::BFloat16* x, int64_t K, const at::Tensor& pa
     std::memcpy(picked.data() + i * gb, wp + groups[i] * gb, gb);
   }
   product(x, 1, K, nb, nullptr, picked.data(), format, Out{y, false, n * 8, nullptr, true});
-}
-
-// Whether calls of several rows share their groups out in chunks from a counter (the same bits either way)
-bool qlinear_dynamic(bool on) {
-  dynamic_on.store(on);
-  return true;
 }
 
 // Whether calls of several rows run the 16-lane pairs (the same bits either way) -> whether this build has them.

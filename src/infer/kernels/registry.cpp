@@ -10,7 +10,6 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
   m.def("qlinear(Tensor x, Tensor packed, int format, int out_features, Tensor? lens=None, bool float_out=False) -> "
         "Tensor");
   m.def("qlinear_pairs(bool on) -> bool", &infer_kernels::qlinear_pairs);  // no tensors: one kernel for every key
-  m.def("qlinear_dynamic(bool on) -> bool", &infer_kernels::qlinear_dynamic);
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, Tensor? rows=None, Tensor? lens=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? lens=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, int heads, int head_dim, Tensor? lens=None) -> Tensor");
