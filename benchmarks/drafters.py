@@ -27,8 +27,9 @@ its n-gram lookup (llama-lookup), plus llama-bench's token generation for each G
 Speeds: end to end (prefill included) and the decode phase alone (first token to last; llama.cpp's "decoded"
 time), which is what llama-bench's tg measures.
 Host state: before each recorded run common.host_probe (~30 ms) reads what the shared host's 2 cores give right now,
-and each variant's decode ratio over plain decoding is also given over the prompt pairs read quiet and over those
-read busy (--no-probe leaves the probe out).
+and each variant's decode ratio over plain decoding is also given over the prompt pairs both of whose runs read quiet
+and over those both read contended (common.by_host_state; every run is stored with its probe; --no-probe leaves the
+probe out).
 Writes benchmarks/results/<tag>.json, the "<tag>" section of docs/benchmarks.md and <tag>.png (``--tag``, default
 "drafters"; another machine's run keeps its own: ``--tag drafters-avx2``).
 """
@@ -245,9 +246,7 @@ def main() -> None:
             runs[str(temp)] = {n: [[[round(r["t"], 2), r["decode_s"], r["decode_tokens"],
                                      round(r["probe"]["scaling"], 3), round(r["probe"]["gflops_1"], 1)] for r in rs]
                                     for rs in recs[n]] for n in rows if rows[n].get("decode_tok_s") is not None}
-            host_state[str(temp)] = {
-                "probes": len(scalings),
-                "scaling": quartiles(scalings)}
+            host_state[str(temp)] = {"probes": len(scalings), "scaling": quartiles(scalings)}
         base = rows["ours AR"]
         for r in rows.values():
             r["speedup_vs_ours_AR"] = r["tok_s"] / base["tok_s"]
