@@ -7,7 +7,9 @@ the second core with whatever else runs there), so one reading says little about
 greedy, >= 1.3x at 0.7); this puts them all side by side. It reads no model and times nothing: it gathers the stored
 readings per host, with the build each ran (machine()'s revision; before it recorded one, the commit that stored the
 reading), and writes results/readings-defaults48.json, the "readings-defaults48" section of docs/benchmarks.md and a
-PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines).
+PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines). Readings taken with drafters.py's
+host probe (from -zen4-m) get a table of their own: the probe's median and, where every run's probe is stored (from
+-zen4-n), the ratio over the pairs run while the cores were quiet and while they were contended.
 
     python benchmarks/readings.py
 """
