@@ -2,9 +2,9 @@
 
 Each ``benchmarks/drafters.py --only "ours defaults" --prompts 24 --tag drafters-defaults48*`` run stores one
 reading (results/drafters-defaults48*.json): the speculating engine's decode speed over plain decoding's in the same
-run, greedy and at temperature 0.7. A single reading moves by ~0.1 with the host's hour (a verify's extra rows share
-the second core with whatever else runs there), so one reading says little about the issue's targets (>= 1.5x
-greedy, >= 1.3x at 0.7); this puts them all side by side. It reads no model and times nothing: it gathers the stored
+run, greedy and at temperature 0.7. A single reading moves by ~0.1-0.2 with the host's phase (a round's verify rows
+and draft head share the cores with another tenant's work: common.host_probe), so one says little about the issue's
+targets (>= 1.5x greedy, >= 1.3x at 0.7); this puts them all side by side. It reads no model and times nothing: it gathers the stored
 readings per host, with the build each ran (machine()'s revision; before it recorded one, the commit that stored the
 reading), and writes results/readings-defaults48.json, the "readings-defaults48" section of docs/benchmarks.md and a
 PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines). Readings taken with drafters.py's
