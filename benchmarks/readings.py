@@ -1,15 +1,15 @@
 """Every reading of issue 33's figure, side by side: the defaults over plain decoding on all 48 held-out prompts.
 
-Each ``benchmarks/drafters.py --only "ours defaults" --prompts 24 --tag drafters-defaults48*`` run stores one
-reading (results/drafters-defaults48*.json): the speculating engine's decode speed over plain decoding's in the same
-run, greedy and at temperature 0.7. A single reading moves by ~0.1-0.2 with the host's phase (a round's verify rows
-and draft head share the cores with another tenant's work: common.host_probe), so one says little about the issue's
+Each ``benchmarks/drafters.py --only "ours defaults" --prompts 24 --tag drafters-defaults48*`` run stores one reading
+(results/drafters-defaults48*.json): the speculating engine's decode speed over plain decoding's in the same run,
+greedy and at temperature 0.7. A single reading moves by ~0.1-0.2 with the host's phase (a round's verify rows and
+draft head share the cores with another tenant's work: common.host_probe), so one says little about the issue's
 targets (>= 1.5x greedy, >= 1.3x at 0.7); this puts them all side by side. It reads no model and times nothing: it
-gathers the stored readings per host, with the build each ran (machine()'s revision; before it recorded one, the commit that stored the
-reading), and writes results/readings-defaults48.json, the "readings-defaults48" section of docs/benchmarks.md and a
-PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines). Readings taken with drafters.py's
-host probe (from -zen4-m) get a table of their own: the probe's median and, where every run's probe is stored (from
--zen4-n), the ratio over the pairs run while the cores were quiet and while they were contended.
+gathers the stored readings per host, with the build each ran (machine()'s revision; before it recorded one, the
+commit that stored the reading), and writes results/readings-defaults48.json, the "readings-defaults48" section of
+docs/benchmarks.md and a PNG (each reading's greedy ratio against its ratio at 0.7, the targets as lines). Readings
+taken with drafters.py's host probe (from -zen4-m) get a table of their own: the probe's median and, where every run's
+probe is stored (from -zen4-n), the ratio over the pairs run while the cores were quiet and while they were contended.
 
     python benchmarks/readings.py
 """
