@@ -22,16 +22,12 @@ the 3-way teacher pass and 3 x 16 CPU threads) outran a 600 s call with nothing 
 head at each evaluation, so a cut run still leaves one.
 
 A lease in two calls, as the 2026-12-04 evening one ran (556 s of its 900; docs/benchmarks.md says what it trained):
-  - here: `git rm -r -q --cached` the shipped models (src/infer/demo_models, src/infer/drafters/smollm2-*), data/,
-    benchmarks/results and docs/*.png, with the same paths in .git/info/exclude, leaving ~3 MB that travels; the
-    GGUF split with head -c / tail -c into a 60 MB part (.gpu1/) and the rest (.gpu2/, beside the jobs, the --init
-    head's directory, the whole file's sha256sum, and the `gguf` wheel in .whl/, which that image lacks);
-  - call 1 (carry .gpu1): copy the first part to /tmp; call 2 at once (carry .gpu2 and .whl; the machine stays
-    warm 30 s): join the parts, check the sum, start `run` and, 20 s later, tests/test_cuda.py beside it (251 s,
-    the one other process a run shares its GPU with), and copy the head's two files, training.json and the logs
-    into $OUT (at most 8 files come back);
-  - here: `git reset -q` and the exclude file as it was, then `install --from` with `--history` the shipped
-    head's training_log.json, into a scratch directory until benchmarks/eagle3_ab.py has compared it.
+the shipped models, data/, benchmarks/results and docs/*.png out of the index (the tree travels with every call),
+the GGUF split into a 60 MB part (call 1, copied to /tmp) and the rest beside the jobs, the --init head and the `gguf`
+wheel (call 2: join, check the sum, `run`, tests/test_cuda.py beside it, the head's files into $OUT), then `install
+--from` with `--history` the shipped head's training_log.json, into a scratch directory until
+benchmarks/eagle3_ab.py has compared it. Since 2026-12-05 the jobs (21 MB) make it three calls:
+scripts/eagle3_lease.py packs them, untracks and retracks, and says how.
 
 `--init DIR --mlp N --draft-vocab M` trains on a smaller head cut out of DIR's (slim_eagle3): a draft step on the CPU
 reads the layer's and the vocabulary screen's bytes, so the head's c goes with their rows.
@@ -51,7 +47,11 @@ acceptance greedy / at 0.7).
     --generate-seconds;
   - teacher-forces every answered conversation through the float32 target (the GGUF's Q4_1 weights, exact): the
     outputs of layers AUX_LAYERS at every position and the top-20 next-token log-probabilities at every answer
-    position, kept on the GPU (what drafter_data.py's stages `answers`/`layers` store on disk on the CPU);
+    position, kept on the GPU (what drafter_data.py's stages `answers`/`layers` store on disk on the CPU).
+    Length-sorted batches go in a seeded random order, for at most --teacher-share of the time left (a cut pass
+    keeps a random share of every kind). Items past the device's free memory less RESERVE_GB (or --device-gb) keep
+    their layers on the host, copied over a training batch at a time: the 96,457 conversations of 2026-12-05 hold
+    ~66 GB of layers in bfloat16, within an H200, past what an H100 leaves;
   - trains a fresh EAGLE-3 head exactly as scripts/train_heads.py does (same losses, training-time test, schedule,
     best-validation weights), for as many steps as the rest of the budget holds (timed on its first batches);
   - writes the head in two safetensors files (each under the device tool's 16 MB a file), its log, and the new
@@ -203,11 +203,40 @@ def generate(model: Path, rows: list[dict], device: str, deadline: float, batch:
     return done
 
 
+# Of the device's free memory at the teacher pass's start, this much is left to the pass's own batches and to the
+# training after it (a batch of 64 conversations' features widened to float32 is ~0.25 GB, the head's unrolled steps a
+# few GB); the rest holds the items, and a batch's items past it keep their captured layers on the host (collate3
+# copies a training batch's to the device). 96,457 conversations (2026-12-05) carry ~66 GB of them in bfloat16:
+# within an H200's 139 GB, past what an H100's 80 GB leaves.
+RESERVE_GB = 12.0
+
+
+def item_bytes(row: dict, maxlen: int, width: int) -> int:
+    """The device bytes of one conversation's teacher item: ids (int64) and the captured layers (bfloat16) at each of
+    its T positions, the top-20 ids (int32) and log-probabilities (float16) at each answer token."""
+    T = min(maxlen, len(row["prompt_ids"]) + len(row["answer_ids"]) - 1)
+    return T * (8 + 2 * width) + len(row["answer_ids"]) * TOPK * 6
+
+
+def device_budget(device: str, reserve_gb: float = RESERVE_GB) -> float | None:
+    """Bytes of teacher items the device holds (its free memory less ``reserve_gb``), None: no limit (the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(0.0, free - reserve_gb * 2 ** 30)
+
+
 @torch.inference_mode()
 def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tuple[int, ...] = AUX_LAYERS,
-            maxlen: int | None = None):
+            maxlen: int | None = None, budget: float | None = None, deadline: float | None = None, seed: int = 0):
     """-> (train_heads.load_items3's items computed on the device: ids [T], aux bf16 [T, 3H], first, top_ids /
-    top_logp [A, 20], answer, index; the float32 target)."""
+    top_logp [A, 20], answer, index; the float32 target).
+
+    The conversations go in batches of similar length, the batches in a seeded random order, so that a pass cut at
+    ``deadline`` (time.time(); at least one batch runs) keeps a random share of every length and kind. A batch's
+    items whose bytes (``item_bytes``) would take the device past ``budget`` (None: ``device_budget``) keep their
+    captured layers on the host instead: every conversation answered stays in training, none runs the device out
+    of memory."""
     from infer.model.loader import load_model
     from train_drafters import MAXLEN
 
@@ -215,17 +244,29 @@ def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tupl
     target.capture_layers(layers)
     H = target.config.hidden_size
     maxlen = maxlen or MAXLEN
+    budget = device_budget(device) if budget is None else budget
     rows = [r for r in rows if r["answer_ids"] is not None and len(r["answer_ids"]) >= 2]
     rows.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))
-    items = []
-    for b in range(0, len(rows), batch):
-        part = rows[b:b + batch]
+    batches = [rows[b:b + batch] for b in range(0, len(rows), batch)]
+    random.Random(seed).shuffle(batches)
+    items, on_device, on_host, done = [], 0, 0, 0
+    for part in batches:
+        if done and deadline is not None and time.time() > deadline:
+            break
+        done += 1
         seqs = [(r["prompt_ids"] + r["answer_ids"][:-1])[-maxlen:] for r in part]
         T = max(len(s) for s in seqs)
         x = torch.zeros(len(part), T, dtype=torch.long)
         for j, s in enumerate(seqs):
             x[j, :len(s)] = torch.tensor(s)
         hidden = target(x.to(device))  # [b, T, 4H]: causal, so right padding changes nothing before it
+        size = sum(item_bytes(r, maxlen, hidden.shape[-1] - H) for r in part)
+        host = budget is not None and on_device + size > budget
+        if host:  # the batch's layers in one copy (each item a view of it), on the host
+            aux = hidden[:, :, H:].to(torch.bfloat16).cpu()
+            on_host += size
+        else:
+            on_device += size
         for j, (r, s) in enumerate(zip(part, seqs)):
             first = len(s) - len(r["answer_ids"])  # position whose next token is the first answer token
             lo = max(0, first)
@@ -234,9 +275,14 @@ def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tupl
             if first < 0:  # the cut took the prompt and some answer: the teacher rows start at answer -first
                 pad = torch.zeros(-first, TOPK, device=device)
                 vals, ids = torch.cat([pad, vals]), torch.cat([pad.long(), ids])
-            items.append({"ids": torch.tensor(s, device=device), "aux": hidden[j, :len(s), H:].to(torch.bfloat16),
+            items.append({"ids": torch.tensor(s, device=device),
+                          "aux": aux[j, :len(s)] if host else hidden[j, :len(s), H:].to(torch.bfloat16),
                           "first": first, "top_ids": ids.to(torch.int32), "top_logp": vals.to(torch.float16),
                           "answer": torch.tensor(r["answer_ids"]), "index": r["job"]})
+    if done < len(batches) or on_host:
+        print(f"teacher pass: {len(items)} of {len(rows)} conversations ({done} of {len(batches)} batches"
+              f"{', cut at its deadline' if done < len(batches) else ''}); {on_device / 2 ** 30:.1f} GiB of items on "
+              f"{device}, {on_host / 2 ** 30:.1f} GiB of their layers on the host", file=sys.stderr, flush=True)
     items.sort(key=lambda it: it["index"])
     return items, target
 
@@ -298,7 +344,10 @@ def run(args) -> None:
     new = [r for r in rows if r.get("generated")]
     write_answers(args.out / "answers-new.jsonl.gz", new, "cuda, bfloat16 (scripts/eagle3_gpu.py)", "wt")
     t1 = time.time()
-    items, target = teacher(args.model, rows, args.device, args.teacher_batch)
+    # the pass may take at most --teacher-share of what is left: the rest trains (a cut pass keeps a random share)
+    items, target = teacher(args.model, rows, args.device, args.teacher_batch,
+                            budget=None if args.device_gb is None else args.device_gb * 2 ** 30,
+                            deadline=t1 + args.teacher_share * (end - t1), seed=args.seed)
     t2 = time.time()
     print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass over {len(items)} conversations in "
           f"{t2 - t1:.0f} s", file=sys.stderr, flush=True)
@@ -642,6 +691,11 @@ def main(argv=None):
     p.add_argument("--generate-seconds", type=float, default=120)
     p.add_argument("--gen-batch", type=int, default=256)
     p.add_argument("--teacher-batch", type=int, default=64)
+    p.add_argument("--teacher-share", type=float, default=0.5,
+                   help="of the time left after generating, at most this much for the teacher pass")
+    p.add_argument("--device-gb", type=float, default=None,
+                   help="GiB of teacher items kept on the device (default: its free memory less RESERVE_GB); the "
+                        "rest keep their captured layers on the host")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--subset", type=int, default=8192)

@@ -238,8 +238,9 @@ def collate3(batch: list[dict]):
     position, -1 where it is not an answer token or lies past the row), top_ids [N, 20], top_logp [N, 20]."""
     T = max(len(b["ids"]) for b in batch)
     ids = torch.stack([F.pad(b["ids"], (0, T - len(b["ids"]))) for b in batch])
-    aux = torch.stack([F.pad(b["aux"].float(), (0, 0, 0, T - len(b["ids"]))) for b in batch])
     dev = ids.device  # the items' (the CPU's, or a GPU's: scripts/eagle3_gpu.py)
+    # an item's captured layers may lie on the host where the device had no room for them (eagle3_gpu.teacher)
+    aux = torch.stack([F.pad(b["aux"].to(dev).float(), (0, 0, 0, T - len(b["ids"]))) for b in batch])
     teach = torch.full((len(batch), T), -1, dtype=torch.long, device=dev)
     off = 0
     for r, b in enumerate(batch):

@@ -44,6 +44,46 @@ def test_teacher_items_line_up_with_the_answers(tmp_path):
         assert V > int(it["top_ids"].max())
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_teacher_items_past_the_devices_budget_keep_their_layers_on_the_host(tmp_path, capsys, device):
+    """A budget the items outgrow (96,457 conversations' layers are ~66 GB, past an H100's memory) moves a batch's
+    captured layers to the host instead of failing: the same items, in the same order, and the same training batch
+    on the device (collate3 copies them over); item_bytes counts what the items hold. A deadline cuts the pass after
+    whole batches, at least one."""
+    from train_heads import collate3
+
+    path = make_tiny_llama(tmp_path / "m", "gqa", seed=0)
+    rows = [{"job": j, "prompt_ids": list(range(1, 3 + j)), "answer_ids": list(range(5, 8 + j % 3))}
+            for j in range(6)]
+    kw = dict(batch=2, layers=(0, 1), maxlen=16, seed=3)
+    whole, _ = eagle3_gpu.teacher(path, rows, device, budget=float("inf"), **kw)
+    for it, r in zip(whole, rows):
+        held = sum(t.numel() * t.element_size() for t in (it["ids"], it["aux"], it["top_ids"], it["top_logp"]))
+        assert held == eagle3_gpu.item_bytes(r, 16, it["aux"].shape[1])
+    first = sum(eagle3_gpu.item_bytes(r, 16, whole[0]["aux"].shape[1]) for r in rows[:2])
+    capsys.readouterr()
+    spilled, _ = eagle3_gpu.teacher(path, rows, device, budget=first, **kw)  # room for a batch at most
+    report = capsys.readouterr().err
+    assert "6 of 6 conversations" in report and "GiB of their layers on the host" in report
+    on_host = [it["aux"].device.type == "cpu" for it in spilled]
+    if device != "cpu":
+        assert 4 <= sum(on_host) <= 6 and all(it["ids"].device.type == "cuda" for it in spilled)
+    assert [it["index"] for it in spilled] == [it["index"] for it in whole] == list(range(6))
+    for a, b in zip(whole, spilled):
+        for k in ("ids", "aux", "top_ids", "top_logp", "answer"):
+            assert torch.equal(a[k].cpu(), b[k].cpu()), k
+    for x, y in zip(collate3(whole), collate3(spilled)):
+        assert x.device == y.device and torch.equal(x, y)
+    cut, _ = eagle3_gpu.teacher(path, rows, device, budget=float("inf"), deadline=0.0, **kw)
+    assert len(cut) == 2 and "cut at its deadline" in capsys.readouterr().err
+    for it in cut:
+        b = whole[it["index"]]
+        assert torch.equal(it["aux"].cpu(), b["aux"].cpu()) and torch.equal(it["top_ids"].cpu(), b["top_ids"].cpu())
+
+
 def test_install_packs_consecutive_answers_and_completes_a_partial_file(tmp_path, monkeypatch):
     packed = tmp_path / "packed"
     packed.mkdir()
