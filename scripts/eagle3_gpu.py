@@ -45,9 +45,10 @@ acceptance greedy / at 0.7).
   - answers the jobs not yet answered (job order, as drafter_data.py's stage `answers`: every prompt at 0.7 and
     greedily), batched through infer's engine on the GPU (bfloat16, the GGUF's weights dequantized), for at most
     --generate-seconds;
-  - teacher-forces every answered conversation through the float32 target (the GGUF's Q4_1 weights, exact): the
-    outputs of layers AUX_LAYERS at every position and the top-20 next-token log-probabilities at every answer
-    position, kept on the GPU (what drafter_data.py's stages `answers`/`layers` store on disk on the CPU).
+  - teacher-forces every answered conversation through the float32 target (the GGUF's Q4_1 weights, exact; its
+    products in TF32 unless --teacher-precision float32): the outputs of layers AUX_LAYERS at every position and
+    the top-20 next-token log-probabilities at every answer position, kept on the GPU (what drafter_data.py's
+    stages `answers`/`layers` store on disk on the CPU).
     Length-sorted batches go in a seeded random order, for at most --teacher-share of the time left (a cut pass
     keeps a random share of every kind). Items past the device's free memory less RESERVE_GB (or --device-gb) keep
     their layers on the host, copied over a training batch at a time: the 96,457 conversations of 2026-12-05 hold
@@ -344,16 +345,19 @@ def run(args) -> None:
     new = [r for r in rows if r.get("generated")]
     write_answers(args.out / "answers-new.jsonl.gz", new, "cuda, bfloat16 (scripts/eagle3_gpu.py)", "wt")
     t1 = time.time()
+    # The teacher pass in TF32 unless asked otherwise: its products' inputs rounded to 10 mantissa bits, finer than
+    # the bfloat16 its captured layers are kept in (and the CPU that serves the head feeds it int8-rounded ones). In
+    # float32 the 2026-12-04 pass took 87 s for 7.2M positions, and 96,457 conversations hold 19.1M; TF32's gain on
+    # it is not measured yet (the log gives the pass's time).
+    torch.set_float32_matmul_precision("highest" if args.teacher_precision == "float32" else "high")
     # the pass may take at most --teacher-share of what is left: the rest trains (a cut pass keeps a random share)
     items, target = teacher(args.model, rows, args.device, args.teacher_batch,
                             budget=None if args.device_gb is None else args.device_gb * 2 ** 30,
                             deadline=t1 + args.teacher_share * (end - t1), seed=args.seed)
     t2 = time.time()
-    print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass over {len(items)} conversations in "
-          f"{t2 - t1:.0f} s", file=sys.stderr, flush=True)
-    # the head's training in TF32 (the teacher pass before it was float32): its products' inputs are rounded to 10
-    # mantissa bits, finer than the bfloat16 the captured layers are kept in
-    torch.set_float32_matmul_precision("high")
+    print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass ({args.teacher_precision}) over "
+          f"{len(items)} conversations in {t2 - t1:.0f} s", file=sys.stderr, flush=True)
+    torch.set_float32_matmul_precision("high")  # the head's training in TF32, as the pass for the same reason
     train, val = split_jobs(items)
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
@@ -693,6 +697,8 @@ def main(argv=None):
     p.add_argument("--teacher-batch", type=int, default=64)
     p.add_argument("--teacher-share", type=float, default=0.5,
                    help="of the time left after generating, at most this much for the teacher pass")
+    p.add_argument("--teacher-precision", choices=("tf32", "float32"), default="tf32",
+                   help="the teacher pass's float32 products: TF32 on the GPU's tensor cores, or full float32")
     p.add_argument("--device-gb", type=float, default=None,
                    help="GiB of teacher items kept on the device (default: its free memory less RESERVE_GB); the "
                         "rest keep their captured layers on the host")
