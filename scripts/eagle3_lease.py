@@ -16,11 +16,13 @@ next: the GGUF (98 MB), the jobs (21 MB for 96,457 conversations on 2026-12-05) 
     python benchmarks/eagle3_ab.py --candidate /tmp/w/cand --tag <host>   # ship only if held-out alpha rises
 
 The last call trains for --seconds (default 480: a lease is 900 s of device time, start-up and the first two calls
-included) with the 2026-12-04 lease's settings (--own-repeat 2, batch 64, lr 5e-4, from the shipped head), writes
-into $OUT as it goes (a call cut at its limit still returns the best head so far) and runs tests/test_cuda.py and
-tests/test_eagle3_gpu.py beside it (the CUDA path, checked once per lease). A dry run here, on the CPU, a sample of the
-jobs: `OUT=/tmp/w/dry LEASE_DEVICE=cpu LEASE_EVERY=500 LEASE_SECONDS=120 LEASE_TESTS=0 bash .lease/c3/go.sh` after
-copying c1 and c2 to /tmp/lease as their go.sh do.
+included) with the 2026-12-04 lease's settings (batch 64, lr 5e-4, from the shipped head) but --own-repeat 1: that
+lease drew SmolLM2's own prompts twice to make them about half of what the head saw (12,655 of 36,655); with 72,457
+of 96,457 they are three quarters of it drawn once. It writes into $OUT as it goes (a call cut at its limit still
+returns the best head so far) and runs tests/test_cuda.py and tests/test_eagle3_gpu.py beside it (the CUDA path,
+checked once per lease). A dry run here, on the CPU, a sample of the jobs: `OUT=/tmp/w/dry LEASE_DEVICE=cpu
+LEASE_EVERY=500 LEASE_SECONDS=120 LEASE_TESTS=0 bash .lease/c3/go.sh` after copying c1 and c2 to /tmp/lease as their
+go.sh do.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ cat $L/part-a $L/part-b > $L/SmolLM2.gguf
 pip install -q --no-deps $L/gguf-*.whl || true
 export PYTHONPATH=$PWD/src
 python scripts/eagle3_gpu.py run --jobs $L/jobs.json.gz --model $L/SmolLM2.gguf --out $OUT --generate-seconds 0 \\
-  --init $L/init --batch 64 --lr 5e-4 --own-repeat 2 --seconds ${LEASE_SECONDS:-480} \\
+  --init $L/init --batch 64 --lr 5e-4 --own-repeat 1 --seconds ${LEASE_SECONDS:-480} \\
   --device ${LEASE_DEVICE:-cuda} --every ${LEASE_EVERY:-1} > $OUT/run.log 2>&1 &
 pid=$!
 if [ "${LEASE_TESTS:-1}" = 1 ]; then
