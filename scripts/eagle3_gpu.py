@@ -212,11 +212,12 @@ def generate(model: Path, rows: list[dict], device: str, deadline: float, batch:
 RESERVE_GB = 12.0
 
 
-def item_bytes(row: dict, maxlen: int, width: int) -> int:
-    """The device bytes of one conversation's teacher item: ids (int64) and the captured layers (bfloat16) at each of
-    its T positions, the top-20 ids (int32) and log-probabilities (float16) at each answer token."""
+def item_bytes(row: dict, maxlen: int, width: int, layers: bool = True) -> int:
+    """The device bytes of one conversation's teacher item: ids (int64) and the captured layers (bfloat16, unless
+    ``layers`` is False) at each of its T positions, the top-20 ids (int32) and log-probabilities (float16) at each
+    answer token."""
     T = min(maxlen, len(row["prompt_ids"]) + len(row["answer_ids"]) - 1)
-    return T * (8 + 2 * width) + len(row["answer_ids"]) * TOPK * 6
+    return T * (8 + (2 * width if layers else 0)) + len(row["answer_ids"]) * TOPK * 6
 
 
 def device_budget(device: str, reserve_gb: float = RESERVE_GB) -> float | None:
@@ -236,8 +237,8 @@ def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tupl
     The conversations go in batches of similar length, the batches in a seeded random order, so that a pass cut at
     ``deadline`` (time.time(); at least one batch runs) keeps a random share of every length and kind. A batch's
     items whose bytes (``item_bytes``) would take the device past ``budget`` (None: ``device_budget``) keep their
-    captured layers on the host instead: every conversation answered stays in training, none runs the device out
-    of memory."""
+    captured layers (nearly all of those bytes) on the host instead, so that the items the pass keeps fit the
+    budget; the reserve that ``device_budget`` leaves is an estimate, not a measured peak."""
     from infer.model.loader import load_model
     from train_drafters import MAXLEN
 
@@ -263,9 +264,10 @@ def teacher(model: Path, rows: list[dict], device: str, batch: int, layers: tupl
         hidden = target(x.to(device))  # [b, T, 4H]: causal, so right padding changes nothing before it
         size = sum(item_bytes(r, maxlen, hidden.shape[-1] - H) for r in part)
         host = budget is not None and on_device + size > budget
-        if host:  # the batch's layers in one copy (each item a view of it), on the host
+        if host:  # the batch's layers in one copy (each item a view of it), on the host; the rest on the device
             aux = hidden[:, :, H:].to(torch.bfloat16).cpu()
-            on_host += size
+            rest = sum(item_bytes(r, maxlen, hidden.shape[-1] - H, layers=False) for r in part)
+            on_device, on_host = on_device + rest, on_host + size - rest
         else:
             on_device += size
         for j, (r, s) in enumerate(zip(part, seqs)):
@@ -357,7 +359,7 @@ def run(args) -> None:
     t2 = time.time()
     print(f"generated {n_gen} answers in {t1 - t0:.0f} s; teacher pass ({args.teacher_precision}) over "
           f"{len(items)} conversations in {t2 - t1:.0f} s", file=sys.stderr, flush=True)
-    torch.set_float32_matmul_precision("high")  # the head's training in TF32, as the pass for the same reason
+    torch.set_float32_matmul_precision("high")  # the head's training in TF32: its inputs are bfloat16 layers
     train, val = split_jobs(items)
     embed = target.embed_tokens.requires_grad_(False)
     head, sub_index, subset = new_eagle3(target, train, args.subset, args.seed)
@@ -400,33 +402,40 @@ def run(args) -> None:
     work = args.out / "work"
     work.mkdir(exist_ok=True)
     best = {"overlap": -1.0}
+    t_train = time.time()
+    cuda = args.device.startswith("cuda")
 
-    def eval_and_keep():  # the best head so far written at each evaluation: a run cut short still leaves one
-        out = eval_fn()
+    def write_log(steps_done: int, kept: int, seconds: float, final: dict, evals: list, partial: bool) -> None:
+        (args.out / "training.json").write_text(json.dumps({
+            "device": torch.cuda.get_device_name() if cuda else args.device, "partial": partial,
+            "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
+            "answered_cpu": n_cpu, "answered_gpu": sum(1 for r in rows if r["answer_ids"] is not None) - n_cpu,
+            "own_prompts": sum(1 for r in rows if r["job"] >= MAGPIE_BASE and r["answer_ids"] is not None),
+            "own_repeat": args.own_repeat, "init": str(args.init) if args.init else None, "steps": steps_done,
+            "kept_step": kept, "teacher_precision": args.teacher_precision, "teacher_seconds": t2 - t1,
+            "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None,
+            "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3,
+            "start": start_eval, "final": final,
+            "draft_vocab": len(subset), "intermediate_size": head.config.intermediate_size,
+            "slimmed": {"mlp": args.mlp, "draft_vocab": args.draft_vocab} if args.mlp or args.draft_vocab else None,
+            "evals": evals}) + "\n")
+
+    def eval_and_keep():  # the best head so far written at each evaluation, with its log: a run cut short (the
+        out = eval_fn()   # device call's limit) still leaves a head that `install` takes
+        best.setdefault("evals", []).append({"eval": out})
         if out["overlap"] > best["overlap"]:
             best["overlap"] = out["overlap"]
             save_head(head, args.out)
-            (args.out / "partial.json").write_text(json.dumps({"eval": out, "seconds": time.time() - t0}) + "\n")
+            done = len(best["evals"]) * max(1, steps // evals)
+            write_log(done, done, time.time() - t_train, out, best["evals"], partial=True)
         return out
 
     log, seconds, kept = train_loop("eagle3", head, step_fn, eval_and_keep, work, steps, left / 60, args.lr,
                                     args.seed, ckpt_every=10 ** 9, eval_every=max(1, steps // evals))
     final = eval_fn()
     (work / "eagle3.pt").unlink(missing_ok=True)
-    (args.out / "partial.json").unlink(missing_ok=True)
     save_head(head, args.out)
-    (args.out / "training.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-        "conversations": len(train), "validate": len(val), "answer_positions": n_tok, "generated": n_gen,
-        "answered_cpu": n_cpu, "answered_gpu": sum(1 for r in rows if r["answer_ids"] is not None) - n_cpu,
-        "own_prompts": sum(1 for r in rows if r["job"] >= MAGPIE_BASE and r["answer_ids"] is not None),
-        "own_repeat": args.own_repeat, "init": str(args.init) if args.init else None, "steps": len(log),
-        "kept_step": kept,
-        "seconds": seconds, "batch": args.batch, "lr": args.lr, "ms_a_step": per_step * 1e3, "start": start_eval,
-        "final": final,
-        "draft_vocab": len(subset), "intermediate_size": head.config.intermediate_size,
-        "slimmed": {"mlp": args.mlp, "draft_vocab": args.draft_vocab} if args.mlp or args.draft_vocab else None,
-        "evals": [e for e in log if "eval" in e]}) + "\n")
+    write_log(len(log), kept, seconds, final, [e for e in log if "eval" in e], partial=False)
     print(f"trained {len(log)} steps in {seconds:.0f} s, kept step {kept}: {final}; total {time.time() - t0:.0f} s",
           file=sys.stderr)
 
@@ -644,7 +653,7 @@ def install(runs: list[Path], head_out: Path | None, history: Path | None = None
              + ": "
              + "; ".join(f"{k} {v:.3f}" for k, v in log["start"].items() if k != "overlap") + ")")
     schedule = ", then ".join(f"{g['steps']} steps of {g['batch']} at peak lr {g['lr']} "
-                              f"({g['seconds'] / 60:.1f} min wall time)"
+                              f"({g['seconds'] / 60:.1f} min wall time{', cut short' if g.get('partial') else ''})"
                               + (" from scratch" if i == 0 else " on from that head (a warm restart)")
                               + (f", cut first to MLP {g['intermediate_size']} and {g['draft_vocab']} draft tokens "
                                  "(slim_eagle3)" if g.get("slimmed") else "")
@@ -667,7 +676,8 @@ over a {log['draft_vocab']}-token draft vocabulary (model.draft_heads.Eagle3Head
   ({log['answered_cpu']} answered on the CPU by the Q4_1 engine, {log['answered_gpu']} on the GPU by the bfloat16
   engine{own}): {log['conversations']} training conversations, {log['answer_positions']}
   answer positions. The outputs of the target's layers and its top-20 next-token law come from one float32
-  teacher-forced pass over the GGUF's weights (scripts/eagle3_gpu.py).
+  teacher-forced pass over the GGUF's weights ({log.get('teacher_precision', 'float32')} products;
+  scripts/eagle3_gpu.py).
 - Training: scripts/eagle3_gpu.py on one {log['device']} (scripts/train_heads.py's losses): forward KL to the
   target's top-20 (renormalised over the draft vocabulary), training-time test over {TTT_STEPS} draft steps (step s
   from the outputs of step s-1, weighted {STEP_DECAY}^s); AdamW, cosine schedule, batches of conversations:

@@ -9,7 +9,8 @@ next: the GGUF (98 MB), the jobs (21 MB for 96,457 conversations on 2026-12-05) 
     # device tool, one call after the other (the machine is given back after ~30 s idle):
     #   run(command="bash .lease/c1/go.sh", carry=[".lease/c1"])
     #   run(command="bash .lease/c2/go.sh", carry=[".lease/c2"])
-    #   run(command="bash .lease/c3/go.sh", carry=[".lease/c3"], timeout_s=600)
+    #   run(command="LEASE_SECONDS=<budget_left_s - 150> bash .lease/c3/go.sh", carry=[".lease/c3"], timeout_s=600)
+    #   (status's budget_left_s after call 2: the run sizes its schedule to LEASE_SECONDS, default 480)
     python scripts/eagle3_lease.py retrack     # here, at once: the index and .git/info/exclude as they were
     python scripts/eagle3_gpu.py install --from <files_at> --head-out /tmp/w/cand \\
         --history src/infer/drafters/smollm2-eagle3/training_log.json
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEASE = ROOT / ".lease"  # ignored (.gitignore): only carried where a call names it
+STATE = Path(".git") / "info" / "lease-untracked.json"  # untrack's record (HEAD, the exclude file), under a root
 CALL_BYTES = 64 * 2 ** 20  # what one call carries, the tracked tree included
 FIRST_PART = 58 * 2 ** 20  # the GGUF's first part (call 1)
 # left out of the index while the calls run (the tree travels with every call: ~130 MB tracked, ~3 MB without these)
@@ -49,22 +52,25 @@ mkdir -p /tmp/lease && cp .lease/c1/* /tmp/lease/
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 """,
     "c2": """set -e
+test -f /tmp/lease/part-a || { echo "call 1's part is gone: a fresh machine; start again at call 1"; exit 1; }
 cp -r .lease/c2/. /tmp/lease/ && ls -la /tmp/lease
 """,
     "c3": """set -e
 L=/tmp/lease
+test -f $L/part-b || { echo "call 2's part is gone: a fresh machine; start again at call 1"; exit 1; }
 cp -r .lease/c3/. $L/
 cat $L/part-a $L/part-b > $L/SmolLM2.gguf
 (cd $L && sha256sum -c gguf.sha256)
-pip install -q --no-deps $L/gguf-*.whl || true
-export PYTHONPATH=$PWD/src
-python scripts/eagle3_gpu.py run --jobs $L/jobs.json.gz --model $L/SmolLM2.gguf --out $OUT --generate-seconds 0 \\
+python3 -c 'import gguf' 2>/dev/null || python3 -m pip install -q --no-index --no-deps $L/gguf-*.whl
+python3 -c 'import gguf'
+export PYTHONPATH=$PWD/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+python3 scripts/eagle3_gpu.py run --jobs $L/jobs.json.gz --model $L/SmolLM2.gguf --out $OUT --generate-seconds 0 \\
   --init $L/init --batch 64 --lr 5e-4 --own-repeat 1 --seconds ${LEASE_SECONDS:-480} \\
   --device ${LEASE_DEVICE:-cuda} --every ${LEASE_EVERY:-1} > $OUT/run.log 2>&1 &
 pid=$!
 if [ "${LEASE_TESTS:-1}" = 1 ]; then
   sleep 20
-  python -m pytest -q tests/test_cuda.py tests/test_eagle3_gpu.py > $OUT/tests.log 2>&1 || true
+  python3 -m pytest -q tests/test_cuda.py tests/test_eagle3_gpu.py > $OUT/tests.log 2>&1 || true
   tail -3 $OUT/tests.log
 fi
 wait $pid || echo "run exited with $?"
@@ -82,8 +88,10 @@ def split_file(src: Path, first: Path, rest: Path, first_bytes: int) -> str:
 
 
 def tree_bytes(root: Path = ROOT) -> int:
-    """Bytes of the files git tracks (what every call carries besides its carry paths)."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True).stdout
+    """Bytes of what every call carries besides its carry paths: the files git tracks and those it neither tracks
+    nor ignores."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           check=True, capture_output=True).stdout
     return sum((root / f).stat().st_size for f in files.decode().split("\0") if f and (root / f).is_file())
 
 
@@ -92,6 +100,8 @@ def dir_bytes(d: Path) -> int:
 
 
 def pack(out: Path, init: Path, model: Path | None) -> None:
+    if (ROOT / STATE).exists():
+        raise SystemExit("the index is untracked for a lease: `retrack` first, then pack")
     if model is None:
         from infer.demo import real_model_path
         model = Path(real_model_path())
@@ -116,29 +126,45 @@ def pack(out: Path, init: Path, model: Path | None) -> None:
 
 def untrack(root: Path = ROOT, paths: list[str] = UNTRACK) -> None:
     """The big tracked paths out of the index and into .git/info/exclude (so that they do not travel as untracked
-    files either); the exclude file's content kept for ``retrack``. The working tree is never touched."""
-    lease, exclude = root / LEASE.name, root / ".git" / "info" / "exclude"
-    lease.mkdir(exist_ok=True)
-    if (lease / "exclude.orig").exists():
-        raise SystemExit("untracked already: `retrack` first")
-    (lease / "exclude.orig").write_text(exclude.read_text() if exclude.exists() else "")
+    files either). HEAD and the exclude file's content are recorded (``STATE``) for ``retrack``; the working tree is
+    never touched."""
+    state, exclude = root / STATE, root / ".git" / "info" / "exclude"
+    if state.exists():
+        raise SystemExit(f"untracked already ({state}): `retrack` first")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"head": head, "paths": paths,
+                                 "exclude": exclude.read_text() if exclude.exists() else None}) + "\n")
     subprocess.run(["git", "rm", "-r", "-q", "--cached", "--ignore-unmatch", *paths], cwd=root, check=True)
-    exclude.parent.mkdir(parents=True, exist_ok=True)
-    exclude.write_text((lease / "exclude.orig").read_text() + "".join(f"/{p}\n" for p in paths))
+    exclude.write_text((exclude.read_text() if exclude.exists() else "") + "".join(f"/{p}\n" for p in paths))
     n = tree_bytes(root)
-    print(f"the tracked tree: {n / 2 ** 20:.1f} MiB", file=sys.stderr)
-    for c in sorted(lease.glob("c[0-9]")):
+    print(f"the tree each call carries: {n / 2 ** 20:.1f} MiB", file=sys.stderr)
+    for c in sorted((root / LEASE.name).glob("c[0-9]")):
         total = n + dir_bytes(c)
         print(f"  call {c.name}: {total / 2 ** 20:.1f} MiB{'  OVER' if total > CALL_BYTES else ''}", file=sys.stderr)
 
 
 def retrack(root: Path = ROOT) -> None:
-    """The index as HEAD has it and the exclude file as it was (the working tree is never touched)."""
-    subprocess.run(["git", "reset", "-q"], cwd=root, check=True)
-    saved = root / LEASE.name / "exclude.orig"
-    if saved.exists():
-        (root / ".git" / "info" / "exclude").write_text(saved.read_text())
-        saved.unlink()
+    """Those paths back in the index as HEAD has them, and the exclude file as it was. Other staged changes and the
+    working tree are left alone. Refused where HEAD moved since ``untrack`` (a commit then would have deleted the
+    untracked paths: see ``git show --stat``)."""
+    state = root / STATE
+    if not state.exists():
+        raise SystemExit("nothing to retrack: `untrack` was not run (or was undone)")
+    saved = json.loads(state.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    if head != saved["head"]:
+        raise SystemExit(f"HEAD moved from {saved['head'][:12]} to {head[:12]} since untrack: check that no commit "
+                         f"dropped {saved['paths']}, then `git reset -q -- <paths>` and remove {state}")
+    subprocess.run(["git", "reset", "-q", "--", *saved["paths"]], cwd=root, check=True)
+    exclude = root / ".git" / "info" / "exclude"
+    if saved["exclude"] is None:
+        exclude.unlink(missing_ok=True)
+    else:
+        exclude.write_text(saved["exclude"])
+    state.unlink()
     print(subprocess.run(["git", "status", "--short"], cwd=root, capture_output=True, text=True).stdout or "clean",
           file=sys.stderr)
 

@@ -313,7 +313,9 @@ def eagle3_fns(head, embed, sub_index, train: list[dict], val: list[dict], batch
     """train_loop's (step_fn, eval_fn) for an EAGLE-3 head: a seeded random batch a step; validation in batches of 8."""
 
     def step_fn(step):
-        loss, stats = eagle3_losses(head, embed, sub_index, random.Random(seed * 1_000_003 + step).sample(train, batch))
+        # at most the whole set (a pass cut short, a trial run on a sample of the jobs)
+        pick = random.Random(seed * 1_000_003 + step).sample(train, min(batch, len(train)))
+        loss, stats = eagle3_losses(head, embed, sub_index, pick)
         return loss, {k: float(v.mean()) for k, v in stats.items() if k in ("top1_1", "top1_2", "top1_3")}
 
     def eval_fn():

@@ -56,12 +56,12 @@ def test_teacher_items_past_the_devices_budget_keep_their_layers_on_the_host(tmp
     from train_heads import collate3
 
     path = make_tiny_llama(tmp_path / "m", "gqa", seed=0)
-    rows = [{"job": j, "prompt_ids": list(range(1, 3 + j)), "answer_ids": list(range(5, 8 + j % 3))}
-            for j in range(6)]
+    rows = [{"job": j, "prompt_ids": list(range(1, 3 + 3 * j)), "answer_ids": list(range(5, 8 + j % 3))}
+            for j in range(6)]  # the last two longer than maxlen: cut from the left
     kw = dict(batch=2, layers=(0, 1), maxlen=16, seed=3)
     whole, _ = eagle3_gpu.teacher(path, rows, device, budget=float("inf"), **kw)
     for it, r in zip(whole, rows):
-        held = sum(t.numel() * t.element_size() for t in (it["ids"], it["aux"], it["top_ids"], it["top_logp"]))
+        held = sum(t.untyped_storage().nbytes() for t in (it["ids"], it["aux"], it["top_ids"], it["top_logp"]))
         assert held == eagle3_gpu.item_bytes(r, 16, it["aux"].shape[1])
     first = sum(eagle3_gpu.item_bytes(r, 16, whole[0]["aux"].shape[1]) for r in rows[:2])
     capsys.readouterr()
