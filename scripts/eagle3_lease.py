@@ -9,8 +9,8 @@ next: the GGUF (98 MB), the jobs (21 MB for 96,457 conversations on 2026-12-05) 
     # device tool, one call after the other (the machine is given back after ~30 s idle):
     #   run(command="bash .lease/c1/go.sh", carry=[".lease/c1"])
     #   run(command="bash .lease/c2/go.sh", carry=[".lease/c2"])
-    #   run(command="LEASE_SECONDS=<budget_left_s - 150> bash .lease/c3/go.sh", carry=[".lease/c3"], timeout_s=600)
-    #   (status's budget_left_s after call 2: the run sizes its schedule to LEASE_SECONDS, default 480)
+    #   run(command="LEASE_SECONDS=<S> bash .lease/c3/go.sh", carry=[".lease/c3"], timeout_s=600)
+    #   (S = min(560, status's budget_left_s after call 2 - 150): the run sizes its schedule to it; default 480)
     python scripts/eagle3_lease.py retrack     # here, at once: the index and .git/info/exclude as they were
     python scripts/eagle3_gpu.py install --from <files_at> --head-out /tmp/w/cand \\
         --history src/infer/drafters/smollm2-eagle3/training_log.json
