@@ -401,7 +401,7 @@ def run(args) -> None:
           flush=True)
     work = args.out / "work"
     work.mkdir(exist_ok=True)
-    best = {"overlap": -1.0}
+    best, seen = {"overlap": -1.0}, []  # the best validation so far; every evaluation's, in order
     t_train = time.time()
     cuda = args.device.startswith("cuda")
 
@@ -422,12 +422,12 @@ def run(args) -> None:
 
     def eval_and_keep():  # the best head so far written at each evaluation, with its log: a run cut short (the
         out = eval_fn()   # device call's limit) still leaves a head that `install` takes
-        best.setdefault("evals", []).append({"eval": out})
+        seen.append({"eval": out})
         if out["overlap"] > best["overlap"]:
             best["overlap"] = out["overlap"]
             save_head(head, args.out)
-            done = len(best["evals"]) * max(1, steps // evals)
-            write_log(done, done, time.time() - t_train, out, best["evals"], partial=True)
+            done = len(seen) * max(1, steps // evals)  # train_loop evaluates after every steps // evals steps
+            write_log(done, done, time.time() - t_train, out, seen, partial=True)
         return out
 
     log, seconds, kept = train_loop("eagle3", head, step_fn, eval_and_keep, work, steps, left / 60, args.lr,
