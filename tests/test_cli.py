@@ -3,6 +3,7 @@
 Bad input is refused before a model is loaded, so those cases call ``cli.main`` in this process (``run_here``): the
 same code a subprocess would run after ~5 s of imports, its exit status and stderr checked the same way."""
 
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -47,6 +48,17 @@ def test_errors_are_one_clear_line(gqa_dir, run_here):
     assert r.returncode == 2 and r.stderr.strip() == "infer: error: model directory '/no/such/dir' does not exist"
     r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
+    r = run_here("generate", "--model", str(gqa_dir), "--prompt", "x", "--seed", "abc")  # words, not Python's types
+    assert r.returncode == 2 and "argument --seed: expected 'none' or an integer, got 'abc'" in r.stderr
+    # an address the server cannot listen on: said before the model loads, naming it (uvicorn's line did not)
+    r = run_here("serve", "--model", str(gqa_dir), "--host", "999.1.1.1")
+    assert r.returncode == 2 and "--host '999.1.1.1' is not an address to listen on" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_here("serve", "--model", str(gqa_dir), "--port", str(port))
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
 
 
 def test_speculative_generate_with_debug_view(gqa_dir, run_here):

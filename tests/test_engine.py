@@ -195,6 +195,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="spec_length_min"):
         EngineConfig(model="m", draft_model="d", spec_length="egag", spec_length_min=4, spec_length_max=2)
     assert EngineConfig(model="m", draft_model="d").use_speculative_decoding  # a drafter turns speculation on
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        EngineConfig(model="m", device="gpu")
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(model="m", device="mps")
+    if not torch.cuda.is_available():  # the GPU's absence said before any loading, not torch's assertion
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            EngineConfig(model="m", device="cuda")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            EngineConfig(model="m", device=f"cuda:{torch.cuda.device_count()}")
 
 
 def test_drafter_with_another_vocabulary_is_refused(gqa_dir, tmp_path):

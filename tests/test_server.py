@@ -1,5 +1,6 @@
 """End-to-end: the real server (uvicorn on 127.0.0.1, ephemeral port) driven by the official openai client."""
 
+import argparse
 import json
 import re
 import subprocess
@@ -291,3 +292,34 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param, words):
     assert status == 400, answer
     assert answer["error"]["param"] == param and words in answer["error"]["message"], answer
     assert _wait_idle(server.engine)
+
+
+def _bench_args(*args):
+    from infer.bench_serve import add_bench_args
+
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return p.parse_args(list(args))
+
+
+def test_bench_serve_drives_the_server_and_reports(server, tmp_path):
+    """`infer bench-serve`: the load runs, the summary counts what it got, acceptance comes from the usage chunks."""
+    from infer.bench_serve import run_bench
+
+    common = ["--base-url", server.base_url, "--api-key", KEY, "--prompt", "def fib(n):"]
+    r = run_bench(_bench_args(*common, "--clients", "2", "--requests-per-client", "2", "--max-tokens", "6",
+                              "--json", str(tmp_path / "bench.json")))
+    assert r["ok"] == 4 and r["failed"] == {} and 4 <= r["output_tokens"] <= 24
+    assert r["ttft_p50"] is not None and r["latency_p99"] >= r["latency_p50"] > 0
+    assert r["acceptance_rate"] is not None and 0.0 <= r["acceptance_rate"] <= 1.0  # the server speculates
+    assert json.loads((tmp_path / "bench.json").read_text())["ok"] == 4
+    # requests the server refuses are counted with its reason, and the load goes on
+    r = run_bench(_bench_args(*common, "--clients", "1", "--requests-per-client", "2", "--max-tokens", "100000"))
+    assert r["ok"] == 0 and r["failed"] == {400: 2} and "exceeds the maximum sequence length" in r["failures"][400]
+
+
+def test_bench_serve_without_a_server_is_one_clear_error():
+    from infer.bench_serve import run_bench
+
+    with pytest.raises(ValueError, match=r"no server answers at http://127\.0\.0\.1:1/v1"):
+        run_bench(_bench_args("--base-url", "http://127.0.0.1:1/v1"))

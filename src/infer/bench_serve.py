@@ -52,26 +52,34 @@ async def _one(client, model, prompt, a) -> dict:
 
 async def bench(a) -> dict:
     try:
-        from openai import APIStatusError, AsyncOpenAI
+        from openai import APIConnectionError, APIStatusError, AsyncOpenAI
     except ImportError as e:
         raise ValueError("bench-serve uses the official openai client: pip install openai") from e
     client = AsyncOpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0)
-    model = a.model or (await client.models.list()).data[0].id
+    try:  # the server first: one clear line when it is not there (or refuses the key), before any load is sent
+        served = (await client.models.list()).data
+    except APIConnectionError as e:
+        raise ValueError(f"bench-serve: no server answers at {a.base_url} ({e}); start one with `infer serve`") from e
+    except APIStatusError as e:
+        raise ValueError(f"bench-serve: {a.base_url}/models answered {e.status_code}: {e.message}") from e
+    if not a.model and not served:
+        raise ValueError(f"bench-serve: the server at {a.base_url} serves no model")
+    model = a.model or served[0].id
     prompts = a.prompt
     if not prompts:
         from .demo import demo_prompts
 
         prompts = [p["prompt"] for p in demo_prompts()]
-    results, errors = [], {}
+    results, errors, why = [], {}, {}  # why: each kind of failure's first message (a count alone says little)
 
     async def worker(i: int):
         for j in range(a.requests_per_client):
             try:
                 results.append(await _one(client, model, prompts[(i * a.requests_per_client + j) % len(prompts)], a))
-            except APIStatusError as e:
-                errors[e.status_code] = errors.get(e.status_code, 0) + 1
             except Exception as e:  # noqa: BLE001 - counted, the load goes on
-                errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+                kind = e.status_code if isinstance(e, APIStatusError) else type(e).__name__
+                errors[kind] = errors.get(kind, 0) + 1
+                why.setdefault(kind, getattr(e, "message", None) or str(e))
 
     t0 = time.perf_counter()
     await asyncio.gather(*[worker(i) for i in range(a.clients)])
@@ -82,7 +90,7 @@ async def bench(a) -> dict:
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     lat = [r["latency"] for r in results]
     return {"clients": a.clients, "requests_per_client": a.requests_per_client, "max_tokens": a.max_tokens,
-            "ok": len(results), "failed": errors, "wall_s": wall, "output_tok_s": toks / wall if wall else 0.0,
+            "ok": len(results), "failed": errors, "failures": why, "wall_s": wall, "output_tok_s": toks / wall if wall else 0.0,
             "output_tokens": toks, "acceptance_rate": accepted / drafted if drafted else None,
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "latency_p50": _pct(lat, 50),
             "latency_p99": _pct(lat, 99), "latency_mean": statistics.fmean(lat) if lat else None}
@@ -96,6 +104,8 @@ def run_bench(a) -> dict:
     print(f"{r['ok']} ok, failed {r['failed'] or 0}; {r['output_tokens']} tokens in {r['wall_s']:.1f}s = "
           f"{r['output_tok_s']:.1f} tok/s; TTFT p50 {fmt(r['ttft_p50'])}s p99 {fmt(r['ttft_p99'])}s; latency p50 "
           f"{fmt(r['latency_p50'])}s p99 {fmt(r['latency_p99'])}s; acceptance {fmt(r['acceptance_rate'])}")
+    for kind, message in r["failures"].items():  # what each kind of failure said, once
+        print(f"  failed with {kind} ({r['failed'][kind]}x), the first: {message}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=2)

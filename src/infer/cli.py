@@ -77,8 +77,7 @@ def cmd_serve(a) -> int:
 def cmd_bench_serve(a) -> int:
     from .bench_serve import run_bench
 
-    run_bench(a)
-    return 0
+    return 0 if run_bench(a)["ok"] else 1  # a load of which nothing succeeded is a failure (each reason printed)
 
 
 def build_parser() -> argparse.ArgumentParser:

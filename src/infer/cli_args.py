@@ -89,6 +89,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
                    "ignore_eos")
 
 
+# what a user types for each annotation (argparse's message names these, not Python's types)
+_WORDS = {int: "an integer", float: "a number", type(None): "'none'", str: "a word"}
+
+
 def _parser_for(tp):
     """A string -> value parser for a field annotation (None / "none" for optional fields, words for str unions)."""
     args = set(typing.get_args(tp)) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union \
@@ -106,8 +110,8 @@ def _parser_for(tp):
                     pass
         if str in args or any(getattr(a, "__name__", "") == "PathLike" for a in args):
             return text
-        raise argparse.ArgumentTypeError(f"expected {' or '.join(sorted(getattr(a, '__name__', str(a)) for a in args))}"
-                                         f", got {text!r}")
+        kinds = " or ".join(sorted(_WORDS.get(a, getattr(a, "__name__", str(a))) for a in args))
+        raise argparse.ArgumentTypeError(f"expected {kinds}, got {text!r}")
 
     return parse
 

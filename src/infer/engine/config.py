@@ -235,6 +235,25 @@ class EngineConfig:
             self.compile = False
         if self.max_seq_len is not None and self.use_speculative_decoding and self.max_seq_len < 2:
             bad("max_seq_len must be >= 2 with speculative decoding")
+        self._check_device(bad)
+
+    def _check_device(self, bad) -> None:
+        """The device is named and present: the engine runs on the CPU or CUDA, and a missing GPU is said here, not
+        as torch's assertion from deep inside loading the weights."""
+        import torch
+
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            bad(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                bad(f"device={self.device!r}, but CUDA is not available here (torch {torch.__version__}: "
+                    f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); use device='cpu'")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                bad(f"device={self.device!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
 
     @property
     def suffix_options(self) -> dict:

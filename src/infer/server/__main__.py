@@ -48,6 +48,25 @@ def engine_config(a) -> EngineConfig:
     return EngineConfig(**with_serve_defaults(config_kwargs(a, EngineConfig)))
 
 
+def check_listen(host: str, port: int) -> None:
+    """That this machine can listen on host:port (a test bind, closed at once; uvicorn binds with SO_REUSEADDR as this
+    does) -> ValueError naming the address and the reason: a name that does not resolve, an address not on this
+    machine, a port in use."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address to listen on ({e.strerror})") from e
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+
+
 def describe(cfg: EngineConfig) -> str:
     """The start-up line's account of what runs: the precision where one was set, the speculation."""
     text = f" ({cfg.dtype}, {cfg.quantization})" if cfg.quantization is not None else ""
@@ -70,6 +89,7 @@ def serve(a) -> int:
         if not a.replica_cpus > 0:
             raise ValueError(f"--replica-cpus must be > 0, got {a.replica_cpus}")
         return serve_replicas(a, cfg)
+    check_listen(a.host, a.port)  # before the model loads: uvicorn's own failure comes after it, without the address
     engine = AsyncEngine(cfg)
     app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes)
     print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
