@@ -91,7 +91,8 @@ async def bench(a) -> dict:
     lat = [r["latency"] for r in results]
     return {"clients": a.clients, "requests_per_client": a.requests_per_client, "max_tokens": a.max_tokens,
             "ok": len(results), "failed": errors, "failures": why, "wall_s": wall,
-            "output_tok_s": toks / wall if wall else 0.0, "output_tokens": toks, "acceptance_rate": accepted / drafted if drafted else None,
+            "output_tok_s": toks / wall if wall else 0.0, "output_tokens": toks,
+            "acceptance_rate": accepted / drafted if drafted else None,
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "latency_p50": _pct(lat, 50),
             "latency_p99": _pct(lat, 99), "latency_mean": statistics.fmean(lat) if lat else None}
 
