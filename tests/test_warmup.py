@@ -312,6 +312,34 @@ def test_a_lone_request_drafts_before_the_warmup_ends_where_its_round_needs_no_g
     assert eng.stats.num_draft_tokens == 0 and not eng.warmup.ready
 
 
+@needs_kernels
+def test_an_engine_whose_lone_steps_are_one_call_builds_no_graph_for_them(held_warmup):
+    """A lone row whose steps are one C++ call each (the target's infer::llama_forward, the head's
+    infer::eagle3_round) takes no graph: at max_batch_size 1 there is no warm-up at all and nothing is compiled (the
+    compiler is never built, not even by the logits' step), the decoder drafts from the first request with plain
+    decoding's greedy tokens; with batches, only the batched stages are built."""
+    from infer.engine import Engine, EngineConfig
+    from infer.generate import autoregressive_generate
+
+    target, head = _native_pair()
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=1, compile=True,
+                              quantization="q8_0", block_size=4), model=target, draft_model=head)
+    assert eng.compiled and eng.warmup is None and eng.decoder.ready
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 1, 3, 2, 2, 9, 7, 0, 5, 3, 1, 8, 6, 4, 2]
+    got = eng.run([eng.add_request(prompt, params)])[0].output_ids
+    assert eng.stats.num_draft_tokens > 0
+    assert eng.model.compiled.run_forward is None  # never built: no Dynamo, no graph
+    # (the reference after: it runs the module over a cache of its own, where the compiled steps do apply)
+    assert got == autoregressive_generate(eng.model, prompt, params, eos_token_ids=[]).output_ids
+
+    target, head = _native_pair()
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=2, compile=True,
+                              quantization="q8_0", block_size=4), model=target, draft_model=head)
+    held_warmup.wait_entered()  # held at its first stage (nothing compiled): which stages it has is the point
+    assert [w for w, _ in eng.warmup.stages] == ["batched steps (up to 2 rows)", "the drafter's batched steps"]
+
+
 def test_the_compiler_is_imported_by_the_warmup_not_on_the_way_to_a_first_token(gqa_dir):
     """Importing Dynamo is ~1 s of Python (infer serve's first token: 4.9 -> 3.4 s once no module imported it at
     start): infer's modules and an engine serving without a graph never import it; the warm-up thread does."""

@@ -17,7 +17,9 @@ test_warmup.py). The speculative decoder drafts only once ``ready`` (an eager ve
 the cost model prices compiled ones), except a lone request whose round runs none of the graphs being built: the
 target's one-call steps and the drafter's one-call round, with a stored cost model (SpeculativeDecoder.lone_ready,
 Engine._lone_rounds_native): `infer chat` speculates from its first reply. When the thread is done, the engine may
-compile on a miss again, as before.
+compile on a miss again, as before. Where a lone row's every step is one C++ call (``Warmup._lone_steps_native``),
+its stages are not built at all: only the batched ones are, and an engine of one KV slot (`infer chat`, the demo)
+starts no warm-up, never imports the compiler and runs at full speed from its first reply.
 
 An engine whose eager and compiled steps may round differently (no infer kernels: CUDA, or a failed kernel build)
 runs the same warm-up in the foreground instead.
@@ -218,6 +220,11 @@ class Warmup:
         self.key = (type(self.kv.pool).__name__, repr(sorted(self.kv.pool.layout().items())), k_max, tree, max_batch)
         self.draft_key = (repr(sorted(self.kv.draft_pool.layout().items())), k_max) if draft else None
         stages = warmup_stages(k_max, tree, max_batch, draft, self.model.compiled.max_tokens)
+        if self._lone_steps_native(tree):
+            # a lone row's steps are one C++ call each and take no graph, so only the batched stages are built (none
+            # at max_batch_size 1): `infer chat`'s first replies ran at 54-114 tok/s beside a compiler building
+            # graphs they never used, against 184-250 without it (SmolLM2, Zen 4), and its rounds as fast after
+            stages = [(w, kw) for w, kw in stages if kw.get("batches")]
         target_built = self.key in self.model.compiled.warmed
         drafter_built = not draft or self.draft_key in self.drafter.compiled.warmed
         self.stages = [(w, kw) for w, kw in stages if (drafter_built if kw.get("draft") else target_built) is False]
@@ -233,6 +240,14 @@ class Warmup:
         self._let_run = -1  # the step the warm-up no longer parks for (MAX_PARK_S)
         self._closed_at = 0.0  # when the engine last took the time back
         self._stop = False
+
+    def _lone_steps_native(self, tree: bool) -> bool:
+        """Whether a lone row's every step runs without a graph: the target's decode and verify widths through its
+        one-call forward (LlamaForCausalLM.runs_natively; not a tree's verify, which masks), and the drafter's round
+        as one C++ call (Proposer.lone_round_native) or no compiled drafter."""
+        if tree or self.kv.lookahead + 1 > kernels.MAX_ROWS or not self.model.runs_natively(self.kv.pool):
+            return False
+        return self.drafter is None or self.proposer.lone_round_native()
 
     def claim(self) -> None:
         """Mark this warm-up's graphs as being built (another engine over the same models builds them no more)."""

@@ -135,6 +135,9 @@ class CompiledSteps:
     run_logits: Callable | None = None
     methods: dict = field(default_factory=dict)  # every compiled method: name -> (compiling, run-only)
     compiling: int | None = None  # the warm-up thread's ident while it runs; None: every caller may compile
+    # whether the head is compiled too (not on the CPU: its products are infer's kernels). False: asking for the
+    # logits' step never builds, so an engine whose every step runs natively never imports the compiler
+    has_logits: bool = True
     warmed: set = field(default_factory=set)  # engine.warmup keys already run on this model (pool layout, widths)
 
     def ensure_built(self) -> None:
@@ -394,6 +397,6 @@ def compile_model(model, max_tokens: int = 16, cache_dir: str | os.PathLike | No
             return {name: _compile_method(model, name, dict(options), True if name in ("_chain", "_round") else None)
                     for name in names if hasattr(model, name)}
 
-        model.compiled = CompiledSteps(build, max_tokens)
+        model.compiled = CompiledSteps(build, max_tokens, has_logits=model.device.type != "cpu")
     model.compiled.max_tokens = max_tokens
     return model

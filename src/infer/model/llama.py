@@ -246,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         ``[..., vocab]``. ``lens`` ([B], hidden ``[B, T, ...]``): row b's positions from lens[b] on are pads, which
         the CPU kernels skip (their logits 0; a verify of rows with fewer drafts than the longest: ``attn_meta.lens``)."""
         c = self.compiled
-        if c is not None and hidden.numel() <= c.max_tokens * hidden.shape[-1] and (step := c.steps()[1]) is not None:
+        if c is not None and c.has_logits and hidden.numel() <= c.max_tokens * hidden.shape[-1] \
+                and (step := c.steps()[1]) is not None:
             logits = step(hidden) if lens is None else step(hidden, lens)
         else:
             logits = self._logits(hidden, lens)
