@@ -229,8 +229,15 @@ def stored_costs_hold(decoder: SpeculativeDecoder, costs: CostModel, k_max: int,
     try:
         runner.forward(runner.model, kv.pool, [slot], [[1] * n_ctx])
         _verify_seconds(runner, kv, [slot], 1, n_ctx)  # a first call's one-time costs
-        measured = {t: min(_verify_seconds(runner, kv, [slot], t, n_ctx) for _ in range(repeats))
-                    for t in profile_widths(k_max)}
+        def best(t: int) -> float:
+            return min(_verify_seconds(runner, kv, [slot], t, n_ctx) for _ in range(repeats))
+
+        measured = {t: best(t) for t in profile_widths(k_max)}
+        if not same_shape(costs, measured):
+            # once more, each width's best of both: a burst of another tenant's work can slow all of one width's
+            # repeats, and a profile taken again in that burst would be stored with its shape (a CI run's third
+            # start re-profiled a profile saved seconds before; docs/benchmarks.md, "a chat engine builds no graph")
+            measured = {t: min(s, best(t)) for t, s in measured.items()}
     finally:
         kv.pool.free(slot)
     return same_shape(costs, measured)
