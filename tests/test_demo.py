@@ -75,3 +75,7 @@ def test_real_chat_demo_streams_replies():
     (reply,) = res["replies"]
     assert reply["tokens"] == 12 and reply["text"].strip() and reply["tok_s"] > 0
     assert reply["text"] in out.getvalue() and "tok/s" in out.getvalue()
+    from infer import kernels
+
+    if kernels.available():  # SmolLM2's lone steps: one C++ call each, and the ready line says so (not "compiled")
+        assert "s; a step is one C++ call, no graph needed]" in out.getvalue()

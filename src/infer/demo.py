@@ -139,7 +139,11 @@ def run_real_chat(max_tokens: int = 96, num_prompts: int = len(CHAT_PROMPTS), ou
     shown = {k: (Path(v).name if k == "draft_model" else v) for k, v in settings.items()}
     print(f"infer demo: SmolLM2-135M-Instruct from {path.name}, {shown}", file=out)
     llm = LLM(path, **settings)
-    print(f"[ready in {time.perf_counter() - t_start:.1f}s; compiled: {llm.engine.compiled}]", file=out)
+    eng = llm.engine
+    steps = ("compiled steps being built" if eng.warmup is not None and not eng.warmup.ready
+             else "a step is one C++ call, no graph needed" if eng.model.runs_natively(eng.kv.pool)
+             else "compiled" if eng.compiled else "eager")
+    print(f"[ready in {time.perf_counter() - t_start:.1f}s; {steps}]", file=out)
     if llm.engine.warmup is not None and not llm.engine.warmup.ready:
         if llm.engine.decoder is not None and llm.engine.decoder.lone_ready:
             print("(the compiled steps are still being built in the background: a lone request's steps need none of "
