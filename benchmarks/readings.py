@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_SCALING, RESULTS, ROOT, by_host_state, git, update_doc_section, write_json  # noqa: E402
+from common import (QUIET_SCALING, RESULTS, ROOT, by_host_state, git, quartiles, update_doc_section,  # noqa: E402
+                    write_json)
 
 NAME = "readings-defaults48"
 TARGETS = {"0.0": 1.5, "0.7": 1.3}  # issue 33: decode over plain decoding, greedy and at temperature 0.7
@@ -88,11 +89,6 @@ def state_cost(runs: dict, name: str) -> list[float]:
     return out
 
 
-def quartiles(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
-    return {"n": len(xs), "q1": q[0], "median": q[1], "q3": q[2]}
-
-
 def gather() -> dict:
     paths = sorted(RESULTS.glob("drafters-defaults48*.json"))
     rows = [r for r in map(reading, paths) if r]
@@ -107,7 +103,7 @@ def gather() -> dict:
     tags = {r["tag"] for r in rows}
     stored = [d for d in (json.loads(p.read_text()) for p in paths if p.stem in tags) if d.get("runs")]
     cost = {t: {side: quartiles(xs) for side in ("ours AR", "ours defaults")
-                for xs in [[x for d in stored for x in state_cost(d["runs"].get(t, {}), side)]] if xs}
+                for xs in [[x for d in stored for x in state_cost(d["runs"].get(t, {}), side)]] if len(xs) > 1}
             for t in TARGETS}
     return {"targets": TARGETS, "readings": rows, "hosts": hosts,
             "state_cost": {"readings": len(stored), **cost}}

@@ -161,12 +161,7 @@ class Engine:
         from the first request (SpeculativeDecoder.lone_ready): every verify width through the target's one-call
         forward (LlamaForCausalLM.runs_natively), the drafter's round one C++ call (Proposer.lone_round_native) or
         no compiled drafter, and a cost model at hand for auto K (a first start profiles after the warm-up)."""
-        decoder = self.decoder
-        if getattr(decoder.spec_length, "costs", True) is None:
-            return False
-        if self.kv.lookahead + 1 > kernels.MAX_ROWS or not self.model.runs_natively(self.kv.pool):
-            return False
-        return warmup.drafter is None or warmup.proposer.lone_round_native()
+        return getattr(self.decoder.spec_length, "costs", True) is not None and warmup.lone_native
 
     def _compiles_in_background(self) -> bool:
         """Whether a compiled target's steps are built in a background thread: where a step run eagerly meanwhile

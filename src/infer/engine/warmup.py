@@ -220,7 +220,8 @@ class Warmup:
         self.key = (type(self.kv.pool).__name__, repr(sorted(self.kv.pool.layout().items())), k_max, tree, max_batch)
         self.draft_key = (repr(sorted(self.kv.draft_pool.layout().items())), k_max) if draft else None
         stages = warmup_stages(k_max, tree, max_batch, draft, self.model.compiled.max_tokens)
-        if self._lone_steps_native(tree):
+        self.lone_native = self._lone_steps_native()
+        if self.lone_native and not tree:  # a tree's verify masks: a graph
             # a lone row's steps are one C++ call each and take no graph, so only the batched stages are built (none
             # at max_batch_size 1): `infer chat`'s first replies ran at 54-114 tok/s beside a compiler building
             # graphs they never used, against 184-250 without it (SmolLM2, Zen 4), and its rounds as fast after
@@ -241,11 +242,11 @@ class Warmup:
         self._closed_at = 0.0  # when the engine last took the time back
         self._stop = False
 
-    def _lone_steps_native(self, tree: bool) -> bool:
-        """Whether a lone row's every step runs without a graph: the target's decode and verify widths through its
-        one-call forward (LlamaForCausalLM.runs_natively; not a tree's verify, which masks), and the drafter's round
-        as one C++ call (Proposer.lone_round_native) or no compiled drafter."""
-        if tree or self.kv.lookahead + 1 > kernels.MAX_ROWS or not self.model.runs_natively(self.kv.pool):
+    def _lone_steps_native(self) -> bool:
+        """Whether a lone row's chain steps run without a graph: the target's decode and every verify width through
+        its one-call forward (LlamaForCausalLM.runs_natively), and the drafter's round as one C++ call
+        (Proposer.lone_round_native) or no compiled drafter."""
+        if self.kv.lookahead + 1 > kernels.MAX_ROWS or not self.model.runs_natively(self.kv.pool):
             return False
         return self.drafter is None or self.proposer.lone_round_native()
 
