@@ -77,6 +77,27 @@ def test_bad_input_is_a_400_naming_the_field(server, route, body, param):
     assert r["error"]["param"].startswith(param) and r["error"]["type"] == "invalid_request_error"
 
 
+UNSUPPORTED = [  # OpenAI fields that would change the output and that infer does not implement: (route, field, value)
+    (CHAT, "frequency_penalty", 0.5), (CHAT, "presence_penalty", -1), ("/v1/completions", "logit_bias", {"7": 5}),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/completions", "suffix", "x"), ("/v1/completions", "best_of", 3),
+]
+
+
+@pytest.mark.parametrize("route, field, value", UNSUPPORTED, ids=[f for _, f, _ in UNSUPPORTED])
+def test_unsupported_openai_fields_are_refused_by_name_not_dropped(server, route, field, value):
+    """A request asking for what the server does not do gets a 400 naming the field (it was dropped in silence); the
+    same field at its default (as clients send it: presence_penalty 0, logit_bias {}, tools [], best_of 1) is served."""
+    body = {"model": NAME, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if route == CHAT
+                                               else {"prompt": "x"})}
+    status, r = _post(server, route, {**body, field: value})
+    assert status == 400 and r["error"]["param"] == field and "not supported" in r["error"]["message"], r
+    default = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "suffix": "",
+               "best_of": 1}[field]
+    status, r = _post(server, route, {**body, field: default})
+    assert status == 200, r
+
+
 def test_a_body_that_is_not_json_says_so(server):
     status, r = _post(server, "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in r["error"]["message"] and r["error"]["param"] is None

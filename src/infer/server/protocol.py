@@ -13,8 +13,22 @@ from ..structured import StructuredOutput
 
 
 # Strict types, as OpenAI's API: "16" is not an integer and "yes" not a boolean (an integer is still a number).
-# Unknown OpenAI fields (user, ...) are accepted and ignored.
+# Unknown OpenAI fields (user, ...) are accepted and ignored; the OpenAI fields that would change the output and that
+# infer does not implement are refused when they ask for anything (``_unsupported``), never dropped in silence.
 STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _unsupported(what: str, off=(None, 0, "", [], {})):
+    """A validator refusing a field whose value asks for something (anything but the values in ``off``: its default,
+    0, empty)."""
+    def check(value):
+        if value not in off:
+            raise ValueError(f"not supported by this server ({what})")
+        return value
+    return check
+
+
+PENALTIES = "repetition_penalty is: a multiplicative penalty on every token already in the prompt or output"
 
 
 def valid_text(value):
@@ -92,7 +106,17 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
+    # OpenAI fields infer does not implement: accepted at their defaults (clients send presence_penalty=0 and the
+    # like by default), refused with a 400 naming them otherwise
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+
     _valid_stop = field_validator("stop")(valid_text)
+    _no_penalties = field_validator("presence_penalty", "frequency_penalty")(_unsupported(PENALTIES))
+    _no_bias = field_validator("logit_bias")(_unsupported("no logit bias; structured_outputs constrain the tokens"))
+    _no_tools = field_validator("tools")(_unsupported("no tool calling"))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint asked for and the field that asked (for a 400 naming it); ValueError if it is malformed."""
@@ -125,6 +149,11 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _no_suffix = field_validator("suffix")(_unsupported("no insertion after a suffix"))
+    _best_of = field_validator("best_of")(_unsupported("n choices are; best_of is not", off=(None, 1)))
 
     _valid_prompt = field_validator("prompt")(valid_text)
 
