@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from infer.sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
+from infer.sampling import (IN_PROMPT, SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator,
+                            penalty_context, sample)
 
 P = torch.tensor([0.5, 0.25, 0.15, 0.1])
 LOGITS = P.log()[None]  # softmax(LOGITS) == P
@@ -106,16 +107,40 @@ def test_min_p():
 
 def test_repetition_penalty():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
-    seen = seen_mask([[0, 1, 1]], 4, "cpu")
+    seen = penalty_context([[0, 1, 1]], 4, "cpu")
     penalised = torch.tensor([1.0, -2.0, 0.5, 0.0])  # positive / 2, negative * 2, unseen unchanged
     assert close(probs(logits, seen, repetition_penalty=2.0), penalised.softmax(-1).tolist())
-    with pytest.raises(ValueError, match="seen-token mask"):
+    with pytest.raises(ValueError, match="penalty context"):
         probs(logits, None, repetition_penalty=2.0)
+
+
+def test_penalty_context_counts_the_output_and_flags_the_prompt():
+    ctx = penalty_context([[0, 3, 3, 1, 1, 1], [2]], 4, "cpu", output_from=[3, 0])
+    assert ctx.tolist() == [[IN_PROMPT, 3, 0, IN_PROMPT], [0, 0, 1, 0]]
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """logit - frequency x count(output) - presence x [count > 0], after the repetition penalty (vLLM's order);
+    prompt tokens are not counted for the two (OpenAI's and vLLM's rule), a prompt token seen in the output is."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, 1.0]])
+    ctx = penalty_context([[0, 4, 1, 1, 4]], 5, "cpu", output_from=[2])  # prompt 0 4, output 1 1 4
+    want = logits[0] - 0.3 * torch.tensor([0, 2, 0, 0, 1]) - 0.5 * torch.tensor([0, 1, 0, 0, 1])
+    got = probs(logits, ctx, presence_penalty=0.5, frequency_penalty=0.3)
+    assert close(got, want.softmax(-1).tolist())
+    rep = torch.tensor([1.0, -2.0, 0.5, 0.0, 0.5])  # repetition 2 over prompt and output: 0, 1, 4 seen
+    want = rep - 0.3 * torch.tensor([0, 2, 0, 0, 1]) - 0.5 * torch.tensor([0, 1, 0, 0, 1])
+    assert close(probs(logits, ctx, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3),
+                 want.softmax(-1).tolist())
+    assert close(probs(logits, ctx, temperature=0.0, frequency_penalty=2.0), [1, 0, 0, 0, 0])
+    assert close(probs(logits, ctx, temperature=0.0, presence_penalty=-2.0), [0, 0, 0, 0, 1])  # negative: favoured
+    for bad in (2.5, -3, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="presence_penalty"):
+            SamplingParams(presence_penalty=bad)
 
 
 def test_stage_order_penalty_temperature_topk():
     logits = torch.tensor([[2.0, 1.8, 0.5, 0.0]])
-    seen = seen_mask([[0]], 4, "cpu")
+    seen = penalty_context([[0]], 4, "cpu")
     # penalty: [1.0, 1.8, 0.5, 0.0] -> /T=0.5: [2.0, 3.6, 1.0, 0.0] -> top-2: tokens 1 and 0
     e = torch.tensor([3.6, 2.0]).softmax(-1)
     assert close(probs(logits, seen, repetition_penalty=2.0, temperature=0.5, top_k=2), [e[1], e[0], 0, 0])
@@ -124,7 +149,7 @@ def test_stage_order_penalty_temperature_topk():
 def test_greedy_is_one_hot_on_penalised_argmax():
     logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
     assert close(probs(logits, temperature=0.0), [1, 0, 0, 0])
-    seen = seen_mask([[0]], 4, "cpu")
+    seen = penalty_context([[0]], 4, "cpu")
     assert close(probs(logits, seen, temperature=0.0, repetition_penalty=2.0), [0, 1, 0, 0])
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, seen_mask
+from infer.sampling import SamplingBatch, SamplingParams, logits_to_probs, penalty_context
 from infer.speculative import speculative_generate
 from infer.testing import random_llama
 
@@ -26,12 +26,13 @@ def models():
     return random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
 
 
-def _next(target, seqs, params) -> torch.Tensor:
-    """p(. | seq) for each sequence, through the sampling pipeline (a repetition penalty sees the sequence).
-    [len(seqs), V]"""
+def _next(target, seqs, params, prompt_len: int | None = None) -> torch.Tensor:
+    """p(. | seq) for each sequence, through the sampling pipeline (the penalties see the sequence: its first
+    ``prompt_len`` tokens as the prompt, the rest as output). [len(seqs), V]"""
     V = target.config.vocab_size
     batch = SamplingBatch.from_params([params], V, "cpu").expand(len(seqs))
-    seen = seen_mask(seqs, V, "cpu") if batch.use_penalty else None
+    seen = penalty_context(seqs, V, "cpu", [len(s) if prompt_len is None else prompt_len for s in seqs]) \
+        if batch.use_penalty else None
     with torch.no_grad():
         return logits_to_probs(target.compute_logits(target(torch.tensor(seqs)))[:, -1], batch, seen)
 
@@ -41,11 +42,13 @@ def exact_joint(target, params, first: int = 2, prompt=None) -> torch.Tensor:
     (the first summed out)."""
     prompt = PROMPT if prompt is None else prompt
     V = target.config.vocab_size
+    n = len(prompt)
     if first == 1:
-        return _next(target, [prompt], params)[0][:, None] * _next(target, [prompt + [x] for x in range(V)], params)
-    p1 = _next(target, [prompt], params)[0]  # [V]
-    p2 = _next(target, [prompt + [a] for a in range(V)], params)  # [V(x1), V(x2)]
-    p3 = _next(target, [prompt + [a, b] for a in range(V) for b in range(V)], params).view(V, V, V)
+        return _next(target, [prompt], params, n)[0][:, None] * _next(target, [prompt + [x] for x in range(V)],
+                                                                       params, n)
+    p1 = _next(target, [prompt], params, n)[0]  # [V]
+    p2 = _next(target, [prompt + [a] for a in range(V)], params, n)  # [V(x1), V(x2)]
+    p3 = _next(target, [prompt + [a, b] for a in range(V) for b in range(V)], params, n).view(V, V, V)
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
 
 
@@ -76,6 +79,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 PARAMS = {  # max_tokens 4: the round after the first token has room for K = 2 drafts
     "temperature 1": SamplingParams(temperature=1.0, max_tokens=4),
     "temperature 0.7, top-k 5, top-p 0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4),
+    # every penalty at once, strong enough to reshape p at each judged position (x3's law sees x1 and x2)
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=1.0,
+                                frequency_penalty=0.7, max_tokens=4),
 }
 
 
@@ -83,6 +89,17 @@ def test_speculative_joint_distribution_equals_target(models):
     target, drafter = models
     params = PARAMS["temperature 0.7, top-k 5, top-p 0.9"]
     assert chi2_pvalue(sampled_joint(target, drafter, params), exact_joint(target, params)) > 0.001
+
+
+def test_penalties_keep_the_joint_distribution(models):
+    """Repetition, presence and frequency penalties: each verified position's p sees the context grown by the drafts
+    before it (the drafts' q likewise), so the round still reproduces the target's penalised law; the exact law
+    without penalties is far from it (the check tells the two apart)."""
+    target, drafter = models
+    params = PARAMS["penalties"]
+    counts = sampled_joint(target, drafter, params)
+    assert chi2_pvalue(counts, exact_joint(target, params)) > 0.001
+    assert chi2_pvalue(counts, exact_joint(target, PARAMS["temperature 1"])) < 1e-4
 
 
 def test_lossy_variant_is_detected(models):

@@ -21,9 +21,11 @@ def pair(gqa_dir, tmp_path_factory):
     return load_model(gqa_dir), load_model(d), d
 
 
-def assert_greedy_parity(target, drafter, prompts=PROMPTS, max_tokens=25, repetition_penalty=1.0, **kw):
+def assert_greedy_parity(target, drafter, prompts=PROMPTS, max_tokens=25, repetition_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0, **kw):
     """Speculative output == the target's own greedy output for every prompt; returns [(Request, SpecStats)]."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     runs = []
     for prompt in prompts:
         expected = autoregressive_generate(target, prompt, params, []).output_ids
@@ -59,6 +61,18 @@ def test_greedy_parity_with_repetition_penalty(pair):
     target, drafter, _ = pair
     for d in (drafter, target):
         assert_greedy_parity(target, d, spec_length=4, repetition_penalty=1.5)
+
+
+def test_greedy_parity_with_presence_and_frequency_penalties(pair):
+    """OpenAI's penalties count the output, the accepted drafts included: a draft repeated within a round is
+    counted twice at the position after it. Penalties that change the greedy text (checked) keep speculation's."""
+    target, drafter, _ = pair
+    plain = SamplingParams(temperature=0, max_tokens=25)
+    penalised = SamplingParams(temperature=0, max_tokens=25, frequency_penalty=1.5, presence_penalty=0.5)
+    assert any(autoregressive_generate(target, p, plain, []).output_ids !=
+               autoregressive_generate(target, p, penalised, []).output_ids for p in PROMPTS)
+    for d in (drafter, target):
+        assert_greedy_parity(target, d, spec_length=4, frequency_penalty=1.5, presence_penalty=0.5)
 
 
 def _self_draft_until(target, prompt, **kw):

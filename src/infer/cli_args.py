@@ -72,6 +72,9 @@ HELP = {
     "max_waiting_requests": "queue bound; more gets 503 from the server",
     "EngineConfig.seed": "seed for requests that bring none",
     "SamplingParams.seed": "the request's sampling seed (same seed, same output)",
+    "repetition_penalty": "multiplicative, on tokens of the prompt or the output (1: off)",
+    "presence_penalty": "OpenAI's: subtracted from the logit of each token the output holds, in [-2, 2] (0: off)",
+    "frequency_penalty": "OpenAI's: subtracted once per occurrence in the output, in [-2, 2] (0: off)",
     "temperature": "0 = greedy",
     "top_k": "<= 0: off",
     "stop": "stop string (repeatable)",
@@ -86,8 +89,8 @@ SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_leng
                "suffix_max_tokens", "suffix_min_prob", "suffix_length_factor", "suffix_min_match",
                "suffix_own_length_factor", "suffix_min_score", "acceptance", "lenience",
                "draft_vocab_size", "draft_quantization", "cross_tokenizer")
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                   "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "ignore_eos")
 
 
 # what a user types for each annotation (argparse's message names these, not Python's types)

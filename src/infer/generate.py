@@ -9,7 +9,7 @@ import torch
 from .cache import KVCachePool, SlottedKVCache
 from .model.llama import LlamaForCausalLM
 from .request import Request
-from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, sample, seen_mask
+from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, penalty_context, sample
 from .tokenizer import Tokenizer
 
 
@@ -25,14 +25,15 @@ def check_fits(model: LlamaForCausalLM, prompt_len: int, max_tokens: int) -> Non
 
 
 class TokenSampler:
-    """Next-token choice for one request: the shared pipeline plus an incrementally kept seen-token mask."""
+    """Next-token choice for one request: the shared pipeline plus an incrementally kept penalty context (the
+    ``context`` given is the prompt; each observed token is output)."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device, context: list[int],
                  generator: torch.Generator | None):
         self.batch = SamplingBatch.from_params([params], vocab_size, device)
         self.greedy = params.greedy
         self.generator = generator
-        self.seen = seen_mask([context], vocab_size, device) if self.batch.use_penalty else None
+        self.seen = penalty_context([context], vocab_size, device) if self.batch.use_penalty else None
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> probs [1, V] (the same pipeline speculative decoding applies)."""
@@ -46,7 +47,7 @@ class TokenSampler:
 
     def observe(self, token: int) -> None:
         if self.seen is not None:
-            self.seen[0, token] = True
+            self.seen[0, token] += 1
 
 
 @torch.inference_mode()

@@ -26,7 +26,9 @@ class SamplingParams:
     top_k: int = 0  # <= 0: off
     top_p: float = 1.0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # multiplicative, on tokens of the prompt or the output (CTRL, HF, vLLM)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from tokens the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
     max_tokens: int = 16
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -52,6 +54,10 @@ class SamplingParams:
             bad("min_p", "must be in [0, 1]")
         if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
             bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                bad(name, "must be a number in [-2, 2] (0: off)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if isinstance(self.stop, str):
@@ -80,6 +86,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty reshapes the logits (each needs the row's ``penalty_context``)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A request's private RNG: seeded -> reproducible whatever else runs; unseeded -> fresh entropy."""
@@ -103,6 +114,8 @@ class SamplingBatch:
     top_p: torch.Tensor  # [N]
     min_p: torch.Tensor  # [N]
     repetition_penalty: torch.Tensor  # [N]
+    presence_penalty: torch.Tensor  # [N]
+    frequency_penalty: torch.Tensor  # [N]
     greedy: torch.Tensor  # [N] bool
     all_greedy: bool
     use_top_k: bool
@@ -119,7 +132,8 @@ class SamplingBatch:
         were ~0.1 ms of a sampled round's cold host work. Kept apart by inference mode too: each caller gets the kind
         of tensor it would have built (an inference tensor cannot be saved for autograd, and a compiled draft round
         traced with inference tensors guards on it: another kind would recompile it)."""
-        key = (tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) for p in params), vocab_size,
+        key = (tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                      p.frequency_penalty) for p in params), vocab_size,
                str(device), torch.is_inference_mode_enabled())
         hit = _BATCHES.get(key)
         if hit is None:
@@ -140,12 +154,14 @@ class SamplingBatch:
             top_p=t([p.top_p for p in params]),
             min_p=t([p.min_p for p in params]),
             repetition_penalty=t([p.repetition_penalty for p in params]),
+            presence_penalty=t([p.presence_penalty for p in params]),
+            frequency_penalty=t([p.frequency_penalty for p in params]),
             greedy=t([p.greedy for p in params], torch.bool),
             all_greedy=all(p.greedy for p in params),
             use_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in params),
             use_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
             use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
-            use_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            use_penalty=any(p.penalised for p in params),
             rows=list(params),
         )
 
@@ -160,7 +176,8 @@ class SamplingBatch:
         """Repeat each row ``n`` times (row-major), e.g. for K+1 verification positions per request."""
         rep = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
         return SamplingBatch(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
-                             rep(self.repetition_penalty), rep(self.greedy), self.all_greedy, self.use_top_k,
+                             rep(self.repetition_penalty), rep(self.presence_penalty), rep(self.frequency_penalty),
+                             rep(self.greedy), self.all_greedy, self.use_top_k,
                              self.use_top_p, self.use_min_p, self.use_penalty,
                              [p for p in self.rows for _ in range(n)])
 
@@ -175,31 +192,62 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, scaled, logits)
 
 
-def seen_mask(contexts: list[list[int]] | torch.Tensor, vocab_size: int, device) -> torch.Tensor:
-    """[N, V] bool: which tokens occur in each row's context (prompt + generated so far)."""
-    if isinstance(contexts, torch.Tensor):
-        ctx = contexts.to(device)
-    else:
-        width = max(1, max(len(c) for c in contexts))
-        ctx = torch.full((len(contexts), width), -1, dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ctx[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
-        ctx = ctx.to(device)
-    mask = torch.zeros(ctx.shape[0], vocab_size + 1, dtype=torch.bool, device=device)
-    mask.scatter_(1, torch.where(ctx < 0, vocab_size, ctx), True)  # -1 padding lands in a spare column
-    return mask[:, :vocab_size]
+# A row's penalty context, [N, V] int32: how often each token occurs in the row's output, plus IN_PROMPT where it
+# occurs in the prompt. One tensor serves the three penalties (repetition: > 0, prompt or output, as HF and vLLM;
+# presence and frequency: the output's count, % IN_PROMPT, as OpenAI and vLLM), and a draft extends it by plain
+# addition (context + one_hot(draft)): a speculative round's positions each see the context plus the drafts before.
+IN_PROMPT = 1 << 24
 
 
-def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [N, V] (float32) -> probabilities [N, V] after penalty, temperature, top-k, top-p, min-p.
+def penalty_context(seqs: list[list[int]], vocab_size: int, device, output_from: list[int] | None = None
+                    ) -> torch.Tensor:
+    """[N, V] int32 (``IN_PROMPT``'s layout) for sequences ``seqs`` (prompt + output so far), row i's output
+    starting at ``output_from[i]`` (None: no output, every token a prompt's)."""
+    n = len(seqs)
+    starts = [len(c) for c in seqs] if output_from is None else list(output_from)
+
+    def padded(parts: list[list[int]]) -> torch.Tensor:  # -1 pads land in a spare column, vocab_size
+        width = max(1, max(len(c) for c in parts))
+        ids = torch.full((n, width), vocab_size, dtype=torch.long)
+        for i, c in enumerate(parts):
+            ids[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
+        return ids.to(device)
+
+    ctx = torch.zeros(n, vocab_size + 1, dtype=torch.int32, device=device)
+    ctx.scatter_(1, padded([c[:o] for c, o in zip(seqs, starts)]), IN_PROMPT)
+    outs = [c[o:] for c, o in zip(seqs, starts)]
+    if any(outs):
+        idx = padded(outs)
+        ctx.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.int32, device=device))
+    return ctx[:, :vocab_size]
+
+
+def request_contexts(reqs, vocab_size: int, device) -> torch.Tensor:
+    """``penalty_context`` of engine requests (their ``prompt_ids`` and ``output_ids``)."""
+    return penalty_context([r.prompt_ids + r.output_ids for r in reqs], vocab_size, device,
+                           [len(r.prompt_ids) for r in reqs])
+
+
+def apply_penalties(logits: torch.Tensor, ctx: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] with each row's penalties applied over its context ``ctx`` [N, V] (``penalty_context``): the
+    repetition penalty on every token of the prompt or output, then the output's counts times the frequency penalty
+    and, where it holds the token at all, the presence penalty subtracted (vLLM's order; OpenAI's formula)."""
+    logits = apply_repetition_penalty(logits, ctx > 0, batch.repetition_penalty)
+    counts = (ctx % IN_PROMPT).to(logits.dtype)
+    return logits - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
+
+
+def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch, context: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] (float32) -> probabilities [N, V] after penalties (over each row's ``context``, a
+    ``penalty_context``), temperature, top-k, top-p, min-p.
 
     Greedy rows come back one-hot on the argmax of the penalised logits. Masked tokens get probability exactly 0.
     """
     logits = logits.float()
     if batch.use_penalty:
-        if seen is None:
-            raise ValueError("repetition_penalty needs the seen-token mask of each row's context")
-        logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+        if context is None:
+            raise ValueError("a penalty needs each row's penalty context (sampling.penalty_context)")
+        logits = apply_penalties(logits, context, batch)
     if batch.all_greedy:
         return _one_hot_argmax(logits)
     logits = logits / batch.temperature[:, None]

@@ -19,7 +19,7 @@ from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..structured import mask_rows_
-from ..sampling import SamplingBatch, argmax, logits_to_probs, sample, seen_mask
+from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts, sample
 from .kv_manager import KVManager
 from .stats import EngineStats
 
@@ -67,11 +67,11 @@ class ModelRunner:
         if any(r.grammar is not None for r in reqs):
             mask_rows_(logits, [r.grammar for r in reqs])
         params = [r.params for r in reqs]
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        if all(p.greedy and not p.penalised for p in params):
             return argmax(logits).tolist()
         batch = SamplingBatch.from_params(params, self.vocab_size, self.device)
-        seen = seen_mask([r.all_ids() for r in reqs], self.vocab_size, self.device) if batch.use_penalty else None
-        probs = logits_to_probs(logits, batch, seen)
+        ctx = request_contexts(reqs, self.vocab_size, self.device) if batch.use_penalty else None
+        probs = logits_to_probs(logits, batch, ctx)
         return sample(probs, [r.generator for r in reqs], [p.greedy for p in params]).tolist()
 
     def emit(self, req: Request, token: int, logits: torch.Tensor | None = None, source: str = "target",

@@ -65,7 +65,7 @@ class DraftBatch:
     reqs: list[Request]
     ks: list[int]  # drafts asked of each row (0: none)
     sampling: SamplingBatch | None  # None: every row greedy without a penalty (argmax drafting, q not needed)
-    seen: torch.Tensor | None  # [B, V] bool context tokens, when a repetition penalty is on
+    seen: torch.Tensor | None  # [B, V] the rows' penalty contexts (sampling.penalty_context), when a penalty is on
     generators: list[torch.Generator | None]
     vocab_size: int
     device: torch.device
@@ -366,8 +366,8 @@ class DraftDrawer:
             self.q[rows_t[:, None], j, dv.ids] = probs  # 0 outside S (a fresh tensor each proposal)
         if self.conf is not None:
             self.conf[rows_t, j] = probs.gather(1, drawn[:, None])[:, 0]
-        if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j
-            self.ctx_seen[rows_t, self.drafts[rows_t, j]] = True
+        if self.ctx_seen is not None:  # the penalty context of draft j+1 includes draft j (once more)
+            self.ctx_seen[rows_t, self.drafts[rows_t, j]] += 1
         if grammar is not None:
             grammar.push(j, reqs, self.drafts[rows_t, j])
         return self.drafts[rows_t, j]

@@ -28,7 +28,6 @@ def _unsupported(what: str, off=(None, 0, "", [], {})):
     return check
 
 
-PENALTIES = "repetition_penalty is: a multiplicative penalty on every token already in the prompt or output"
 
 
 def valid_text(value):
@@ -96,6 +95,8 @@ class _Common(BaseModel):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=16)
@@ -106,15 +107,12 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
-    # OpenAI fields infer does not implement: accepted at their defaults (clients send presence_penalty=0 and the
-    # like by default), refused with a 400 naming them otherwise
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # OpenAI fields infer does not implement: accepted at their defaults (clients send logit_bias={} and the like by
+    # default), refused with a 400 naming them otherwise
     logit_bias: dict | None = None
     tools: list | None = None
 
     _valid_stop = field_validator("stop")(valid_text)
-    _no_penalties = field_validator("presence_penalty", "frequency_penalty")(_unsupported(PENALTIES))
     _no_bias = field_validator("logit_bias")(_unsupported("no logit bias; structured_outputs constrain the tokens"))
     _no_tools = field_validator("tools")(_unsupported("no tool calling"))
 
@@ -141,7 +139,8 @@ class _Common(BaseModel):
                         structured: StructuredOutput | None = None) -> SamplingParams:
         seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, max_tokens=max_tokens, stop=self.stop,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, max_tokens=max_tokens, stop=self.stop,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured)
 
 

@@ -15,7 +15,7 @@ last token g_b is unfed):
   rollback the KV manager truncates the target to L_b + a_b and the drafter to at most that (lengths only)
   emit     tokens one by one through Request.append: stop conditions act on accepted tokens only
 
-p comes from the same sampling pipeline as q, with the repetition-penalty context grown by t_b1..t_bj at
+p comes from the same sampling pipeline as q, with the penalties' context grown by t_b1..t_bj at
 position j, so every emitted token is distributed exactly as autoregressive sampling from the target (Leviathan
 et al. 2023) under the default ExactAcceptance. Rows with K_b = 0 are plain decodes inside the same verify pass.
 """
@@ -29,7 +29,7 @@ import torch
 
 from ..proposers.base import DraftBatch, Proposal, Proposer
 from ..request import Request, StepOutput
-from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
+from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
 from .tree import MAX_NODES, TreeShape
@@ -126,13 +126,13 @@ class SpeculativeDecoder:
 
     def _early(self, reqs: list[Request]) -> bool:
         """Whether these rows draft before the warm-up is done: one request (``lone_ready``) whose round is the
-        one-call one: no grammar (its masks go through the drafter's single steps), no repetition penalty (its
+        one-call one: no grammar (its masks go through the drafter's single steps), no penalty (its
         pipeline drafts in single steps too), no EGAG (it reads the drafter's raw logits); chains only (``decode``
         leaves trees until ready). The tokens are the same either way (every step gives eager's bits); only the
         speed differs."""
         if not self.lone_ready or len(reqs) != 1 or self.spec_length.needs_logits:
             return False
-        return reqs[0].grammar is None and reqs[0].params.repetition_penalty == 1.0
+        return reqs[0].grammar is None and not reqs[0].params.penalised
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
@@ -150,9 +150,9 @@ class SpeculativeDecoder:
             return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
         params = [r.params for r in reqs]
-        fast_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+        fast_greedy = all(p.greedy and not p.penalised for p in params)
         sampling = None if fast_greedy else SamplingBatch.from_params(params, V, dev)
-        seen = seen_mask([r.all_ids() for r in reqs], V, dev) if sampling is not None and sampling.use_penalty else None
+        seen = request_contexts(reqs, V, dev) if sampling is not None and sampling.use_penalty else None
         gens = [r.generator for r in reqs]
         keep_logits = self.spec_length.needs_logits  # EGAG reads the drafter's raw logits
         K = max(max(ks), max(map(len, forced.values()), default=0))
@@ -213,9 +213,9 @@ class SpeculativeDecoder:
             else:
                 nd_t = torch.tensor(nd, device=dev)
                 p_seen = None
-                if seen is not None:  # position j sees the context plus t_1 .. t_j
-                    grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).bool()  # [B, K, V]
-                    p_seen = torch.cat([seen[:, None], seen[:, None] | grow], 1).view(B * (K + 1), V)
+                if seen is not None:  # position j's penalty context: the row's plus t_1 .. t_j
+                    grow = torch.nn.functional.one_hot(drafts, V).cumsum(1).to(seen.dtype)  # [B, K, V]
+                    p_seen = torch.cat([seen[:, None], seen[:, None] + grow], 1).view(B * (K + 1), V)
                 p = logits_to_probs(logits.view(B * (K + 1), V), sampling.expand(K + 1), p_seen).view(B, K + 1, V)
                 res = verify(drafts, q, p, gens, [pr.greedy for pr in params], nd_t, self.acceptance,
                              diagnostics=self.on_round is not None)  # E[accept] etc.: the debug view's alone

@@ -26,7 +26,7 @@ import torch
 
 from ..cache.base import TreeAttn
 from ..proposers.base import DraftBatch
-from ..sampling import SamplingBatch, argmax, logits_to_probs, seen_mask
+from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts
 from ..structured import mask_bias
 from .grammar import prune_tree
 from .tree import TreeShape, to_batch
@@ -48,9 +48,9 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     runner, kv = dec.runner, dec.kv
     B, V, dev = len(reqs), runner.vocab_size, runner.device
     params = [r.params for r in reqs]
-    fast_greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+    fast_greedy = all(p.greedy and not p.penalised for p in params)
     sampling = None if fast_greedy else SamplingBatch.from_params(params, V, dev)
-    seen = seen_mask([r.all_ids() for r in reqs], V, dev) if sampling is not None and sampling.use_penalty else None
+    seen = request_contexts(reqs, V, dev) if sampling is not None and sampling.use_penalty else None
     gens = [r.generator for r in reqs]
     t0 = time.perf_counter()
     grown = dec.proposer.propose_tree(DraftBatch(reqs, depths, sampling, seen, gens, V, dev), shape.width)
@@ -79,8 +79,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
         if seen is not None:  # node i's penalty context: the sequence plus the drafts on its path (root excluded)
             onehot = torch.nn.functional.one_hot(tokens, V).float()
             onehot[:, 0] = 0.0
-            path = torch.bmm(attn.visible.float(), onehot) > 0  # [B, N, V]
-            p_seen = (seen[:, None] | path).view(B * N, V)
+            path = torch.bmm(attn.visible.float(), onehot).round().to(seen.dtype)  # [B, N, V]: counts on the path
+            p_seen = (seen[:, None] + path).view(B * N, V)
         p = logits_to_probs(logits.view(B * N, V), sampling.expand(N), p_seen).view(B, N, V)
         res = tree_verify(tokens, parents, num_nodes, p, None, gens)
     paths, n_acc, out_tokens = res.path.tolist(), res.num_accepted.tolist(), res.output_tokens.tolist()
