@@ -185,7 +185,8 @@ def test_batched_greedy_parity_with_preemption(kind):
 
 
 PARAMS = [SamplingParams(temperature=1.0, max_tokens=4),
-          SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3, max_tokens=4)]
+          SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                         frequency_penalty=0.7, max_tokens=4)]  # a node's penalties count the drafts on its path
 PROMPT = [1, 2]
 
 
@@ -204,7 +205,7 @@ def _pvalue(kind, params, backend="paged"):
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
-@pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p+penalty"])
+@pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p+penalties"])
 @pytest.mark.parametrize("kind", ["draft", "medusa"])
 def test_joint_distribution_equals_target(kind, params, backend):
     assert _pvalue(kind, params, backend) > 0.001
