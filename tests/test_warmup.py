@@ -539,6 +539,28 @@ def test_a_stop_never_lands_in_another_librarys_cleanup():
     assert lock.acquire(timeout=1), "the stopped thread kept the lock"
 
 
+def test_a_stop_right_after_the_engine_starts_ends_the_thread_quietly(gqa_dir, monkeypatch):
+    """A script that builds an LLM and ends (no close(): the interpreter's exit stops the warm-up) while the thread
+    has not begun its stages: the stop lands at its first traced call, which was outside the run's try, and the
+    process printed the thread's _Stopped traceback at exit. Here the thread is held until the stop is asked for."""
+    held = {}
+
+    def hold_until_stopped():  # runs in the warm-up thread before its gate is set: where the stop used to land next
+        deadline = time.time() + 10
+        while not getattr(held.get("warmup"), "_stop", False) and time.time() < deadline:
+            time.sleep(0.01)
+        return True
+
+    errors = []
+    monkeypatch.setattr(warmup.kernels, "one_thread_here", hold_until_stopped)
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_type))
+    llm = LLM(gqa_dir, compile=True, max_batch_size=1)
+    held["warmup"] = llm.engine.warmup
+    llm.engine.warmup.stop(timeout=30)
+    assert llm.engine.warmup.done.is_set() and not llm.engine.warmup._thread.is_alive()
+    assert errors == [] and llm.engine.warmup.error is None
+
+
 def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them(gqa_dir):
     """What the warm-up runs decides which graphs exist before requests come: a lone row's tree verifies; a batch's
     rows at contexts of different lengths (masked steps, as served); then one of its rows alone on the blocks the

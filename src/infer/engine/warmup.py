@@ -363,11 +363,13 @@ class Warmup:
             # for a wake-up (an eager SmolLM2 step ran at half speed). This thread's count only: see one_thread_here.
             if not kernels.one_thread_here():
                 torch.set_num_threads(1)  # Engine.step restores the engine thread's count
-            sys.settrace(self._gate)  # this thread only
-            _lower_priority()
         start = time.perf_counter()
         try:
             if self._thread is not None:
+                # inside the try: a stop() at once (a script ending right after it built the engine) raises _Stopped
+                # at the first call the gate sees, and an uncaught one printed a traceback at the process's exit
+                sys.settrace(self._gate)  # this thread only
+                _lower_priority()
                 # the engine left this to us (Engine.__init__): the same values on 2 MiB pages, swapped in tensor by
                 # tensor; a step reading some old and some new tensors computes the same bits
                 place_on_hugepages(self.model)
