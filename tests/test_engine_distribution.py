@@ -60,14 +60,17 @@ def test_lossy_engine_is_detected(params):
 
 
 PENALISED = SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.7,
-                           max_tokens=3)
+                           logit_bias={2: 1.0, 5: -2.0}, max_tokens=3)
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 def test_engine_joint_distribution_with_penalties(backend):
-    """Repetition, presence and frequency penalties in a batched round: each position's p (and each draft's q)
-    sees its row's context plus the drafts before it; the law is the target's penalised one."""
+    """Repetition, presence and frequency penalties and a logit bias in a batched round: each position's p (and each
+    draft's q) sees its row's context plus the drafts before it; the law is the target's penalised one. With a draft
+    vocabulary too: the drafter's q over its columns takes the bias there."""
     assert _pvalue(PENALISED, kv_cache_backend=backend) > 0.001
+    if backend == "paged":
+        assert _pvalue(PENALISED, SUBSET) > 0.001
 
 
 SUBSET = [0, 2, 3, 6]  # plus the prompt's token 1

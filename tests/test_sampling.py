@@ -138,6 +138,24 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
             SamplingParams(presence_penalty=bad)
 
 
+def test_logit_bias_is_added_first():
+    """OpenAI's logit_bias: added to the raw logits before penalties and temperature; -100 bans in practice; JSON's
+    string keys read as ids; out of range or not ids: a ValueError naming the field."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    want = (logits[0] + torch.tensor([0.0, 3.0, 0.0, -1.5])) / 0.5
+    assert close(probs(logits, temperature=0.5, logit_bias={1: 3.0, "3": -1.5}), want.softmax(-1).tolist())
+    assert close(probs(logits, temperature=0.0, logit_bias={0: -100}), [0, 0, 1, 0])
+    ctx = penalty_context([[0]], 4, "cpu")  # the penalty sees the biased logit: (2 + 1) / 2
+    assert close(probs(logits, ctx, repetition_penalty=2.0, logit_bias={0: 1.0}),
+                 torch.tensor([1.5, -1.0, 0.5, 0.0]).softmax(-1).tolist())
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({-1: 1.0}, {2: 101.0}, {"x": 1.0}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="logit_bias names token 9"):
+        SamplingBatch.from_params([SamplingParams(logit_bias={9: 1.0})], 4, "cpu")
+
+
 def test_stage_order_penalty_temperature_topk():
     logits = torch.tensor([[2.0, 1.8, 0.5, 0.0]])
     seen = penalty_context([[0]], 4, "cpu")

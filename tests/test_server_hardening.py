@@ -78,7 +78,6 @@ def test_bad_input_is_a_400_naming_the_field(server, route, body, param):
 
 
 UNSUPPORTED = [  # OpenAI fields that would change the output and that infer does not implement: (route, field, value)
-    ("/v1/completions", "logit_bias", {"7": 5}),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/completions", "suffix", "x"), ("/v1/completions", "best_of", 3),
 ]
@@ -92,23 +91,29 @@ def test_unsupported_openai_fields_are_refused_by_name_not_dropped(server, route
                                                else {"prompt": "x"})}
     status, r = _post(server, route, {**body, field: value})
     assert status == 400 and r["error"]["param"] == field and "not supported" in r["error"]["message"], r
-    default = {"logit_bias": {}, "tools": [], "suffix": "", "best_of": 1}[field]
+    default = {"tools": [], "suffix": "", "best_of": 1}[field]
     status, r = _post(server, route, {**body, field: default})
     assert status == 200, r
 
 
-def test_openai_penalties_reach_the_sampler(server, long_ckpt):
-    """presence_penalty and frequency_penalty are served as the library applies them (greedy: the same text), and
-    out of OpenAI's range [-2, 2] they are a 400 naming the field."""
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=0.8, frequency_penalty=1.2)
+def test_openai_penalties_and_logit_bias_reach_the_sampler(server, long_ckpt):
+    """presence_penalty, frequency_penalty and logit_bias are served as the library applies them (greedy: the same
+    text, another than without them); out of range they are a 400 naming the field."""
     llm = LLM(long_ckpt)
-    want = llm.generate(["def f(x):"], params)[0].text
-    assert want != llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
+    greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate(["def f(x):"], SamplingParams(**greedy))[0]
     body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    status, r = _post(server, "/v1/completions", {**body, "presence_penalty": 0.8, "frequency_penalty": 1.2})
-    assert status == 200 and r["choices"][0]["text"] == want
-    status, r = _post(server, "/v1/completions", {**body, "frequency_penalty": 2.5})
-    assert status == 400 and r["error"]["param"] == "frequency_penalty"
+    banned = {str(t): -100 for t in set(plain.token_ids)}  # every token the plain text used, banned
+    for extra in ({"presence_penalty": 0.8, "frequency_penalty": 1.2}, {"logit_bias": banned}):
+        want = llm.generate(["def f(x):"], SamplingParams(**greedy, **extra))[0]
+        assert want.text != plain.text
+        status, r = _post(server, "/v1/completions", {**body, **extra})
+        assert status == 200 and r["choices"][0]["text"] == want.text
+    assert not set(want.token_ids) & set(plain.token_ids)
+    for field, value in (("frequency_penalty", 2.5), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"99999": 1})):
+        status, r = _post(server, "/v1/completions", {**body, field: value})
+        assert status == 400 and r["error"]["param"] == field, r
 
 
 def test_a_body_that_is_not_json_says_so(server):

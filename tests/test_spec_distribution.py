@@ -79,9 +79,10 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 PARAMS = {  # max_tokens 4: the round after the first token has room for K = 2 drafts
     "temperature 1": SamplingParams(temperature=1.0, max_tokens=4),
     "temperature 0.7, top-k 5, top-p 0.9": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4),
-    # every penalty at once, strong enough to reshape p at each judged position (x3's law sees x1 and x2)
+    # every penalty at once and a logit bias, strong enough to reshape p at each judged position (x3's law sees x1
+    # and x2)
     "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=1.0,
-                                frequency_penalty=0.7, max_tokens=4),
+                                frequency_penalty=0.7, logit_bias={2: 1.0, 5: -2.0}, max_tokens=4),
 }
 
 
@@ -92,9 +93,9 @@ def test_speculative_joint_distribution_equals_target(models):
 
 
 def test_penalties_keep_the_joint_distribution(models):
-    """Repetition, presence and frequency penalties: each verified position's p sees the context grown by the drafts
-    before it (the drafts' q likewise), so the round still reproduces the target's penalised law; the exact law
-    without penalties is far from it (the check tells the two apart)."""
+    """Repetition, presence and frequency penalties and a logit bias: each verified position's p sees the context
+    grown by the drafts before it (the drafts' q likewise), so the round still reproduces the target's penalised
+    law; the exact law without them is far from it (the check tells the two apart)."""
     target, drafter = models
     params = PARAMS["penalties"]
     counts = sampled_joint(target, drafter, params)

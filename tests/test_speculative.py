@@ -22,10 +22,11 @@ def pair(gqa_dir, tmp_path_factory):
 
 
 def assert_greedy_parity(target, drafter, prompts=PROMPTS, max_tokens=25, repetition_penalty=1.0,
-                         presence_penalty=0.0, frequency_penalty=0.0, **kw):
+                         presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, **kw):
     """Speculative output == the target's own greedy output for every prompt; returns [(Request, SpecStats)]."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=repetition_penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            logit_bias=logit_bias)
     runs = []
     for prompt in prompts:
         expected = autoregressive_generate(target, prompt, params, []).output_ids
@@ -73,6 +74,18 @@ def test_greedy_parity_with_presence_and_frequency_penalties(pair):
                autoregressive_generate(target, p, penalised, []).output_ids for p in PROMPTS)
     for d in (drafter, target):
         assert_greedy_parity(target, d, spec_length=4, frequency_penalty=1.5, presence_penalty=0.5)
+
+
+def test_greedy_parity_with_a_logit_bias(pair):
+    """A bias that moves the greedy text (checked): the verify's argmax is the biased logits', the drafts' too."""
+    target, drafter, _ = pair
+    bias = {t: 3.0 for t in range(0, 64, 3)}
+    plain = SamplingParams(temperature=0, max_tokens=25)
+    assert any(autoregressive_generate(target, p, plain, []).output_ids !=
+               autoregressive_generate(target, p, SamplingParams(temperature=0, max_tokens=25, logit_bias=bias),
+                                       []).output_ids for p in PROMPTS)
+    for d in (drafter, target):
+        assert_greedy_parity(target, d, spec_length=4, logit_bias=bias)
 
 
 def _self_draft_until(target, prompt, **kw):

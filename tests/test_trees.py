@@ -186,7 +186,8 @@ def test_batched_greedy_parity_with_preemption(kind):
 
 PARAMS = [SamplingParams(temperature=1.0, max_tokens=4),
           SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
-                         frequency_penalty=0.7, max_tokens=4)]  # a node's penalties count the drafts on its path
+                         frequency_penalty=0.7, logit_bias={3: 1.0}, max_tokens=4)]  # a node's penalties count
+# the drafts on its path
 PROMPT = [1, 2]
 
 

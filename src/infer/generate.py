@@ -41,7 +41,7 @@ class TokenSampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> token [1]."""
-        if self.greedy and self.seen is None:
+        if self.greedy and self.seen is None and self.batch.logit_bias is None:
             return argmax(logits)  # fast path: no probabilities needed
         return sample(self.probs(logits), [self.generator], [self.greedy])
 

@@ -29,6 +29,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # multiplicative, on tokens of the prompt or the output (CTRL, HF, vLLM)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from tokens the output holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to those logits before anything else (JSON's string
+    # keys are read as ids); -100 bans a token, 100 all but forces it
+    logit_bias: dict[int, float] | None = None
     max_tokens: int = 16
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -71,6 +74,14 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             bad("seed", "must be an integer in [0, 2**64) or None")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", "must map token ids to numbers")
+            if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+                bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+            self.logit_bias = self.logit_bias or None
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20] or None")
@@ -90,6 +101,12 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether a penalty reshapes the logits (each needs the row's ``penalty_context``)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether the law sampled is not the model's logits' own (a penalty or a bias): a greedy row then takes the
+        argmax of the reshaped logits, through the pipeline, not the raw argmax."""
+        return self.penalised or self.logit_bias is not None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -123,6 +140,7 @@ class SamplingBatch:
     use_min_p: bool
     use_penalty: bool
     rows: list[SamplingParams] = field(repr=False, default_factory=list)
+    logit_bias: torch.Tensor | None = None  # [N, V] float32 where a row has one (0 elsewhere), else None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], vocab_size: int, device) -> SamplingBatch:
@@ -133,7 +151,8 @@ class SamplingBatch:
         of tensor it would have built (an inference tensor cannot be saved for autograd, and a compiled draft round
         traced with inference tensors guards on it: another kind would recompile it)."""
         key = (tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                      p.frequency_penalty) for p in params), vocab_size,
+                      p.frequency_penalty, p.logit_bias and tuple(sorted(p.logit_bias.items())))
+                     for p in params), vocab_size,
                str(device), torch.is_inference_mode_enabled())
         hit = _BATCHES.get(key)
         if hit is None:
@@ -147,6 +166,17 @@ class SamplingBatch:
     def _build(cls, params: list[SamplingParams], vocab_size: int, device) -> SamplingBatch:
         def t(vals, dtype=torch.float32):
             return torch.tensor(vals, dtype=dtype, device=device)
+
+        bias = None
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(len(params), vocab_size)
+            for i, p in enumerate(params):
+                for tok, b in (p.logit_bias or {}).items():
+                    if tok >= vocab_size:
+                        raise ValueError(f"SamplingParams.logit_bias names token {tok}, outside the vocabulary "
+                                         f"[0, {vocab_size})")
+                    bias[i, tok] = b
+            bias = bias.to(device)
 
         return cls(
             temperature=t([p.temperature if p.temperature > 0 else 1.0 for p in params]),
@@ -163,6 +193,7 @@ class SamplingBatch:
             use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params),
             use_penalty=any(p.penalised for p in params),
             rows=list(params),
+            logit_bias=bias,
         )
 
     @property
@@ -170,7 +201,7 @@ class SamplingBatch:
         """Every row samples from its plain temperature law, softmax(logits / T): no greedy row, no top-k, top-p,
         min-p or penalty (known from the host's flags, no device sync)."""
         return bool(self.rows) and not (self.use_top_k or self.use_top_p or self.use_min_p or self.use_penalty) \
-            and not any(p.greedy for p in self.rows)
+            and self.logit_bias is None and not any(p.greedy for p in self.rows)
 
     def expand(self, n: int) -> SamplingBatch:
         """Repeat each row ``n`` times (row-major), e.g. for K+1 verification positions per request."""
@@ -179,7 +210,12 @@ class SamplingBatch:
                              rep(self.repetition_penalty), rep(self.presence_penalty), rep(self.frequency_penalty),
                              rep(self.greedy), self.all_greedy, self.use_top_k,
                              self.use_top_p, self.use_min_p, self.use_penalty,
-                             [p for p in self.rows for _ in range(n)])
+                             [p for p in self.rows for _ in range(n)],
+                             None if self.logit_bias is None else rep(self.logit_bias))
+
+    def over(self, ids: torch.Tensor) -> SamplingBatch:
+        """The same laws over a draft vocabulary's columns ``ids`` (a drafter's logits there): the bias sliced."""
+        return self if self.logit_bias is None else replace(self, logit_bias=self.logit_bias[:, ids])
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -238,12 +274,14 @@ def apply_penalties(logits: torch.Tensor, ctx: torch.Tensor, batch: SamplingBatc
 
 
 def logits_to_probs(logits: torch.Tensor, batch: SamplingBatch, context: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [N, V] (float32) -> probabilities [N, V] after penalties (over each row's ``context``, a
-    ``penalty_context``), temperature, top-k, top-p, min-p.
+    """logits [N, V] (float32) -> probabilities [N, V] after the logit bias, penalties (over each row's
+    ``context``, a ``penalty_context``), temperature, top-k, top-p, min-p.
 
     Greedy rows come back one-hot on the argmax of the penalised logits. Masked tokens get probability exactly 0.
     """
     logits = logits.float()
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
     if batch.use_penalty:
         if context is None:
             raise ValueError("a penalty needs each row's penalty context (sampling.penalty_context)")

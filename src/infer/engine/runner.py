@@ -67,7 +67,7 @@ class ModelRunner:
         if any(r.grammar is not None for r in reqs):
             mask_rows_(logits, [r.grammar for r in reqs])
         params = [r.params for r in reqs]
-        if all(p.greedy and not p.penalised for p in params):
+        if all(p.greedy and not p.reshapes_logits for p in params):
             return argmax(logits).tolist()
         batch = SamplingBatch.from_params(params, self.vocab_size, self.device)
         ctx = request_contexts(reqs, self.vocab_size, self.device) if batch.use_penalty else None

@@ -64,7 +64,7 @@ class DraftBatch:
 
     reqs: list[Request]
     ks: list[int]  # drafts asked of each row (0: none)
-    sampling: SamplingBatch | None  # None: every row greedy without a penalty (argmax drafting, q not needed)
+    sampling: SamplingBatch | None  # None: every row greedy, no penalty or bias (argmax drafting, q not needed)
     seen: torch.Tensor | None  # [B, V] the rows' penalty contexts (sampling.penalty_context), when a penalty is on
     generators: list[torch.Generator | None]
     vocab_size: int
@@ -356,7 +356,7 @@ class DraftDrawer:
         seen = None if self.ctx_seen is None else self.ctx_seen[rows_t]
         if seen is not None and dv is not None:
             seen = seen[:, dv.ids]
-        probs = logits_to_probs(logits, sub, seen)  # [n, V] or [n, N]
+        probs = logits_to_probs(logits, sub if dv is None else sub.over(dv.ids), seen)  # [n, V] or [n, N]
         drawn = sample(probs, [batch.generators[b] for b in idx], [batch.reqs[b].params.greedy for b in idx])
         if dv is None:
             self.drafts[rows_t, j] = drawn
@@ -391,8 +391,8 @@ def temperature_law_drafts(sampling: SamplingBatch) -> bool:
     top-p / min-p set, so a draft there is always rejected and the residual puts the mass back inside. What the
     filters' loss costs is acceptance (q's mass outside the set, ~1 - top_p where q is near p), against a
     data-dependent candidate search per draw that no compiled graph holds (sampling._top_k_top_p). A penalty
-    reshapes p inside the set, so penalised rows keep drafting from their own pipeline."""
-    return not (sampling.use_penalty or any(p.greedy for p in sampling.rows))
+    reshapes p inside the set, so penalised rows keep drafting from their own pipeline, and so do biased ones."""
+    return not (sampling.use_penalty or sampling.logit_bias is not None or any(p.greedy for p in sampling.rows))
 
 
 _GREEDY_UNIFORMS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (rows, draws, device) -> greedy's zeros

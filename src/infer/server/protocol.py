@@ -107,13 +107,12 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
-    # OpenAI fields infer does not implement: accepted at their defaults (clients send logit_bias={} and the like by
-    # default), refused with a 400 naming them otherwise
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
+    # OpenAI fields infer does not implement: accepted at their defaults (clients send tools=[] and the like), refused
+    # with a 400 naming them otherwise
     tools: list | None = None
 
     _valid_stop = field_validator("stop")(valid_text)
-    _no_bias = field_validator("logit_bias")(_unsupported("no logit bias; structured_outputs constrain the tokens"))
     _no_tools = field_validator("tools")(_unsupported("no tool calling"))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
@@ -140,7 +139,8 @@ class _Common(BaseModel):
         seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, max_tokens=max_tokens, stop=self.stop,
+                              frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
+                              max_tokens=max_tokens, stop=self.stop,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured)
 
 

@@ -126,13 +126,13 @@ class SpeculativeDecoder:
 
     def _early(self, reqs: list[Request]) -> bool:
         """Whether these rows draft before the warm-up is done: one request (``lone_ready``) whose round is the
-        one-call one: no grammar (its masks go through the drafter's single steps), no penalty (its
+        one-call one: no grammar (its masks go through the drafter's single steps), no penalty or bias (its
         pipeline drafts in single steps too), no EGAG (it reads the drafter's raw logits); chains only (``decode``
         leaves trees until ready). The tokens are the same either way (every step gives eager's bits); only the
         speed differs."""
         if not self.lone_ready or len(reqs) != 1 or self.spec_length.needs_logits:
             return False
-        return reqs[0].grammar is None and not reqs[0].params.penalised
+        return reqs[0].grammar is None and not reqs[0].params.reshapes_logits
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[tuple[Request, StepOutput]]:
@@ -150,7 +150,7 @@ class SpeculativeDecoder:
             return tree_round(self, reqs, [min(k, shape.depth) for k in ks], shape, t_in)
         runner, B, V, dev = self.runner, len(reqs), self.runner.vocab_size, self.runner.device
         params = [r.params for r in reqs]
-        fast_greedy = all(p.greedy and not p.penalised for p in params)
+        fast_greedy = all(p.greedy and not p.reshapes_logits for p in params)
         sampling = None if fast_greedy else SamplingBatch.from_params(params, V, dev)
         seen = request_contexts(reqs, V, dev) if sampling is not None and sampling.use_penalty else None
         gens = [r.generator for r in reqs]

@@ -48,7 +48,7 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     runner, kv = dec.runner, dec.kv
     B, V, dev = len(reqs), runner.vocab_size, runner.device
     params = [r.params for r in reqs]
-    fast_greedy = all(p.greedy and not p.penalised for p in params)
+    fast_greedy = all(p.greedy and not p.reshapes_logits for p in params)
     sampling = None if fast_greedy else SamplingBatch.from_params(params, V, dev)
     seen = request_contexts(reqs, V, dev) if sampling is not None and sampling.use_penalty else None
     gens = [r.generator for r in reqs]
