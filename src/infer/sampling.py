@@ -242,7 +242,7 @@ def penalty_context(seqs: list[list[int]], vocab_size: int, device, output_from:
     n = len(seqs)
     starts = [len(c) for c in seqs] if output_from is None else list(output_from)
 
-    def padded(parts: list[list[int]]) -> torch.Tensor:  # -1 pads land in a spare column, vocab_size
+    def padded(parts: list[list[int]]) -> torch.Tensor:  # the pads land in a spare column, vocab_size
         width = max(1, max(len(c) for c in parts))
         ids = torch.full((n, width), vocab_size, dtype=torch.long)
         for i, c in enumerate(parts):

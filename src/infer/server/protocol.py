@@ -28,8 +28,6 @@ def _unsupported(what: str, off=(None, 0, "", [], {})):
     return check
 
 
-
-
 def valid_text(value):
     """Strings (nested in lists) must be encodable Unicode: JSON's "\\ud800" decodes to a lone surrogate, which no
     tokenizer can encode."""
