@@ -330,8 +330,18 @@ def test_an_engine_whose_lone_steps_are_one_call_builds_no_graph_for_them(held_w
     got = eng.run([eng.add_request(prompt, params)])[0].output_ids
     assert eng.stats.num_draft_tokens > 0
     assert eng.model.compiled.run_forward is None  # never built: no Dynamo, no graph
-    # (the reference after: it runs the module over a cache of its own, where the compiled steps do apply)
+    # rows whose rounds are not one call (penalties and a bias: the head's single steps and the pipeline) run
+    # eagerly too, never compiling in their step (SmolLM2's penalised `infer chat` replies took seconds so)
+    penalised = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.5,
+                               repetition_penalty=1.2, logit_bias={3: 2.0})
+    got_penalised = eng.run([eng.add_request(prompt, penalised)])[0].output_ids
+    eng.run([eng.add_request(prompt, SamplingParams(temperature=0.7, max_tokens=24, presence_penalty=0.5, seed=1))])
+    assert eng.stats.num_draft_tokens > 0
+    for compiled in (eng.model.compiled, getattr(head, "compiled", None)):
+        assert compiled is None or compiled.run_forward is None
+    # (the references after: they run the module over a cache of its own, where the compiled steps do apply)
     assert got == autoregressive_generate(eng.model, prompt, params, eos_token_ids=[]).output_ids
+    assert got_penalised == autoregressive_generate(eng.model, prompt, penalised, eos_token_ids=[]).output_ids
 
     target, head = _native_pair()
     eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=2, compile=True,

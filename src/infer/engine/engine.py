@@ -142,6 +142,14 @@ class Engine:
         layouts and widths were built already (another engine over the same models)."""
         decoder = self.decoder
         warmup = Warmup(self, self.config.max_spec_length if decoder else 0, tree=bool(decoder and decoder.tree))
+        if warmup.lone_native and self.config.max_batch_size == 1 and not (decoder and decoder.tree):
+            # one KV slot whose chain steps are one C++ call each: the warm-up builds nothing, and what would need a
+            # graph (a penalised, biased or constrained row's single draft steps) runs eagerly (the same bits) rather
+            # than compiling in the request's step: SmolLM2's penalised replies in `infer chat` took 6-13 s for
+            # 19-40 tokens while each shape compiled, against ~0.2 s eagerly
+            for compiled in (self.model.compiled, getattr(self.draft_model, "compiled", None)):
+                if compiled is not None:
+                    compiled.compiling = -1
         if not warmup.stages:
             place_on_hugepages(self.model)  # a no-op where the first engine's warm-up did it
             self._finish_warmup(None)  # the graphs exist (or are being built): profile now if no profile is stored
