@@ -102,6 +102,13 @@ class SamplingParams:
         """Whether a penalty reshapes the logits (each needs the row's ``penalty_context``)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming ``logit_bias`` if it names a token outside [0, vocab_size) (the engine asks at
+        ``add_request``, before any step; a batch's tensors are built only from checked laws)."""
+        if self.logit_bias is not None and max(self.logit_bias) >= vocab_size:
+            raise ValueError(f"SamplingParams.logit_bias names token {max(self.logit_bias)}, outside the vocabulary "
+                             f"[0, {vocab_size})")
+
     @property
     def reshapes_logits(self) -> bool:
         """Whether the law sampled is not the model's logits' own (a penalty or a bias): a greedy row then takes the
@@ -171,10 +178,8 @@ class SamplingBatch:
         if any(p.logit_bias for p in params):
             bias = torch.zeros(len(params), vocab_size)
             for i, p in enumerate(params):
+                p.check_vocab(vocab_size)
                 for tok, b in (p.logit_bias or {}).items():
-                    if tok >= vocab_size:
-                        raise ValueError(f"SamplingParams.logit_bias names token {tok}, outside the vocabulary "
-                                         f"[0, {vocab_size})")
                     bias[i, tok] = b
             bias = bias.to(device)
 

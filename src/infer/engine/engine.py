@@ -297,9 +297,7 @@ class Engine:
         if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
-        if params.logit_bias is not None and max(params.logit_bias) >= V:
-            raise ValueError(f"SamplingParams.logit_bias names token {max(params.logit_bias)}, outside the vocabulary "
-                             f"[0, {V})")
+        params.check_vocab(V)
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
 
