@@ -252,3 +252,43 @@ def test_a_prompts_prefill_does_not_depend_on_the_prompts_beside_it(kind):
         return next(o.top_logprobs for o in outs if o.request_id == reqs[0].request_id)
 
     assert first_token([prompt]) == first_token([prompt, longer])  # exact floats
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_prompt_logprobs_are_the_targets_over_chunks_prefix_hits_and_speculation(models, backend):
+    """SamplingParams.prompt_logprobs: log p of each prompt token after the first given those before it (the
+    target's raw law, as the output's logprobs) and its top alternatives, whatever the prefill chunks (a prompt split
+    over steps), a cached prefix (a scored prompt is computed whole: the cache holds no states to score by) and a
+    drafter beside it. Checked against one forward over the whole prompt."""
+    target, drafter, _ = models
+    prompt = [(11 * j) % 250 + 3 for j in range(29)]
+    with torch.no_grad():
+        logp = target.compute_logits(target(torch.tensor([prompt])))[0].float().log_softmax(-1)  # [T, V]
+    expect = logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    top = logp[:-1].topk(3, -1)
+    caching = {"enable_prefix_caching": True} if backend == "paged" else {}
+    for draft in (None, drafter):
+        spec = {"spec_length": 3} if draft is not None else {}
+        eng = Engine(EngineConfig(model="t", kv_cache_backend=backend, block_size=4, max_num_batched_tokens=8,
+                                  **spec, **caching), model=target, draft_model=draft)
+        plain = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))  # fills the prefix cache
+        while eng.has_unfinished:
+            eng.step()
+        scored = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3))
+        first = []
+        while eng.has_unfinished:
+            first += [o for o in eng.step() if o.request_id == scored.request_id]
+        assert scored.output_ids == plain.output_ids
+        got = first[0].prompt_logprobs
+        assert got == scored.prompt_logprobs and all(o.prompt_logprobs is None for o in first[1:])
+        assert got[0] is None and len(got) == len(prompt)
+        assert [g[0] for g in got[1:]] == pytest.approx(expect.tolist(), abs=1e-4)
+        assert [[t for t, _ in g[1]] for g in got[1:]] == top.indices.tolist()
+        assert [v for g in got[1:] for _, v in g[1]] == pytest.approx(top.values.flatten().tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=True)

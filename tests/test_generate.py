@@ -146,6 +146,8 @@ def test_bad_input_is_refused_clearly(gqa_dir):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()])
     with pytest.raises(FileNotFoundError):
         LLM("/no/such/model")
+    with pytest.raises(ValueError, match="logprobs are reported by the engine"):  # the reference loop computes none
+        autoregressive_generate(llm.model, [1, 2], SamplingParams(max_tokens=2, prompt_logprobs=1))
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

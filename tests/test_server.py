@@ -113,6 +113,47 @@ def test_logprobs_are_the_targets_exactly(client, llm):
     assert max(lp.top_logprobs[0].values()) == pytest.approx(lp.token_logprobs[0], abs=1e-5)  # greedy: the top one
 
 
+def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(client, llm):
+    """OpenAI's legacy completions (and lm-evaluation-harness's loglikelihood requests): echo with logprobs lists the
+    prompt's tokens first, the first with no logprob, each scored by the target given those before it; text_offset
+    counts characters of the echoed text. A stream sends the prompt's chunk first, then offsets carry on."""
+    prompt = "import os\nimport sys"
+    kw = dict(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    ch = client.completions.create(**kw).choices[0]
+    lp = ch.logprobs
+    ids = llm.tokenizer.encode(prompt)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        logp = llm.model.compute_logits(llm.model(torch.tensor([ids + out])))[0].log_softmax(-1)
+    expect = logp[:-1].gather(1, torch.tensor(ids[1:] + out)[:, None])[:, 0]
+    assert ch.text.startswith(prompt) and len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expect.tolist(), abs=1e-4)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert chunks[0].text == ch.text[:len(chunks[0].text)] and chunks[0].logprobs.tokens == lp.tokens[:len(ids)]
+    streamed = {k: [x for c in chunks if c.logprobs for x in getattr(c.logprobs, k)]
+                for k in ("tokens", "token_logprobs", "text_offset")}
+    assert "".join(c.text for c in chunks) == ch.text
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    plain = client.completions.create(**{**kw, "echo": False}).choices[0].logprobs  # no echo: the output's alone
+    assert plain.tokens == lp.tokens[len(ids):] and plain.text_offset[0] == 0
+
+
+def test_a_content_part_the_model_cannot_read_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert "image_url" in e.value.body["message"] and e.value.body["param"] == "messages"
+    r = client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}]}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_error_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", temperature=-1)

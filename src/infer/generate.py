@@ -64,6 +64,8 @@ def autoregressive_generate(
     """Decode one sequence token by token; returns the finished Request (output_ids, text, finish_reason)."""
     if params.structured is not None:
         raise ValueError("structured output runs on the engine (LLM, Engine): autoregressive_generate takes no grammar")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("logprobs are reported by the engine (LLM, Engine): autoregressive_generate computes none")
     eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     check_fits(model, len(prompt_ids), params.max_tokens)
     device = model.device

@@ -62,6 +62,11 @@ class Request:
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.output_ids: list[int] = []
+        # log p of each output token and its top alternatives (params.logprobs; runner.emit appends), and of each prompt
+        # token given those before it (params.prompt_logprobs; the prefill fills them, the first entry stays None)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.text = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the token id or stop string that ended it
@@ -199,6 +204,8 @@ class StepOutput:
     # round_k: drafts in its round (0 for a plain step)
     source: str = "target"
     round_k: int = 0
+    # the request's first output only, where it asked for them (SamplingParams.prompt_logprobs): Request.prompt_logprobs
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass
@@ -218,6 +225,10 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     mean_accepted_length: float | None = None
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.logprobs: (log p, [(token, log p) of the top alternatives]) per generated token; prompt_logprobs:
+    # the same per prompt token (None for the first, which nothing predicts)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request, speculative: bool = False, metrics: dict | None = None) -> RequestOutput:
@@ -232,7 +243,8 @@ class RequestOutput:
             metrics.setdefault("drafted_per_position", list(req.drafted_per_position))
             metrics.setdefault("speculation_acceptance_rates", list(req.speculation_acceptance_rates))
         out = cls(req.request_id, req.prompt, req.prompt_ids, req.text, list(req.output_ids), req.finish_reason,
-                  req.stop_reason, metrics=metrics)
+                  req.stop_reason, metrics=metrics, logprobs=None if req.logprobs is None else list(req.logprobs),
+                  prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
         if speculative:
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             out.acceptance_rate = req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else 0.0

@@ -38,6 +38,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
+    # vLLM's prompt_logprobs: log p of each prompt token after the first under the target, given the tokens before it
+    # (and this many top alternatives); None: off. Such a prompt is computed whole (no prefix-cache hit)
+    prompt_logprobs: int | None = None
     # constrain the output (infer.structured): a StructuredOutput, or its fields as a dict, e.g. {"regex": "[0-9]+"}
     structured: StructuredOutput | dict | None = None
 
@@ -82,9 +85,10 @@ class SamplingParams:
             if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
                 bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
             self.logit_bias = self.logit_bias or None
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):
+                bad(name, "must be an integer in [0, 20] or None")
         if isinstance(self.structured, dict):
             try:
                 self.structured = StructuredOutput(**self.structured)

@@ -82,7 +82,9 @@ class KVManager:
         return self.draft_pool.can_fit(draft + new)
 
     def admit(self, req: Request) -> None:
-        req.slot = self.pool.allocate(req.num_tokens, prefix_ids=req.all_ids())
+        # a prompt whose logprobs were asked for is computed whole: a cached prefix holds no states to score it by
+        prefix = req.all_ids() if req.prompt_logprobs is None else None
+        req.slot = self.pool.allocate(req.num_tokens, prefix_ids=prefix)
         req.num_computed = self.pool.seq_len(req.slot)  # prefix-cache hit
         self.stats.prefix_cache_hit_tokens += req.num_computed
         if self.draft_pool is not None:

@@ -87,6 +87,9 @@ class ModelRunner:
                          round_k=round_k)
         if req.params.logprobs is not None and logits is not None:
             out.logprob, out.top_logprobs = token_logprobs(logits, token, req.params.logprobs)
+            req.logprobs.append((out.logprob, out.top_logprobs))
+        if req.prompt_logprobs is not None and len(req.output_ids) == 1:
+            out.prompt_logprobs = list(req.prompt_logprobs)
         if done and req.num_draft_tokens:
             out.acceptance_rate = req.acceptance_rate
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
@@ -110,6 +113,8 @@ class ModelRunner:
         for i, (r, n) in enumerate(prefill):
             if self.feature_sink is not None:
                 self.feature_sink(r, r.num_computed, hidden[i][:n])
+            if r.prompt_logprobs is not None:
+                self._prompt_logprobs(r, r.num_computed, hidden[i][:n])
             r.num_computed += n
             self.stats.prompt_tokens += n
             self.kv.cache_prefix(r)
@@ -123,6 +128,23 @@ class ModelRunner:
         logits = self.model.compute_logits(last[:, None])[:, 0]  # [n, 1, H]: the per-row kernels at any n
         tokens = self.sample(done_reqs, logits)
         return [(r, self.emit(r, t, logits[i])) for i, (r, t) in enumerate(zip(done_reqs, tokens))]
+
+    def _prompt_logprobs(self, req: Request, start: int, hidden: torch.Tensor) -> None:
+        """A chunk's states at positions start .. start + n - 1 (hidden [n, H]) -> log p of prompt tokens start + 1 ..
+        (those the chunk predicts; the prompt's last position predicts the first output, which ``emit`` reports)."""
+        m = min(hidden.shape[0], len(req.prompt_ids) - 1 - start)
+        if m <= 0:
+            return
+        top = req.params.prompt_logprobs
+        logp = self.model.compute_logits(hidden[None, :m])[0].float().log_softmax(-1)  # [m, V]
+        nxt = torch.tensor(req.prompt_ids[start + 1:start + 1 + m], device=logp.device)
+        own = logp.gather(1, nxt[:, None])[:, 0].tolist()
+        if top:
+            vals, idx = logp.topk(top, -1)
+            alts = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            alts = [[] for _ in range(m)]
+        req.prompt_logprobs[start + 1:start + 1 + m] = list(zip(own, alts))
 
     @torch.inference_mode()
     def decode(self, decode: list[Request]) -> list[tuple[Request, StepOutput]]:

@@ -43,6 +43,10 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    for i, m in enumerate(body.messages):  # answering without what a part shows would answer another question
+        if (kind := m.unread()) is not None:
+            raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model reads "
+                           "text only", param="messages")
     ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
                                                             for m in body.messages])
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
@@ -76,6 +80,9 @@ def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:
 
 async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
+    # echo with logprobs scores the prompt too (OpenAI's legacy completions: its tokens lead the logprobs, the first
+    # with none), as lm-evaluation-harness's loglikelihood requests read it
+    scored = not chat and body.echo and logprobs is not None
     try:
         structured, field = body.structured()
     except ValueError as e:
@@ -85,7 +92,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         for i, ids in enumerate(prompts):
             for j in range(body.n):
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured)
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured,
+                                                  prompt_logprobs=logprobs if scored else None)
                     kw = {} if body.speculation else {"speculate": False}
                     streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
                 except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
@@ -104,7 +112,7 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         for s in streams:
             s.close()
         raise
-    choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n]) for k, s in enumerate(streams)]
+    choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n], scored) for k, s in enumerate(streams)]
     if body.stream:
         opts = body.stream_options
         events = _stream_events(state, rid, body.model, choices, chat, bool(opts and opts.include_usage), logprobs,
@@ -164,10 +172,11 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 yield _sse(P.completion_chunk(rid, model, created, [
                     {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                     chat=True))
-        elif any(c.echo for c in choices):
+        elif any(c.echo for c in choices) and not any(c.scored for c in choices):
             for c in choices:
                 yield _sse(P.completion_chunk(rid, model, created, [
                     {"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}]))
+                c.offset = len(c.echo)
         open_ = len(choices)
         while open_:
             c, out = await merged.get()
@@ -178,12 +187,19 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 yield _sse(P.error_body(f"generation failed: {out}", "server_error", None, 500))
                 continue
             finish = _finish_reason(out) if out.finished else None
+            if c.scored and not c.echoed:  # the prompt's chunk, scored by the first output's
+                c.echoed = True
+                lp, c.offset = _prompt_payload(state.tokenizer, c.prompt_ids, out.prompt_logprobs)
+                yield _sse(P.completion_chunk(rid, model, created, [
+                    {"index": c.index, "text": c.echo, "logprobs": lp, "finish_reason": None}]))
             if include_spec and out.token_id is not None:
                 c.spec.append({"source": out.source, "k": out.round_k})
             if not out.text and finish is None and logprobs is None:
                 continue  # nothing visible yet (text held back for a stop string or partial UTF-8)
-            lp = (_logprobs_payload(state.tokenizer, [out], chat)
-                  if logprobs is not None and out.token_id is not None else None)
+            lp = None
+            if logprobs is not None and out.token_id is not None:
+                lp = _logprobs_payload(state.tokenizer, [out], chat, c.offset)
+                c.offset += sum(len(t) for t in lp.get("tokens", ()))
             if chat:
                 choice = {"index": c.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
                           "finish_reason": finish}
@@ -204,8 +220,9 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
 class _Choice:
     """One (prompt, n) stream and what has been seen of it."""
 
-    def __init__(self, index: int, stream: RequestStream, prompt_ids: list[int], echo: str):
+    def __init__(self, index: int, stream: RequestStream, prompt_ids: list[int], echo: str, scored: bool = False):
         self.index, self.stream, self.prompt_ids, self.echo = index, stream, prompt_ids, echo
+        self.scored = scored  # the echoed prompt's tokens lead the logprobs (``_serve``)
         self.outputs = []
         self.text = ""
         self.finish_reason = None
@@ -213,6 +230,8 @@ class _Choice:
         self.spec: list[dict] = []  # stream_options.include_spec: tokens not yet sent in a chunk
         self.t0 = time.monotonic()
         self.t_last: float | None = None
+        self.offset = 0  # characters of the choice's text before its next token (a streamed choice's text_offset)
+        self.echoed = False  # the echoed prompt's chunk was sent (streamed with logprobs: at the first output)
 
     def observe(self, out, metrics: ServerMetrics) -> None:
         t = time.monotonic()
@@ -247,8 +266,32 @@ def _usage(choices: list[_Choice], speculative: bool) -> dict:
     return P.usage(prompt, completion, sum(c.draft for c in choices), sum(c.accepted for c in choices), speculative)
 
 
-def _logprobs_payload(tok, outs, chat: bool) -> dict:
-    strs = lambda ids: [tok.decode([i], skip_special_tokens=False) for i in ids]  # noqa: E731
+def _token_strs(tok, ids) -> list[str]:
+    return [tok.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def _completion_logprobs(tok, ids: list[int], scored: list, offset: int) -> tuple[dict, int]:
+    """Legacy completions' logprobs of tokens ``ids``, each scored by (log p, [(token, log p) alternatives]) or None
+    (a prompt's first token), the first starting ``offset`` characters into the choice's text -> (the payload, the
+    offset after them)."""
+    tokens = _token_strs(tok, ids)
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    tops = [None if s is None else dict(zip(_token_strs(tok, [i for i, _ in s[1] or []]), [lp for _, lp in s[1] or []]))
+            for s in scored]
+    return {"tokens": tokens, "token_logprobs": [None if s is None else s[0] for s in scored], "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _prompt_payload(tok, ids: list[int], scored) -> tuple[dict, int]:
+    """The echoed prompt's logprobs (``scored``: StepOutput.prompt_logprobs; None: not computed, every entry None)."""
+    return _completion_logprobs(tok, ids, scored if scored is not None else [None] * len(ids), 0)
+
+
+def _logprobs_payload(tok, outs, chat: bool, offset: int = 0) -> dict:
+    strs = lambda ids: _token_strs(tok, ids)  # noqa: E731
     if chat:
         content = []
         for o in outs:
@@ -257,21 +300,22 @@ def _logprobs_payload(tok, outs, chat: bool) -> dict:
                     for t, (_, lp) in zip(strs([i for i, _ in o.top_logprobs or []]), o.top_logprobs or [])]
             content.append({"token": s, "logprob": o.logprob, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content}
-    tokens = strs([o.token_id for o in outs])
-    tops = [{t: lp for t, (_, lp) in zip(strs([i for i, _ in o.top_logprobs or []]), o.top_logprobs or [])}
-            for o in outs]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [o.logprob for o in outs], "top_logprobs": tops,
-            "text_offset": offsets}
+    return _completion_logprobs(tok, [o.token_id for o in outs], [(o.logprob, o.top_logprobs) for o in outs],
+                                offset)[0]
 
 
 def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, speculative: bool) -> dict:
     out_choices = []
     for c in choices:
-        lp = _logprobs_payload(tok, c.outputs, chat) if logprobs is not None else None
+        lp = None
+        if logprobs is not None and chat:
+            lp = _logprobs_payload(tok, c.outputs, chat)
+        elif logprobs is not None:  # an echoed prompt's tokens first, scored (the first with none)
+            head, offset = ({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0)
+            if c.scored:
+                head, offset = _prompt_payload(tok, c.prompt_ids, c.outputs[0].prompt_logprobs if c.outputs else None)
+            tail = _logprobs_payload(tok, c.outputs, chat, offset)
+            lp = {k: head[k] + tail[k] for k in head}
         if chat:
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason})

@@ -133,13 +133,15 @@ class _Common(BaseModel):
         return None, None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
-                        structured: StructuredOutput | None = None) -> SamplingParams:
+                        structured: StructuredOutput | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
                               max_tokens=max_tokens, stop=self.stop,
-                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured)
+                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
+                              prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Common):
@@ -156,7 +158,7 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    """One part of a chat message's content; only text parts are read (an image part is ignored)."""
+    """One part of a chat message's content: text (another type, an image, is refused: ``ChatMessage.unread``)."""
 
     model_config = STRICT
 
@@ -174,8 +176,14 @@ class ChatMessage(BaseModel):
 
     _valid_content = field_validator("content")(valid_text)
 
+    def unread(self) -> str | None:
+        """The type of the first content part that is not text (the model reads text only), or None."""
+        if isinstance(self.content, list):
+            return next((p.type for p in self.content if p.type != "text"), None)
+        return None
+
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
+        if isinstance(self.content, list):  # content parts: their text
             return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
