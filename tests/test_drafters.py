@@ -252,3 +252,12 @@ def test_smollm2_by_name_gets_its_defaults_in_every_command(monkeypatch):
     with pytest.raises(Stop):
         cli.cmd_generate(cli.build_parser().parse_args(["generate", "--model", "smollm2", "--prompt", "x"]))
     assert seen["max_batch_size"] == 1 and seen["proposer"] == "suffix-hybrid" and seen["quantization"] == "q4_1"
+    # the library: LLM("smollm2") as `infer serve` runs it; a keyword asked for decides its part; a path runs as asked
+    from infer.llm import named_defaults
+
+    lib = named_defaults({"model": "smollm2", "draft_model": None})
+    assert lib["proposer"] == "suffix-hybrid" and lib["quantization"] == "q4_1" and lib["dtype"] == "bfloat16"
+    assert lib["draft_model"] == drafter_paths()["eagle3"] and lib["spec_max_batch_size"] == 2
+    plain = named_defaults({"model": "SmolLM2", "draft_model": None, "use_speculative_decoding": False})
+    assert plain["quantization"] == "q4_1" and plain.get("draft_model") is None
+    assert named_defaults({"model": str(REAL), "draft_model": None}) == {"model": str(REAL), "draft_model": None}

@@ -206,3 +206,19 @@ def test_reset_prefix_cache_forgets_what_later_prompts_reuse(gqa_dir):
     assert llm.generate([prompt], params)[0].token_ids == first
     assert llm.engine.stats.prefix_cache_hit_tokens == hits  # nothing reused after the reset
     assert LLM(gqa_dir).reset_prefix_cache() == 0  # no prefix cache: nothing to forget
+
+
+def test_chat_takes_one_conversation_or_a_batch_and_names_a_wrong_argument(gqa_dir):
+    llm = LLM(gqa_dir)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b = [{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Bye"}]
+    one = llm.chat(a, params)
+    both = llm.chat([a, b], params)  # vLLM's LLM.chat: a list of conversations, one output each
+    assert isinstance(both, list) and both[0].token_ids == one.token_ids
+    assert both[1].token_ids == llm.chat(b, params).token_ids
+    for bad, says in (("Hello", "got str"), ([], "got an empty list"), ([a, []], "got an empty list"),
+                      ([a[0], "x"], "a message of type str"), ({"role": "user"}, "got dict")):
+        with pytest.raises(TypeError, match=says):
+            llm.chat(bad)
+    assert "LLM(" in repr(llm) and "dtype=" in repr(llm)
+

@@ -24,12 +24,19 @@ class LLM:
     def __init__(self, model: str | os.PathLike, draft_model: str | os.PathLike | None = None, **engine_kwargs):
         if isinstance(engine_kwargs.get("dtype"), torch.dtype):
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
-        self.config = EngineConfig(model=model, draft_model=draft_model, **engine_kwargs)
+        self.config = EngineConfig(**named_defaults({"model": model, "draft_model": draft_model, **engine_kwargs}))
         self.engine = Engine(self.config)
         self.model, self.draft_model, self.tokenizer = self.engine.model, self.engine.draft_model, self.engine.tokenizer
         self.model_path, self.eos_token_ids = self.engine.model_path, self.engine.eos_token_ids
         self.dtype, self.device = self.engine.dtype, self.engine.device
         self.draft_vocab = self.engine.draft_vocab
+
+    def __repr__(self) -> str:
+        c = self.config
+        spec = "" if self.engine.decoder is None else f", speculative={c.proposer or 'draft'}" + (
+            f" ({os.path.basename(str(c.draft_model).rstrip('/'))})" if c.draft_model else "")
+        quant = f", quantization={c.quantization}" if c.quantization else ""
+        return f"LLM({str(self.model_path)!r}, dtype={str(self.dtype).removeprefix('torch.')}{quant}{spec})"
 
     def close(self) -> None:
         """Release what outlives a call: the tensor-parallel workers (also done at exit). ``with LLM(...) as llm:``
@@ -113,7 +120,42 @@ class LLM:
             if not req.finished:
                 self.engine.abort(req.request_id)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Apply the checkpoint's chat template to one conversation and generate the assistant's reply."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([ids], sampling_params)[0]
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> RequestOutput | list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (a list of {"role", "content"} messages) and
+        generate the assistant's reply; given a list of conversations, reply to each, batched (as vLLM's
+        ``LLM.chat``), one output a conversation."""
+        if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("LLM.chat takes a conversation, a non-empty list of {'role': ..., 'content': ...} messages "
+                            f"(or a list of conversations), got {_kind(messages)}; for plain text, LLM.generate")
+        batch = all(isinstance(m, (list, tuple)) for m in messages)
+        convs = list(messages) if batch else [messages]
+        for conv in convs:
+            odd = next((m for m in conv if not isinstance(m, dict)), None) if conv else None
+            if not conv or odd is not None:
+                raise TypeError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages, got "
+                                + ("an empty list" if not conv else f"a message of type {type(odd).__name__}"))
+        outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs],
+                             sampling_params)
+        return outs if batch else outs[0]
+
+
+def named_defaults(engine_kwargs: dict) -> dict:
+    """``LLM("smollm2")``: the real model named, not given by a path, runs as ``infer serve`` runs it (its Q4_1 blocks
+    in bfloat16, the default drafter while at most 2 requests decode), each keyword asked for still deciding its part
+    (demo.with_serve_defaults). A path to the file, as any checkpoint's, runs what the keywords say."""
+    from .model.loader import REAL_MODEL_NAMES
+
+    model = engine_kwargs.get("model")
+    if not isinstance(model, str) or model.lower() not in REAL_MODEL_NAMES:
+        return engine_kwargs
+    from .demo import with_serve_defaults
+
+    return with_serve_defaults(engine_kwargs)
+
+
+def _kind(x) -> str:
+    """What a wrong argument is, for an error message: its type, and a list's first item's."""
+    if isinstance(x, (list, tuple)) and x:
+        return f"a {type(x).__name__} of {type(x[0]).__name__}"
+    return f"an empty {type(x).__name__}" if isinstance(x, (list, tuple)) else type(x).__name__
