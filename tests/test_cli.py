@@ -75,8 +75,11 @@ def test_chat_streams_replies_and_resets(gqa_dir, run_here):
     """`infer chat` on piped input: two turns, /reset, an unknown command; each reply ends with its figures."""
     r = subprocess.run([sys.executable, "-m", "infer", "chat", "--model", str(gqa_dir), "--temperature", "0",
                         "--max-tokens", "6", "--draft-model", str(gqa_dir), "--spec-length", "2"],
-                       input="hello there\n/nope\n/reset\nsecond turn\n", capture_output=True, text=True, timeout=120)
+                       input="hello there\n/nope\n/help\n/reset\nsecond turn\n", capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
+    assert f"infer chat with {gqa_dir.name} (float32, speculating: draft + {gqa_dir.name})" in r.stdout
+    assert r.stdout.count("commands: /reset") == 3  # the banner, /nope's answer, /help's
     assert r.stdout.count("tokens,") == 2 and r.stdout.count("drafts accepted") == 2
     assert "[conversation reset]" in r.stdout and "unknown command '/nope'" in r.stdout
     r = run_here("chat", "--model", str(gqa_dir), "--quantization", "int9")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from . import progress
 
-HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
+HELP = "commands: /reset (forget the conversation), /help, /exit (or Ctrl-D)"
 
 
 def stream_reply(llm, messages: list[dict], params, out=None) -> tuple[str, dict]:
@@ -59,6 +60,18 @@ def format_stats(s: dict) -> str:
     return line + "]"
 
 
+def describe(llm) -> str:
+    """The model as a person reads it: its file or directory's name, dtype, quantization and drafting."""
+    c, name = getattr(llm, "config", None), Path(str(llm.model_path)).name
+    if c is None:  # a stand-in (tests)
+        return name
+    parts = [str(llm.dtype).removeprefix("torch.")] + ([c.quantization] if c.quantization else [])
+    if llm.engine.decoder is not None:
+        drafter = f" + {Path(str(c.draft_model)).name}" if c.draft_model else ""
+        parts.append(f"speculating: {c.proposer or 'draft'}{drafter}")
+    return f"{name} ({', '.join(parts)})"
+
+
 def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
     inp, out = inp or sys.stdin, out or sys.stdout  # the streams of the moment (stream_reply says why)
     if not llm.tokenizer.has_chat_template:
@@ -66,7 +79,7 @@ def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     interactive = inp.isatty()
-    print(f"infer chat with {llm.model_path} ({HELP})", file=out)
+    print(f"infer chat with {describe(llm)} ({HELP})", file=out)
     while True:
         if interactive:
             out.write("\n> ")
@@ -80,6 +93,9 @@ def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
             continue
         if text in ("/exit", "/quit"):
             return 0
+        if text == "/help":
+            print(f"[{HELP}]", file=out)
+            continue
         if text == "/reset":
             messages = list(base)
             print("[conversation reset]", file=out)
