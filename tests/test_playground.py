@@ -92,6 +92,36 @@ def test_json_schema_box_gets_json_that_follows_it(page, server):
     page.fill("#schema", "")  # the next tests get free text
 
 
+def test_stop_strings_and_penalties_reach_the_server(page, server):
+    """The "Penalties and stop strings" box: the answer ends before a stop string (one a line, \\n a newline), and a
+    penalty set is sent (a default one is not)."""
+    page.select_option("#mode", "completion")
+    page.fill("#prompt", demo_prompts()[0]["prompt"])
+    page.fill("#max_tokens", "48")
+
+    def send() -> dict:
+        with page.expect_request(lambda r: r.url.endswith("/v1/completions") and r.method == "POST") as req:
+            page.click("#send")
+        page.wait_for_function("!document.getElementById('send').disabled && document.getElementById('ntok')"
+                               ".textContent !== '0'", timeout=60_000)
+        return json.loads(req.value.post_data)
+
+    body = send()  # greedy: the same text each time
+    full = page.inner_text("#output")
+    assert "stop" not in body and "presence_penalty" not in body and "repetition_penalty" not in body
+    cut = next(i for i in range(len(full) // 3, len(full)) if full[i] not in " \n")  # a character a third in
+    page.click("#more summary")
+    page.fill("#stop_strings", "never appears\n" + full[cut:cut + 3].replace("\n", "\\n"))
+    body = send()
+    assert body["stop"] == ["never appears", full[cut:cut + 3]] and "presence_penalty" not in body
+    assert full.startswith(page.inner_text("#output")) and len(page.inner_text("#output")) <= cut
+    page.fill("#stop_strings", "")  # the next tests get the defaults
+    page.fill("#presence_penalty", "0.5")
+    body = send()
+    assert body["presence_penalty"] == 0.5 and "stop" not in body and "frequency_penalty" not in body
+    page.fill("#presence_penalty", "0")
+
+
 def test_stop_midway_aborts_the_request_and_frees_its_kv(page, server):
     eng = server.engine
     eng.engine.eos_token_ids = []  # nothing ends this generation but the Stop button

@@ -48,6 +48,13 @@ function requestBody(speculation) {
     max_tokens: Math.trunc(num("max_tokens")),
   };
   if ($("seed").value !== "") body.seed = Math.trunc(num("seed"));
+  // penalties and stop strings go only when set: a request without them is what the server's defaults serve
+  for (const [id, off] of [["presence_penalty", 0], ["frequency_penalty", 0], ["repetition_penalty", 1]]) {
+    if ($(id).value !== "" && num(id) !== off) body[id] = num(id);
+  }
+  const stops = $("stop_strings").value.split("\n").filter((s) => s !== "")
+    .map((s) => s.replace(/\\([nt\\])/g, (_, c) => ({ n: "\n", t: "\t", "\\": "\\" })[c]));
+  if (stops.length) body.stop = stops;
   const schema = $("schema").value.trim();
   if (schema) {
     // a schema that is not JSON is named here; one the grammar library refuses comes back as the server's 400
