@@ -4,6 +4,7 @@ KV freed, tiny temperatures are greedy, a megabyte of prompt does not stall /hea
 what the server sends, and SIGTERM drains within its grace period with a final event on every stream."""
 
 import json
+import re
 import os
 import signal
 import socket
@@ -77,21 +78,27 @@ def test_bad_input_is_a_400_naming_the_field(server, route, body, param):
     assert r["error"]["param"].startswith(param) and r["error"]["type"] == "invalid_request_error"
 
 
-UNSUPPORTED = [  # OpenAI fields that would change the output and that infer does not implement: (route, field, value)
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/completions", "suffix", "x"), ("/v1/completions", "best_of", 3),
+UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the output and that infer does not implement:
+    # (route, field, value asking for something, its default as clients send it)
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
+    ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
+    ("/v1/completions", "min_tokens", 3, 0), (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids",
+                                                                              [1, 2], []),
+    ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),
+    ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
+    (CHAT, "add_generation_prompt", False, True), (CHAT, "continue_final_message", True, False),
+    (CHAT, "chat_template", "{{ messages }}", None),
 ]
 
 
-@pytest.mark.parametrize("route, field, value", UNSUPPORTED, ids=[f for _, f, _ in UNSUPPORTED])
-def test_unsupported_openai_fields_are_refused_by_name_not_dropped(server, route, field, value):
+@pytest.mark.parametrize("route, field, value, default", UNSUPPORTED, ids=[f for _, f, _, _ in UNSUPPORTED])
+def test_unsupported_openai_fields_are_refused_by_name_not_dropped(server, route, field, value, default):
     """A request asking for what the server does not do gets a 400 naming the field (it was dropped in silence); the
     same field at its default (as clients send it: presence_penalty 0, logit_bias {}, tools [], best_of 1) is served."""
     body = {"model": NAME, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if route == CHAT
                                                else {"prompt": "x"})}
     status, r = _post(server, route, {**body, field: value})
     assert status == 400 and r["error"]["param"] == field and "not supported" in r["error"]["message"], r
-    default = {"tools": [], "suffix": "", "best_of": 1}[field]
     status, r = _post(server, route, {**body, field: default})
     assert status == 200, r
 
@@ -114,6 +121,38 @@ def test_openai_penalties_and_logit_bias_reach_the_sampler(server, long_ckpt):
                          ("logit_bias", {"99999": 1})):
         status, r = _post(server, "/v1/completions", {**body, field: value})
         assert status == 400 and r["error"]["param"] == field, r
+
+
+def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckpt):
+    """vLLM's extensions its clients send: stop_token_ids end the output at that token (as the library's
+    SamplingParams.stop_token_ids), include_stop_str_in_output keeps the stop string, and guided_choice / _regex /
+    _json constrain as structured_outputs does (two at once: a 400 naming them). Each was dropped in silence."""
+    llm = LLM(long_ckpt)
+    greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate(["def f(x):"], SamplingParams(**greedy))[0]
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    stop_id = plain.token_ids[3]
+    want = llm.generate(["def f(x):"], SamplingParams(**greedy, stop_token_ids=[stop_id]))[0]
+    status, r = _post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id]})
+    assert status == 200 and r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == len(want.token_ids) < 16
+    stop = next(plain.text[i:i + 2] for i in range(len(plain.text) // 2, len(plain.text) - 2)
+                if plain.text[i:i + 2].strip())  # two characters from the middle
+    cut = plain.text.index(stop)
+    for keep in (False, True):
+        status, r = _post(server, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": keep})
+        assert status == 200 and r["choices"][0]["text"] == plain.text[:cut + (len(stop) if keep else 0)], r
+    status, r = _post(server, "/v1/completions", {**body, "guided_choice": ["yes", "no"]})
+    assert status == 200 and r["choices"][0]["text"] in ("yes", "no")
+    status, r = _post(server, "/v1/completions", {**body, "guided_regex": "[0-9]{3}"})
+    assert status == 200 and re.fullmatch("[0-9]{3}", r["choices"][0]["text"]), r
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    status, r = _post(server, "/v1/completions", {**body, "max_tokens": 32, "guided_json": schema})
+    assert status == 200 and json.loads(r["choices"][0]["text"])["a"] in (1, 2), r
+    status, r = _post(server, "/v1/completions", {**body, "guided_regex": "a", "guided_choice": ["b"]})
+    assert status == 400 and r["error"]["param"].startswith("guided"), r
+    status, r = _post(server, "/v1/completions", {**body, "stop_token_ids": [-1]})
+    assert status == 400 and r["error"]["param"] == "stop_token_ids", r
 
 
 def test_a_body_that_is_not_json_says_so(server):

@@ -143,7 +143,8 @@ class Request:
             hits = [(window.find(s), s) for s in self.params.stop if s in window]
             if hits:
                 idx, s = min(hits)
-                self.text = self.text[: start + idx]  # the stop string itself is not part of the output
+                # the stop string itself is not part of the output, unless asked (include_stop_str_in_output)
+                self.text = self.text[: start + idx + (len(s) if self.params.include_stop_str_in_output else 0)]
                 self._finish("stop", s)
 
     def _finish(self, reason: str, stop_reason) -> None:

@@ -35,6 +35,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
@@ -74,6 +75,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "must be a boolean")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             bad("seed", "must be an integer in [0, 2**64) or None")

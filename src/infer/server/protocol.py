@@ -28,6 +28,10 @@ def _unsupported(what: str, off=(None, 0, "", [], {})):
     return check
 
 
+def _neg(ids):
+    raise ValueError(f"token ids must be >= 0, got {[t for t in ids if t < 0][:5]}")
+
+
 def valid_text(value):
     """Strings (nested in lists) must be encodable Unicode: JSON's "\\ud800" decodes to a lone surrogate, which no
     tokenizer can encode."""
@@ -106,16 +110,50 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
-    # OpenAI fields infer does not implement: accepted at their defaults (clients send tools=[] and the like), refused
-    # with a 400 naming them otherwise
+    # vLLM's extensions, as its clients send them: stop tokens, the stop string kept in the text, and the older names of
+    # structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json, regex, choice, grammar)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send tools=[] and
+    # the like), refused with a 400 naming them otherwise, never dropped in silence
     tools: list | None = None
+    min_tokens: int | None = None
+    bad_words: list | None = None
+    allowed_token_ids: list | None = None
+    use_beam_search: bool | None = None
+    skip_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list | None = None
 
-    _valid_stop = field_validator("stop")(valid_text)
+    _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_tools = field_validator("tools")(_unsupported("no tool calling"))
+    _no_min_tokens = field_validator("min_tokens")(_unsupported("no minimum length: an end token is never masked"))
+    _no_bans = field_validator("bad_words", "allowed_token_ids")(_unsupported("restrict tokens with logit_bias or a "
+                                                                              "regex instead"))
+    _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's", off=(None, False)))
+    _specials = field_validator("skip_special_tokens")(_unsupported("special tokens are always skipped",
+                                                                     off=(None, True)))
+    _no_truncation = field_validator("truncate_prompt_tokens")(_unsupported("a prompt is never truncated"))
+    _no_prompt_lp = field_validator("prompt_logprobs")(_unsupported("echo with logprobs scores the prompt "
+                                                                     "(/v1/completions)"))
+    _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))
+    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint asked for and the field that asked (for a 400 naming it); ValueError if it is malformed."""
         fmt, ext = self.response_format, self.structured_outputs
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        if guided:
+            if len(guided) > 1 or ext is not None or (fmt is not None and fmt.type != "text"):
+                raise ValueError("guided: give one of guided_json, guided_regex, guided_choice, guided_grammar, and "
+                                 "neither response_format nor structured_outputs beside it")
+            ext = StructuredOutputs.model_validate(guided)
         if fmt is not None and fmt.type != "text" and ext is not None:
             raise ValueError("give response_format or structured_outputs, not both")
         try:
@@ -129,7 +167,9 @@ class _Common(BaseModel):
                 return StructuredOutput(json_schema=ext.json_, json_object=bool(ext.json_object), regex=ext.regex,
                                         choice=ext.choice, grammar=ext.grammar), "structured_outputs"
         except ValueError as e:
-            raise ValueError(f"{'response_format' if ext is None else 'structured_outputs'}: {e}") from None
+            field = "response_format" if ext is None else f"guided_{next(iter(guided))}" if guided else \
+                "structured_outputs"
+            raise ValueError(f"{field}: {e}") from None
         return None, None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
@@ -139,7 +179,8 @@ class _Common(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
-                              max_tokens=max_tokens, stop=self.stop,
+                              max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
                               prompt_logprobs=prompt_logprobs)
 
@@ -193,6 +234,16 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's chat extensions: the checkpoint's own template, ending with the assistant's turn opened
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+
+    _gen_prompt = field_validator("add_generation_prompt")(_unsupported("the reply always opens the assistant's turn",
+                                                                          off=(None, True)))
+    _continue = field_validator("continue_final_message")(_unsupported("the reply always opens the assistant's turn",
+                                                                         off=(None, False)))
+    _template = field_validator("chat_template")(_unsupported("the checkpoint's own chat template is used"))
 
 
 def new_id(prefix: str) -> str:
