@@ -154,6 +154,30 @@ def test_a_content_part_the_model_cannot_read_is_refused(client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_model_card_and_vllms_tokenize_detokenize(server, client, llm):
+    """OpenAI's models.retrieve (the served name's card, another name a 404), and vLLM's /tokenize (a text, or a chat
+    as the chat route feeds it) and /detokenize: the server's token ids, so a client can count without a tokenizer."""
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.model_dump()["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    status, _, r = _raw(server, "/tokenize", json.dumps({"model": NAME, "prompt": "def fib(n):"}).encode())
+    assert status == 200 and r["tokens"] == llm.tokenizer.encode("def fib(n):") and r["count"] == len(r["tokens"])
+    msgs = [{"role": "user", "content": "Hello there"}]
+    status, _, r = _raw(server, "/tokenize", json.dumps({"model": NAME, "messages": msgs}).encode())
+    assert status == 200 and r["tokens"] == llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    chat = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2)
+    assert chat.usage.prompt_tokens == r["count"]
+    status, _, r = _raw(server, "/detokenize", json.dumps({"model": NAME, "tokens": r["tokens"]}).encode())
+    assert status == 200 and "Hello there" in r["prompt"]
+    for path, body, param in (("/tokenize", {"model": NAME}, "prompt"),
+                              ("/tokenize", {"model": NAME, "prompt": "x", "messages": msgs}, "prompt"),
+                              ("/detokenize", {"model": NAME, "tokens": [1, 10 ** 9]}, "tokens"),
+                              ("/detokenize", {"model": "other", "tokens": [1]}, "model")):
+        status, _, r = _raw(server, path, json.dumps(body).encode())
+        assert status in (400, 404) and r["error"]["param"] == param, (path, r)
+
+
 def test_error_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", temperature=-1)

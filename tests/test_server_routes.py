@@ -100,6 +100,13 @@ def test_models_lists_exactly_the_served_name():
     assert [m["id"] for m in r.json()["data"]] == [NAME]
 
 
+def test_model_card_is_the_served_name_only():
+    client = mount(meta.router, fake_state())
+    r = client.get(f"/v1/models/{NAME}")
+    assert r.status_code == 200 and r.json()["id"] == NAME and r.json()["max_model_len"] == 64
+    assert_openai_error(client.get("/v1/models/other"), 404, "not_found_error", "model")
+
+
 def test_health_reports_a_dead_engine_loop():
     state = fake_state()
     client = mount(meta.router, state)

@@ -2,7 +2,7 @@
 
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
-is full. The routes live in routers (meta, completions) that read a ServerState from ``app.state.server``; errors
+is full. The routes live in routers (meta, completions, tokens) that read a ServerState from ``app.state.server``; errors
 and middlewares are in errors.py. ``/`` serves the playground (static/: chat or completion, streamed, each token
 coloured by how speculation produced it).
 """
@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
-from . import completions, meta
+from . import completions, meta, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -46,7 +46,9 @@ def openapi_schema(app: FastAPI) -> dict:
             for op in ops.values():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
-                codes = ERRORS if op.get("requestBody") else {k: v for k, v in ERRORS.items() if k in ("401", "503")}
+                # a route without a body can still name something unknown in its path (/v1/models/{model}: 404)
+                bodyless = ("401", "503", "404") if "{" in path else ("401", "503")
+                codes = ERRORS if op.get("requestBody") else {k: v for k, v in ERRORS.items() if k in bodyless}
                 for code, text in codes.items():
                     if path == "/health" and code == "401":  # liveness stays open
                         continue
@@ -88,6 +90,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         app.add_middleware(ReplicaHeader, replica=replica)
     app.include_router(meta.router)
     app.include_router(completions.router)
+    app.include_router(tokens.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

@@ -1,4 +1,4 @@
-"""Routes about the server itself rather than generation: liveness, the model list, Prometheus metrics."""
+"""Routes about the server itself rather than generation: liveness, the model list and card, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -20,10 +20,23 @@ async def health(state: CurrentState):
     return {"status": "ok"}
 
 
+def _card(state) -> dict:
+    return {"id": state.served_model_name, "object": "model", "created": P.now(), "owned_by": "infer",
+            "max_model_len": state.max_seq_len}
+
+
 @router.get("/v1/models")
 async def models(state: CurrentState):
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "created": P.now(),
-                                        "owned_by": "infer"}]}
+    return {"object": "list", "data": [_card(state)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, state: CurrentState):
+    """OpenAI's retrieve (``client.models.retrieve``): the served model's card, else a 404 naming it."""
+    if model != state.served_model_name:
+        return error_response(404, f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
+                              "not_found_error", "model")
+    return _card(state)
 
 
 @router.get("/metrics", response_class=Response,

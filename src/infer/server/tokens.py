@@ -1,0 +1,64 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the served model's token ids for a text or a chat (as the chat route
+would feed them), and the text of ids, so a client can count and budget tokens without a tokenizer of its own.
+Tokenisation runs in a worker thread, as the generation routes' does."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from . import protocol as P
+from .completions import _check_model
+from .errors import ApiError
+from .state import CurrentState
+
+router = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    """A text (``prompt``) or a chat (``messages``, rendered by the chat template with the assistant's turn opened)."""
+
+    model_config = P.STRICT
+
+    model: str
+    prompt: str | None = None
+    messages: list[P.ChatMessage] | None = Field(None, min_length=1)
+
+    _valid_prompt = field_validator("prompt")(P.valid_text)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = P.STRICT
+
+    model: str
+    tokens: list[int]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: CurrentState):
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give prompt (a text) or messages (a chat), one of them", param="prompt")
+    tok = state.tokenizer
+    if body.messages is not None:
+        if not tok.has_chat_template:
+            raise ApiError(400, "this model's tokenizer has no chat template; tokenize a prompt", param="messages")
+        for i, m in enumerate(body.messages):
+            if (kind := m.unread()) is not None:
+                raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model "
+                               "reads text only", param="messages")
+        ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
+                                                                for m in body.messages])
+    else:
+        ids = await run_in_threadpool(tok.encode, body.prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: CurrentState):
+    _check_model(state, body.model)
+    bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(400, f"token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="tokens")
+    return {"prompt": await run_in_threadpool(state.tokenizer.decode, body.tokens, skip_special_tokens=False)}
