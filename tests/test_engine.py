@@ -268,7 +268,7 @@ def test_prompt_logprobs_are_the_targets_over_chunks_prefix_hits_and_speculation
     top = logp[:-1].topk(3, -1)
     caching = {"enable_prefix_caching": True} if backend == "paged" else {}
     for draft in (None, drafter):
-        spec = {"spec_length": 3} if draft is not None else {}
+        spec = {"spec_length": 3, "draft_model": "drafter"} if draft is not None else {}
         eng = Engine(EngineConfig(model="t", kv_cache_backend=backend, block_size=4, max_num_batched_tokens=8,
                                   **spec, **caching), model=target, draft_model=draft)
         plain = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))  # fills the prefix cache
@@ -279,6 +279,7 @@ def test_prompt_logprobs_are_the_targets_over_chunks_prefix_hits_and_speculation
         while eng.has_unfinished:
             first += [o for o in eng.step() if o.request_id == scored.request_id]
         assert scored.output_ids == plain.output_ids
+        assert (eng.stats.num_drafts > 0) == (draft is not None)
         got = first[0].prompt_logprobs
         assert got == scored.prompt_logprobs and all(o.prompt_logprobs is None for o in first[1:])
         assert got[0] is None and len(got) == len(prompt)
@@ -292,3 +293,42 @@ def test_prompt_logprobs_out_of_range_is_refused():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=True)
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_min_tokens_holds_every_stop_back_and_speculation_keeps_greedy_parity(models, backend):
+    """min_tokens (vLLM's): no stop token (EOS, stop_token_ids) ends a request before its min_tokens-th token; the
+    plain engine's greedy output there is its argmax with the stops masked, and the speculating engine's the same
+    (its rounds verify under the same mask, position by position); past the minimum the stop ends it as usual."""
+    target, drafter, _ = models
+    prompt = [(7 * j) % 200 + 5 for j in range(11)]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = Engine(EngineConfig(model="t", kv_cache_backend=backend, block_size=4), model=target)
+    spec = Engine(EngineConfig(model="t", draft_model="drafter", kv_cache_backend=backend, block_size=4,
+                               spec_length=3), model=target, draft_model=drafter)
+    free = plain.run([plain.add_request(prompt, SamplingParams(**greedy))])[0].output_ids
+    stop = free[1]  # the greedy run's second token as a stop token: without min_tokens the output ends there
+    early = plain.run([plain.add_request(prompt, SamplingParams(**greedy, stop_token_ids=[stop]))])[0]
+    assert early.output_ids == free[:free.index(stop) + 1] and early.finish_reason == "stop"
+    params = SamplingParams(**greedy, stop_token_ids=[stop], min_tokens=6)
+    held = plain.run([plain.add_request(prompt, params)])[0]
+    assert len(held.output_ids) >= 6 and stop not in held.output_ids[:6]
+    assert held.output_ids[1] != stop  # the masked argmax: another token
+    assert spec.run([spec.add_request(prompt, params)])[0].output_ids == held.output_ids
+    assert spec.stats.num_drafts > 0
+
+
+def test_min_tokens_holds_stop_strings_back():
+    """A stop string seen before min_tokens does not end the request (vLLM checks them from the minimum on)."""
+    from infer.request import Request
+
+    tok = Tokenizer(str(__import__("infer.demo", fromlist=["demo_model_paths"]).demo_model_paths()[0]))
+    ids = tok.encode("a = 1\nb = 2\nc = 3\nd = 4")
+    for min_tokens, ends_after in ((0, "a = 1"), (len(tok.encode("a = 1\nb")), "b = 2")):
+        r = Request([1], SamplingParams(stop=["\n"], min_tokens=min_tokens, max_tokens=len(ids)), tokenizer=tok)
+        for t in ids:
+            if r.append(t):
+                break
+        assert r.finish_reason == "stop" and r.text.endswith(ends_after), (min_tokens, r.text)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -82,8 +82,7 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     # (route, field, value asking for something, its default as clients send it)
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
-    ("/v1/completions", "min_tokens", 3, 0), (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids",
-                                                                              [1, 2], []),
+    (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids", [1, 2], []),
     ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),
     ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
     (CHAT, "add_generation_prompt", False, True), (CHAT, "continue_final_message", True, False),
@@ -125,8 +124,9 @@ def test_openai_penalties_and_logit_bias_reach_the_sampler(server, long_ckpt):
 
 def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckpt):
     """vLLM's extensions its clients send: stop_token_ids end the output at that token (as the library's
-    SamplingParams.stop_token_ids), include_stop_str_in_output keeps the stop string, and guided_choice / _regex /
-    _json constrain as structured_outputs does (two at once: a 400 naming them). Each was dropped in silence."""
+    SamplingParams.stop_token_ids) and min_tokens holds it back, include_stop_str_in_output keeps the stop string, and
+    guided_choice / _regex / _json constrain as structured_outputs does (two at once: a 400 naming them). Each was
+    dropped in silence."""
     llm = LLM(long_ckpt)
     greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
     plain = llm.generate(["def f(x):"], SamplingParams(**greedy))[0]
@@ -136,6 +136,12 @@ def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckp
     status, r = _post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id]})
     assert status == 200 and r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == len(want.token_ids) < 16
+    held = llm.generate(["def f(x):"], SamplingParams(**greedy, stop_token_ids=[stop_id], min_tokens=6))[0]
+    status, r = _post(server, "/v1/completions", {**body, "stop_token_ids": [stop_id], "min_tokens": 6})
+    assert status == 200 and r["choices"][0]["text"] == held.text and r["usage"]["completion_tokens"] >= 6
+    for extra in ({"min_tokens": 17}, {"min_tokens": 2, "guided_choice": ["yes"]}):  # > max_tokens; with a grammar
+        status, r = _post(server, "/v1/completions", {**body, **extra})
+        assert status == 400 and r["error"]["param"] == "min_tokens", r
     stop = next(plain.text[i:i + 2] for i in range(len(plain.text) // 2, len(plain.text) - 2)
                 if plain.text[i:i + 2].strip())  # two characters from the middle
     cut = plain.text.index(stop)

@@ -26,29 +26,32 @@ def models():
     return random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
 
 
-def _next(target, seqs, params, prompt_len: int | None = None) -> torch.Tensor:
+def _next(target, seqs, params, prompt_len: int | None = None, banned=()) -> torch.Tensor:
     """p(. | seq) for each sequence, through the sampling pipeline (the penalties see the sequence: its first
-    ``prompt_len`` tokens as the prompt, the rest as output). [len(seqs), V]"""
+    ``prompt_len`` tokens as the prompt, the rest as output; ``banned`` tokens masked out first, as min_tokens masks
+    a request's stops). [len(seqs), V]"""
     V = target.config.vocab_size
     batch = SamplingBatch.from_params([params], V, "cpu").expand(len(seqs))
     seen = penalty_context(seqs, V, "cpu", [len(s) if prompt_len is None else prompt_len for s in seqs]) \
         if batch.use_penalty else None
     with torch.no_grad():
-        return logits_to_probs(target.compute_logits(target(torch.tensor(seqs)))[:, -1], batch, seen)
+        logits = target.compute_logits(target(torch.tensor(seqs)))[:, -1]
+        logits[:, list(banned)] = float("-inf")
+        return logits_to_probs(logits, batch, seen)
 
 
-def exact_joint(target, params, first: int = 2, prompt=None) -> torch.Tensor:
+def exact_joint(target, params, first: int = 2, prompt=None, banned=()) -> torch.Tensor:
     """P(x_first, x_first+1 | prompt) [V, V]: first=1 the first two generated tokens, first=2 the second and third
-    (the first summed out)."""
+    (the first summed out); ``banned`` tokens masked out at every one of those positions."""
     prompt = PROMPT if prompt is None else prompt
     V = target.config.vocab_size
     n = len(prompt)
     if first == 1:
-        return _next(target, [prompt], params, n)[0][:, None] * _next(target, [prompt + [x] for x in range(V)],
-                                                                       params, n)
-    p1 = _next(target, [prompt], params, n)[0]  # [V]
-    p2 = _next(target, [prompt + [a] for a in range(V)], params, n)  # [V(x1), V(x2)]
-    p3 = _next(target, [prompt + [a, b] for a in range(V) for b in range(V)], params, n).view(V, V, V)
+        return _next(target, [prompt], params, n, banned)[0][:, None] * _next(
+            target, [prompt + [x] for x in range(V)], params, n, banned)
+    p1 = _next(target, [prompt], params, n, banned)[0]  # [V]
+    p2 = _next(target, [prompt + [a] for a in range(V)], params, n, banned)  # [V(x1), V(x2)]
+    p3 = _next(target, [prompt + [a, b] for a in range(V) for b in range(V)], params, n, banned).view(V, V, V)
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
 
 

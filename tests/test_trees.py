@@ -191,7 +191,7 @@ PARAMS = [SamplingParams(temperature=1.0, max_tokens=4),
 PROMPT = [1, 2]
 
 
-def _pvalue(kind, params, backend="paged"):
+def _pvalue(kind, params, backend="paged", banned=()):
     """N concurrent requests, batched tree rounds: token 1 from the prefill, tokens 2 and 3 from one tree round
     (depth 2, two children a node) -> the chi-square p-value of (x2, x3) against the target's exact joint."""
     target = random_llama(V, seed=0)
@@ -202,7 +202,7 @@ def _pvalue(kind, params, backend="paged"):
     for r in reqs:
         counts[r.output_ids[1], r.output_ids[2]] += 1
     assert eng.stats.tree_rounds > 0 and 0.1 < eng.stats.acceptance_rate < 0.95  # children judged, often rejected
-    return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT))
+    return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT, banned=banned))
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
@@ -210,6 +210,16 @@ def _pvalue(kind, params, backend="paged"):
 @pytest.mark.parametrize("kind", ["draft", "medusa"])
 def test_joint_distribution_equals_target(kind, params, backend):
     assert _pvalue(kind, params, backend) > 0.001
+
+
+def test_joint_distribution_with_min_tokens():
+    """min_tokens in tree rounds: a node at depth d stands for the row's next token + d, masked while that comes before
+    the minimum (the stop is the target's likeliest first token)."""
+    target = random_llama(V, seed=0)
+    with torch.no_grad():
+        stop = int(target.compute_logits(target(torch.tensor([PROMPT])))[0, -1].argmax())
+    params = SamplingParams(temperature=1.0, max_tokens=4, min_tokens=3, stop_token_ids=[stop])
+    assert _pvalue("draft", params, banned=[stop]) > 0.001
 
 
 def test_wrong_tree_sampler_is_detected(monkeypatch):

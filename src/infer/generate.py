@@ -66,6 +66,8 @@ def autoregressive_generate(
         raise ValueError("structured output runs on the engine (LLM, Engine): autoregressive_generate takes no grammar")
     if params.logprobs is not None or params.prompt_logprobs is not None:
         raise ValueError("logprobs are reported by the engine (LLM, Engine): autoregressive_generate computes none")
+    if params.min_tokens:
+        raise ValueError("min_tokens runs on the engine (LLM, Engine): autoregressive_generate masks no stop token")
     eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     check_fits(model, len(prompt_ids), params.max_tokens)
     device = model.device

@@ -61,6 +61,7 @@ class Request:
         self.grammar = grammar
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
+        self.stops = self.eos | self.stop_ids  # the tokens that end it (masked before params.min_tokens)
         self.output_ids: list[int] = []
         # log p of each output token and its top alternatives (params.logprobs; runner.emit appends), and of each prompt
         # token given those before it (params.prompt_logprobs; the prefill fills them, the first entry stays None)
@@ -127,7 +128,7 @@ class Request:
         elif self._detok is not None:
             delta = self._detok.push(token)
             if delta:
-                self._append_text(delta)
+                self._append_text(delta, len(self.output_ids) >= self.params.min_tokens)
         if not self.finished and len(self.output_ids) >= self.params.max_tokens:
             if self._detok is not None:
                 self._append_text(self._detok.flush())
@@ -135,10 +136,12 @@ class Request:
                 self._finish("length", None)
         return self.finished
 
-    def _append_text(self, delta: str) -> None:
+    def _append_text(self, delta: str, stops: bool = True) -> None:
+        """Add decoded text; a stop string in the window the delta may complete ends the request (``stops``: once
+        params.min_tokens are out, as vLLM checks)."""
         start = max(0, len(self.text) - self._max_stop + 1)
         self.text += delta
-        if self._max_stop:
+        if self._max_stop and stops:
             window = self.text[start:]
             hits = [(window.find(s), s) for s in self.params.stop if s in window]
             if hits:

@@ -36,6 +36,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
+    # vLLM's min_tokens: none of the request's stops (EOS, stop_token_ids, stop strings) ends it before this many
+    # tokens; its stop tokens are masked out of the target's law there (ban_early_stops_)
+    min_tokens: int = 0
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
@@ -75,6 +78,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}]")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "must be a boolean")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
@@ -99,6 +105,8 @@ class SamplingParams:
                 bad("structured", f"takes the fields {', '.join(KINDS)} ({e})")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             bad("structured", "must be a StructuredOutput, a dict of its fields, or None")
+        if self.min_tokens and self.structured is not None:  # a finished grammar allows its end alone: no token left
+            bad("min_tokens", "cannot go with structured output (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:
@@ -274,6 +282,24 @@ def request_contexts(reqs, vocab_size: int, device) -> torch.Tensor:
     """``penalty_context`` of engine requests (their ``prompt_ids`` and ``output_ids``)."""
     return penalty_context([r.prompt_ids + r.output_ids for r in reqs], vocab_size, device,
                            [len(r.prompt_ids) for r in reqs])
+
+
+def ban_early_stops_(logits: torch.Tensor, reqs, depth: torch.Tensor | None = None) -> None:
+    """min_tokens (vLLM's rule): where a row's token would come before its ``params.min_tokens``-th, its stop tokens
+    (EOS, stop_token_ids: ``Request.stops``) get -inf logits, in place, before anything reads them. logits [B, V] (each
+    row's next token), [B, T, V] (a verify: position j is the row's next token + j) or a tree's [B, N, V] with
+    ``depth`` [B, N] (node i: the next token + its depth). Every path that samples, verifies or drafts against the
+    target reads these logits, so the law stays exact under speculation (a drafted stop is rejected there)."""
+    for b, r in enumerate(reqs):
+        short = r.params.min_tokens - len(r.output_ids)
+        if short <= 0 or not r.stops:
+            continue
+        ids = torch.tensor(sorted(r.stops), device=logits.device)
+        if logits.dim() == 2:
+            logits[b, ids] = float("-inf")
+            continue
+        at = depth[b] < short if depth is not None else torch.arange(logits.shape[1], device=logits.device) < short
+        logits[b, at.nonzero()[:, :1], ids] = float("-inf")  # [positions, 1] x [ids]: each position's stops
 
 
 def apply_penalties(logits: torch.Tensor, ctx: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..cache.base import TreeAttn
 from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..structured import mask_rows_
-from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts, sample
+from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts, sample
 from .kv_manager import KVManager
 from .stats import EngineStats
 
@@ -64,6 +64,8 @@ class ModelRunner:
         """logits [N, V] of each request's next token -> one token each (the pipeline of sampling.py). A request
         with structured output has its disallowed tokens set to -inf in ``logits`` first (in place: the logprobs
         reported are then those of the law sampled)."""
+        if any(r.params.min_tokens for r in reqs):  # no stop token before the request's min_tokens
+            ban_early_stops_(logits, reqs)
         if any(r.grammar is not None for r in reqs):
             mask_rows_(logits, [r.grammar for r in reqs])
         params = [r.params for r in reqs]

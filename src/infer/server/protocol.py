@@ -110,10 +110,12 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
 
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
-    # vLLM's extensions, as its clients send them: stop tokens, the stop string kept in the text, and the older names of
-    # structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json, regex, choice, grammar)
+    # vLLM's extensions, as its clients send them: stop tokens, the stop string kept in the text, a minimum length, and
+    # the older names of structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json, regex,
+    # choice, grammar)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0)
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -121,7 +123,6 @@ class _Common(BaseModel):
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send tools=[] and
     # the like), refused with a 400 naming them otherwise, never dropped in silence
     tools: list | None = None
-    min_tokens: int | None = None
     bad_words: list | None = None
     allowed_token_ids: list | None = None
     use_beam_search: bool | None = None
@@ -132,7 +133,6 @@ class _Common(BaseModel):
 
     _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_tools = field_validator("tools")(_unsupported("no tool calling"))
-    _no_min_tokens = field_validator("min_tokens")(_unsupported("no minimum length: an end token is never masked"))
     _no_bans = field_validator("bad_words", "allowed_token_ids")(_unsupported("restrict tokens with logit_bias or a "
                                                                               "regex instead"))
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's", off=(None, False)))
@@ -180,7 +180,7 @@ class _Common(BaseModel):
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
                               prompt_logprobs=prompt_logprobs)
 

@@ -29,7 +29,7 @@ import torch
 
 from ..proposers.base import DraftBatch, Proposal, Proposer
 from ..request import Request, StepOutput
-from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts
+from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
 from .tree import MAX_NODES, TreeShape
@@ -199,6 +199,8 @@ class SpeculativeDecoder:
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
         hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
         logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0
+        if any(p.min_tokens for p in params):  # position j: no stop token before the row's min_tokens
+            ban_early_stops_(logits, reqs)
         if grammar is not None:  # p' = the target restricted to what the grammar allows, at each position
             grammar.apply(reqs, logits)
             grammar.release()  # the matchers follow the emitted tokens from here (Request.append)

@@ -26,7 +26,7 @@ import torch
 
 from ..cache.base import TreeAttn
 from ..proposers.base import DraftBatch
-from ..sampling import SamplingBatch, argmax, logits_to_probs, request_contexts
+from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
 from ..structured import mask_bias
 from .grammar import prune_tree
 from .tree import TreeShape, to_batch
@@ -70,6 +70,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     attn = TreeAttn(torch.tensor(base, device=dev)[:, None] + depth, base, ancestor_mask(parents))
     hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
     logits = runner.model.compute_logits(hidden, torch.tensor([len(t.tokens) for t in trees]))  # [B, N, V], pads 0
+    if any(p.min_tokens for p in params):  # a node at depth d: no stop token before the row's min_tokens
+        ban_early_stops_(logits, reqs, depth)
     for b, m in masks.items():  # p' at every node: the target restricted to what the grammar allows after its path
         logits[b, :len(m)] += mask_bias(m, V).to(dev)
     if fast_greedy:
