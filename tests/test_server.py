@@ -178,6 +178,29 @@ def test_model_card_and_vllms_tokenize_detokenize(server, client, llm):
         assert status in (400, 404) and r["error"]["param"] == param, (path, r)
 
 
+def test_chat_continues_a_prefilled_answer(server, client, llm):
+    """vLLM's continue_final_message (add_generation_prompt false): the reply continues the last message, an
+    assistant's begun, as the library's LLM.chat does; asked of a user's message it is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "My favourite is"}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.chat(msgs, params, add_generation_prompt=False, continue_final_message=True)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    assert r.choices[0].message.content == want.text
+    ids = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert r.usage.prompt_tokens == len(ids) == len(want.prompt_token_ids)
+    assert llm.tokenizer.decode(ids).endswith("My favourite is")  # the turn left open
+    opened = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1)  # the default: a new turn
+    assert opened.usage.prompt_tokens > len(ids)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
+                                                     "messages": msgs[:1]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": NAME, "messages": msgs, "max_tokens": 2,
+                                              "extra_body": {k: v for k, v in extra.items() if k != "messages"},
+                                              **({"messages": extra["messages"]} if "messages" in extra else {})})
+        assert e.value.body["param"] == "continue_final_message"
+
+
 def test_error_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", temperature=-1)

@@ -85,7 +85,6 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids", [1, 2], []),
     ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),
     ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
-    (CHAT, "add_generation_prompt", False, True), (CHAT, "continue_final_message", True, False),
     (CHAT, "chat_template", "{{ messages }}", None),
 ]
 

@@ -47,8 +47,12 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
         if (kind := m.unread()) is not None:
             raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model reads "
                            "text only", param="messages")
+    if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
+        raise ApiError(400, "continue_final_message continues the last message: it must be the assistant's, and "
+                       "add_generation_prompt false", param="continue_final_message")
     ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
-                                                            for m in body.messages])
+                                                            for m in body.messages], body.add_generation_prompt,
+                                  body.continue_final_message)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _serve(state, body, [ids], max_tokens, top, True, [""], request)

@@ -234,15 +234,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # vLLM's chat extensions: the checkpoint's own template, ending with the assistant's turn opened
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
+    # vLLM's chat extensions: the reply opens the assistant's turn (add_generation_prompt), or continues the last
+    # message, an assistant's begun (continue_final_message: a prefilled answer); the checkpoint's own template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
 
-    _gen_prompt = field_validator("add_generation_prompt")(_unsupported("the reply always opens the assistant's turn",
-                                                                          off=(None, True)))
-    _continue = field_validator("continue_final_message")(_unsupported("the reply always opens the assistant's turn",
-                                                                         off=(None, False)))
     _template = field_validator("chat_template")(_unsupported("the checkpoint's own chat template is used"))
 
 
