@@ -222,3 +222,18 @@ def test_chat_takes_one_conversation_or_a_batch_and_names_a_wrong_argument(gqa_d
             llm.chat(bad)
     assert "LLM(" in repr(llm) and "dtype=" in repr(llm)
 
+
+
+def test_predictions_are_one_a_prompt_and_change_nothing(gqa_dir):
+    """LLM.generate's predictions (OpenAI's predicted outputs): text or ids a prompt, the same outputs; a count that
+    does not match the prompts, or ids outside the vocabulary, queue nothing."""
+    llm = LLM(gqa_dir, proposer="suffix", spec_length=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = llm.generate(["def f(x):", "import os"], params)
+    got = llm.generate(["def f(x):", "import os"], params, predictions=[want[0].text, want[1].token_ids])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[1].num_accepted_tokens > want[1].num_accepted_tokens  # the ids predicted are the output's own
+    for bad, says in (([None], "1 predictions for 2 prompts"), ([None, [1, 10 ** 6]], "prediction token ids")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(["def f(x):", "import os"], params, predictions=bad)
+    assert not llm.engine.has_unfinished

@@ -201,6 +201,33 @@ def test_chat_continues_a_prefilled_answer(server, client, llm):
         assert e.value.body["param"] == "continue_final_message"
 
 
+def test_a_predicted_output_reaches_the_proposer_and_changes_nothing(ckpt_dirs):
+    """OpenAI's ``prediction`` on a server whose proposer copies (the suffix tree, as SmolLM2's default does): the
+    request carries the prediction's tokens (tests/test_suffix.py shows the drafts copying them) and the answer is
+    the same. (This tiny model's outputs do not tokenise back to themselves, so a text prediction of one matches
+    little here; SmolLM2's do: docs/benchmarks.md.)"""
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], proposer="suffix", spec_length=3, max_batch_size=2))
+    seen = []
+    add = engine.engine.add_request
+    engine.engine.add_request = lambda *a, **kw: (seen.append(kw.get("prediction")), add(*a, **kw))[1]
+    try:
+        with ServerThread(build_app(engine, NAME)) as srv:
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            kw = dict(model=NAME, messages=[{"role": "user", "content": "Count to ten"}], max_tokens=24,
+                      temperature=0, extra_body={"ignore_eos": True})
+            plain = c.chat.completions.create(**kw).choices[0].message.content
+            for content in (plain, [{"type": "text", "text": plain}], "something else entirely"):
+                told = c.chat.completions.create(**kw, prediction={"type": "content", "content": content})
+                assert told.choices[0].message.content == plain
+            tok = engine.engine.tokenizer
+            assert seen == [None] + [tok.encode(plain, add_special_tokens=False)] * 2 + [
+                tok.encode("something else entirely", add_special_tokens=False)]
+            with pytest.raises(openai.BadRequestError):
+                c.chat.completions.create(**kw, prediction={"type": "other", "content": plain})
+    finally:
+        engine.shutdown()
+
+
 def test_error_statuses(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", temperature=-1)

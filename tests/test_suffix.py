@@ -337,6 +337,27 @@ def test_output_does_not_depend_on_the_tree():
     assert crowded.num_draft_tokens > 0  # the tree did propose
 
 
+def test_a_predicted_output_is_copied_and_changes_nothing_but_speed():
+    """OpenAI's predicted outputs: token ids the output is expected to repeat enter the request's own tree after the
+    prompt's tail, so its drafts copy them from the first output token on, and again after an edit. The output is
+    plain decoding's with any prediction: the expected one drafts most tokens, a wrong one is rejected."""
+    target = random_llama(64, seed=0)
+    prompt = [3, 9, 27, 17, 51, 25]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids
+    edited = want[:15] + [want[15] ^ 1, 60, 61] + want[16:]  # a token changed and two inserted in the middle
+    seen = {}
+    for name, prediction in (("none", None), ("exact", want), ("edited", edited), ("wrong", [7] * 40)):
+        eng = _engine(target, max_batch_size=1)
+        (r,) = eng.run([eng.add_request(prompt, params, eos_token_ids=[], prediction=prediction)])
+        assert r.output_ids == want, name
+        seen[name] = (r.num_accepted_tokens, r.num_target_forwards)
+    assert seen["exact"][0] >= 25 and seen["exact"][1] <= 13  # ~3.5 tokens a forward (K = 3) against 1
+    assert seen["edited"][0] >= 20 and seen["none"][0] <= 6 and seen["wrong"][0] <= 6
+    with pytest.raises(ValueError, match="prediction token ids"):
+        _engine(target).add_request(prompt, params, prediction=[1, 64])
+
+
 LATER = SamplingParams(temperature=1.0, max_tokens=4)
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 

@@ -65,8 +65,10 @@ class LLM:
             return None, list(prompt)
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
-    def make_requests(self, prompts, sampling_params=None) -> list[Request]:
-        """Validate every prompt first (nothing is queued if one is bad), then queue them all on the engine."""
+    def make_requests(self, prompts, sampling_params=None, predictions=None) -> list[Request]:
+        """Validate every prompt first (nothing is queued if one is bad), then queue them all on the engine.
+        ``predictions``: one a prompt (text, token ids or None), what its output is expected to repeat (OpenAI's
+        predicted outputs: the suffix proposers copy drafts from it; the output is the same without it)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,16 +77,23 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        predictions = [None] * len(prompts) if predictions is None else list(predictions)
+        if len(predictions) != len(prompts):
+            raise ValueError(f"got {len(predictions)} predictions for {len(prompts)} prompts")
+        predictions = [self.tokenizer.encode(x, add_special_tokens=False) if isinstance(x, str) else x
+                       for x in predictions]
         inputs = [self._prompt_ids(p) for p in prompts]
-        for (_, ids), p in zip(inputs, params):
-            self.engine.check_request(ids, p)
-        return [self.engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(inputs, params)]
+        for (_, ids), p, x in zip(inputs, params, predictions):
+            self.engine.check_request(ids, p, x)
+        return [self.engine.add_request(ids, p, prompt=text, prediction=x)
+                for (text, ids), p, x in zip(inputs, params, predictions)]
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 debug: bool | callable = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids.
+                 debug: bool | callable = False, predictions: list | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids. ``predictions``: one a
+        prompt, the text its output is expected to repeat (OpenAI's predicted outputs; ``make_requests``).
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """
@@ -96,7 +105,7 @@ class LLM:
         if debug:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
-            reqs = self.engine.run(self.make_requests(prompts, sampling_params))
+            reqs = self.engine.run(self.make_requests(prompts, sampling_params, predictions))
             if debug and isinstance(decoder.on_round, RoundPrinter):
                 decoder.on_round.finish()  # says so where no round ran
         finally:

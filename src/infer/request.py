@@ -47,6 +47,7 @@ class Request:
         request_id: str | None = None,
         prompt: str | None = None,
         grammar=None,
+        prediction: list[int] | None = None,
     ):
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -59,6 +60,9 @@ class Request:
         self.generator = generator
         # structured output (infer.structured.Matcher): its state is output_ids, advanced here; None: unconstrained
         self.grammar = grammar
+        # OpenAI's predicted output: token ids the output is expected to repeat, a copy source for the suffix
+        # proposers' drafts (their own tree of the request); speed only, the output is the same without it
+        self.prediction = list(prediction) if prediction else None
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.stops = self.eos | self.stop_ids  # the tokens that end it (masked before params.min_tokens)

@@ -280,8 +280,8 @@ class Engine:
                          num_blocks=None if blocks is None else 2 * blocks)
 
     # -- requests ----------------------------------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the problem if this request can never run."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, prediction: list[int] | None = None) -> None:
+        """Raise ValueError naming the problem if this request can never run (or its prediction is no token ids)."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -298,6 +298,9 @@ class Engine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
         params.check_vocab(V)
+        odd = [t for t in prediction or () if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
+        if odd:
+            raise ValueError(f"prediction token ids out of range [0, {V}): {odd[:5]}")
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
 
@@ -310,12 +313,14 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None,
                     generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None,
-                    speculate: bool = True) -> Request:
+                    speculate: bool = True, prediction: list[int] | None = None) -> Request:
         """Queue one request. ``generator`` / ``eos_token_ids`` override the request's own RNG (from params.seed)
         and the engine's EOS ids (library calls on loaded models use them); ``speculate=False`` decodes it plainly
-        on a speculating engine (its output is the same either way: only its speed differs)."""
+        on a speculating engine (its output is the same either way: only its speed differs). ``prediction``: token
+        ids the output is expected to repeat (OpenAI's predicted outputs), which the suffix proposers copy drafts
+        from; other proposers ignore it, and the output is the same either way."""
         params = params or SamplingParams()
-        self.check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params, prediction)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         limit = self.config.max_waiting_requests
@@ -326,7 +331,7 @@ class Engine:
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
         grammar = self.grammars().matcher(params.structured) if params.structured is not None else None
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
-                      grammar=grammar)
+                      grammar=grammar, prediction=prediction)
         req.speculate = speculate
         self.requests[req.request_id] = req
         self.scheduler.add(req)

@@ -172,6 +172,10 @@ class SuffixProposer(Proposer):
         row = self._rows.get(req)
         if row is None:
             own = suffix_tree_module().SuffixTree(self.max_depth) if self.own_length_factor is not None else None
+            if own is not None and req.prediction:
+                # a predicted output (OpenAI's): a second text of the request's own tree, after the prompt's tail, so
+                # the context matches it from the first output token on and again after an edit
+                own.extend(1, req.prompt_ids[-(self.max_depth - 1):] + req.prediction)
             row = self._rows[req] = _Row(next(self._ids), own)
             weakref.finalize(req, self._retire, row.seq)  # a request dropped unfinished still counts as text seen
         return row

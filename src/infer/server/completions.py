@@ -92,6 +92,9 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     except ValueError as e:
         raise ApiError(400, str(e), param=str(e).split(":")[0] if ":" in str(e) else "response_format")
     streams: list[RequestStream] = []
+    # a predicted output (OpenAI's): its tokens, a copy source for the suffix proposers' drafts
+    prediction = None if body.prediction is None else await run_in_threadpool(
+        state.tokenizer.encode, body.prediction.text(), add_special_tokens=False)
     try:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
@@ -99,6 +102,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured,
                                                   prompt_logprobs=logprobs if scored else None)
                     kw = {} if body.speculation else {"speculate": False}
+                    if prediction:
+                        kw["prediction"] = prediction
                     streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
                 except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
                     state.metrics.requests.labels("rejected").inc()

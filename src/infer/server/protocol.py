@@ -74,6 +74,21 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the answer is expected to repeat (a file being edited). The suffix proposers
+    (SmolLM2's default) copy drafts from it; the answer is the same without it."""
+
+    model_config = STRICT
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    _valid_content = field_validator("content")(valid_text)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content)
+
+
 class StructuredOutputs(BaseModel):
     """infer's extension (vLLM's ``structured_outputs``): exactly one of a JSON schema, any JSON object, a regular
     expression, a list of choices, or a grammar (Lark, or GBNF/EBNF with ``::=`` rules from ``root``)."""
@@ -108,6 +123,7 @@ class _Common(BaseModel):
     speculation: bool = True  # infer's extension: false decodes this request plainly (same output, its own speed)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
+    prediction: Prediction | None = None  # OpenAI's predicted output: a copy source for drafts (speed only)
 
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
     # vLLM's extensions, as its clients send them: stop tokens, the stop string kept in the text, a minimum length, and
