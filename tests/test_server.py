@@ -85,6 +85,15 @@ def test_chat_streaming_matches_non_streaming_and_ends_with_usage(client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
     assert chunks[-1].usage.model_dump()["num_draft_tokens"] > 0
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk says how many tokens so far
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].finish_reason is None
+              and c.choices[0].delta.content]
+    assert counts == sorted(counts) and counts[0] >= 1 and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks[1:])
 
 
 def test_seeds_reproduce_and_n_gives_distinct_choices(client):

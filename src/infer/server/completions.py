@@ -125,7 +125,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     if body.stream:
         opts = body.stream_options
         events = _stream_events(state, rid, body.model, choices, chat, bool(opts and opts.include_usage), logprobs,
-                                bool(opts and opts.include_spec))
+                                bool(opts and opts.include_spec),
+                                bool(opts and opts.include_usage and opts.continuous_usage_stats))
         return StreamingResponse(events, media_type="text/event-stream")
     work = asyncio.ensure_future(asyncio.gather(*[c.consume(state.metrics) for c in choices]))
     watch = asyncio.ensure_future(_disconnected(request))
@@ -161,7 +162,8 @@ def _close(choices, metrics: ServerMetrics) -> None:
         c.stream.close()
 
 
-async def _stream_events(state: ServerState, rid, model, choices, chat, include_usage, logprobs, include_spec=False):
+async def _stream_events(state: ServerState, rid, model, choices, chat, include_usage, logprobs, include_spec=False,
+                         continuous_usage=False):
     created = P.now()
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -216,7 +218,8 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 choice = {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": finish}
             if include_spec:  # the tokens whose text this chunk carries (several when text was held back)
                 choice["spec"], c.spec = {"tokens": c.spec}, []
-            yield _sse(P.completion_chunk(rid, model, created, [choice], chat=chat))
+            usage = _usage(choices, state.speculative) if continuous_usage else None  # the tokens so far
+            yield _sse(P.completion_chunk(rid, model, created, [choice], usage, chat=chat))
         if include_usage:
             yield _sse(P.completion_chunk(rid, model, created, [], _usage(choices, state.speculative), chat=chat))
         yield "data: [DONE]\n\n"

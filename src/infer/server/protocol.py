@@ -51,6 +51,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far too
     # infer's extension (OpenAI clients ignore it): each chunk's choice carries "spec": {"tokens": [{"source":
     # "target" | "accepted" | "recovered" | "bonus", "k": drafts in that token's round}, ...]}, one per token
     include_spec: bool = False
