@@ -35,18 +35,19 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
-    # vLLM's min_tokens: none of the request's stops (EOS, stop_token_ids, stop strings) ends it before this many
-    # tokens; its stop tokens are masked out of the target's law there (ban_early_stops_)
-    min_tokens: int = 0
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # report log p(token) under the target (and this many top alternatives); None: off
-    # vLLM's prompt_logprobs: log p of each prompt token after the first under the target, given the tokens before it
-    # (and this many top alternatives); None: off. Such a prompt is computed whole (no prefix-cache hit)
-    prompt_logprobs: int | None = None
     # constrain the output (infer.structured): a StructuredOutput, or its fields as a dict, e.g. {"regex": "[0-9]+"}
     structured: StructuredOutput | dict | None = None
+    # vLLM's extensions, last (the fields before them keep their places). prompt_logprobs: log p of each prompt token
+    # after the first under the target, given the tokens before it (and this many top alternatives); None: off; such
+    # a prompt is computed whole (no prefix-cache hit)
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    # none of the request's stops (EOS, stop_token_ids, stop strings) ends it before this many tokens; its stop tokens
+    # are masked out of the target's law there (ban_early_stops_)
+    min_tokens: int = 0
 
     def __post_init__(self):
         def bad(name, why):
