@@ -60,18 +60,6 @@ def format_stats(s: dict) -> str:
     return line + "]"
 
 
-def describe(llm) -> str:
-    """The model as a person reads it: its file or directory's name, dtype, quantization and drafting."""
-    c, name = getattr(llm, "config", None), Path(str(llm.model_path)).name
-    if c is None:  # a stand-in (tests)
-        return name
-    parts = [str(llm.dtype).removeprefix("torch.")] + ([c.quantization] if c.quantization else [])
-    if llm.engine.decoder is not None:
-        drafter = f" + {Path(str(c.draft_model)).name}" if c.draft_model else ""
-        parts.append(f"speculating: {c.proposer or 'draft'}{drafter}")
-    return f"{name} ({', '.join(parts)})"
-
-
 def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
     inp, out = inp or sys.stdin, out or sys.stdout  # the streams of the moment (stream_reply says why)
     if not llm.tokenizer.has_chat_template:
@@ -79,7 +67,8 @@ def run_chat(llm, params, system: str | None = None, inp=None, out=None) -> int:
     base = [{"role": "system", "content": system}] if system else []
     messages = list(base)
     interactive = inp.isatty()
-    print(f"infer chat with {describe(llm)} ({HELP})", file=out)
+    name = llm.describe() if hasattr(llm, "describe") else Path(str(llm.model_path)).name  # a stand-in: its path
+    print(f"infer chat with {name} ({HELP})", file=out)
     while True:
         if interactive:
             out.write("\n> ")

@@ -31,12 +31,24 @@ class LLM:
         self.dtype, self.device = self.engine.dtype, self.engine.device
         self.draft_vocab = self.engine.draft_vocab
 
+    def _settings(self) -> tuple[str, str, str | None, str | None]:
+        """(the checkpoint's file or directory name, dtype, quantization, drafting: proposer + drafter) or Nones."""
+        c, name = self.config, lambda p: os.path.basename(str(p).rstrip("/"))  # noqa: E731
+        spec = None if self.engine.decoder is None else (c.proposer or "draft") + (
+            f" + {name(c.draft_model)}" if c.draft_model else "")
+        return name(self.model_path), str(self.dtype).removeprefix("torch."), c.quantization, spec
+
+    def describe(self) -> str:
+        """What runs, as a person reads it (``infer chat``'s banner): "model.gguf (bfloat16, q4_1, speculating:
+        suffix-hybrid + smollm2-eagle3)"."""
+        name, dtype, quant, spec = self._settings()
+        parts = [dtype] + ([quant] if quant else []) + ([f"speculating: {spec}"] if spec else [])
+        return f"{name} ({', '.join(parts)})"
+
     def __repr__(self) -> str:
-        c = self.config
-        spec = "" if self.engine.decoder is None else f", speculative={c.proposer or 'draft'}" + (
-            f" ({os.path.basename(str(c.draft_model).rstrip('/'))})" if c.draft_model else "")
-        quant = f", quantization={c.quantization}" if c.quantization else ""
-        return f"LLM({str(self.model_path)!r}, dtype={str(self.dtype).removeprefix('torch.')}{quant}{spec})"
+        name, dtype, quant, spec = self._settings()
+        return f"LLM({name!r}, dtype={dtype}" + (f", quantization={quant}" if quant else "") + (
+            f", speculative={spec!r})" if spec else ")")
 
     def close(self) -> None:
         """Release what outlives a call: the tensor-parallel workers (also done at exit). ``with LLM(...) as llm:``

@@ -286,9 +286,10 @@ class Engine:
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
         V = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        for what, ids in (("prompt", prompt_ids), ("prediction", prediction or ())):
+            bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
+            if bad:
+                raise ValueError(f"{what} token ids out of range [0, {V}): {bad[:5]}")
         if n + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"exceeds the maximum sequence length {self.max_seq_len} (max_seq_len, capped by the model's "
@@ -298,9 +299,6 @@ class Engine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
         params.check_vocab(V)
-        odd = [t for t in prediction or () if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
-        if odd:
-            raise ValueError(f"prediction token ids out of range [0, {V}): {odd[:5]}")
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
 

@@ -43,10 +43,7 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-    for i, m in enumerate(body.messages):  # answering without what a part shows would answer another question
-        if (kind := m.unread()) is not None:
-            raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model reads "
-                           "text only", param="messages")
+    _check_readable(body.messages)
     if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
         raise ApiError(400, "continue_final_message continues the last message: it must be the assistant's, and "
                        "add_generation_prompt false", param="continue_final_message")
@@ -64,11 +61,20 @@ def _check_model(state: ServerState, name: str) -> None:
                        "not_found_error", "model")
 
 
-def _check_ids(prompts: list[list[int]], vocab_size: int) -> None:
+def _check_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt") -> None:
     for p in prompts:
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise ApiError(400, f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}", param="prompt")
+            raise ApiError(400, f"{param} token ids out of range [0, {vocab_size}): {bad[:5]}", param=param)
+
+
+def _check_readable(messages: list[P.ChatMessage]) -> None:
+    """A 400 naming the first content part the model cannot read: answering without what it shows (an image) would
+    answer another question."""
+    for i, m in enumerate(messages):
+        if (kind := m.unread()) is not None:
+            raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model reads "
+                           "text only", param="messages")
 
 
 def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:

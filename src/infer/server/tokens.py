@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from . import protocol as P
-from .completions import _check_model
+from .completions import _check_ids, _check_model, _check_readable
 from .errors import ApiError
 from .state import CurrentState
 
@@ -44,10 +44,7 @@ async def tokenize(body: TokenizeRequest, state: CurrentState):
     if body.messages is not None:
         if not tok.has_chat_template:
             raise ApiError(400, "this model's tokenizer has no chat template; tokenize a prompt", param="messages")
-        for i, m in enumerate(body.messages):
-            if (kind := m.unread()) is not None:
-                raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model "
-                               "reads text only", param="messages")
+        _check_readable(body.messages)
         ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
                                                                 for m in body.messages])
     else:
@@ -58,7 +55,5 @@ async def tokenize(body: TokenizeRequest, state: CurrentState):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: CurrentState):
     _check_model(state, body.model)
-    bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
-    if bad:
-        raise ApiError(400, f"token ids out of range [0, {state.vocab_size}): {bad[:5]}", param="tokens")
+    _check_ids([body.tokens], state.vocab_size, param="tokens")
     return {"prompt": await run_in_threadpool(state.tokenizer.decode, body.tokens, skip_special_tokens=False)}
