@@ -447,3 +447,108 @@ def test_bench_serve_without_a_server_is_one_clear_error():
 
     with pytest.raises(ValueError, match=r"no server answers at http://127\.0\.0\.1:1/v1"):
         run_bench(_bench_args("--base-url", "http://127.0.0.1:1/v1"))
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str]:
+    """A streamed answer's tool calls, assembled from their deltas as OpenAI's clients do, and its finish reason."""
+    calls, finish = {}, None
+    for ch in chunks:
+        for d in ch.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_choice_named_function_is_its_arguments_as_the_library_constrains_them(client, llm):
+    """A named tool_choice answers one call whose arguments follow its schema, greedy the library's text under the
+    same schema; streamed, the deltas assemble into the same call."""
+    import jsonschema
+
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=60,
+                                       temperature=0)
+    m = r.choices[0]
+    assert m.message.content is None and m.finish_reason == "stop"
+    (call,) = m.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    ref = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=60, structured={"json_schema": WEATHER}),
+                   tools=TOOLS)
+    assert call.function.arguments == ref.text
+    streamed, finish = _streamed_calls(client.chat.completions.create(
+        model=NAME, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0, stream=True))
+    assert finish == "stop" and [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", ref.text)]
+    assert streamed[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required_answers_calls_of_the_tools(client, parallel):
+    """"required": one or more calls (one with parallel_tool_calls false), each a tool's name and arguments that
+    follow its schema, finish_reason "tool_calls"; streamed, the same calls (greedy), each sent whole."""
+    import jsonschema
+
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "Weather and time?"}], tools=TOOLS,
+              tool_choice="required", max_tokens=120, temperature=0, parallel_tool_calls=parallel)
+    r = client.chat.completions.create(**kw).choices[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert r.message.content is None
+    if r.finish_reason != "length" or not parallel:  # a random model may list calls past max_tokens
+        assert r.finish_reason == "tool_calls" and r.message.tool_calls
+    assert len(r.message.tool_calls) <= (120 if parallel else 1)
+    for call in r.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed, finish = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert finish == r.finish_reason
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments)
+                                                               for c in r.message.tool_calls]
+
+
+def test_a_conversation_with_calls_and_results_reaches_the_template(server, client):
+    """The history of a tool call (the assistant's calls, the tool's result) is accepted and rendered by the
+    checkpoint's template, which shows the tool's result as its own turn."""
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city":"Paris","unit":"C"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "SUNNY-21"}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.content is not None and not r.choices[0].message.tool_calls
+    status, _, ids = _raw(server, "/tokenize", json.dumps({"model": NAME, "messages": msgs, "tools": TOOLS}).encode())
+    assert status == 200
+    status, _, text = _raw(server, "/detokenize", json.dumps({"model": NAME, "tokens": ids["tokens"]}).encode())
+    assert "tool<|end_header_id|>\n\nSUNNY-21" in text["prompt"]
+
+
+@pytest.mark.parametrize("route, body, param, words", [
+    ("chat", {"tools": TOOLS}, "tool_choice", "'auto'"),
+    ("chat", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "'required'"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope'"),
+    ("chat", {"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools", "unique"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+              "tool_choice": "required"}, "tools", "foo"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "not both"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"},
+     "tools", "pattern"),
+    ("completions", {"tools": TOOLS}, "tools", "chat"),
+])
+def test_tool_requests_that_cannot_be_answered_are_400_naming_the_field(server, route, body, param, words):
+    path, head = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}) if route == "chat"
+                  else ("/v1/completions", {"prompt": "x"}))
+    status, _, answer = _raw(server, path, json.dumps({"model": NAME, **head, **body}).encode())
+    assert status == 400, answer
+    assert param in (answer["error"]["param"] or "") and words in answer["error"]["message"], answer
+    assert _wait_idle(server.engine)

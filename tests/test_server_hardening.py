@@ -80,7 +80,7 @@ def test_bad_input_is_a_400_naming_the_field(server, route, body, param):
 
 UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the output and that infer does not implement:
     # (route, field, value asking for something, its default as clients send it)
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
+    ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
     (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids", [1, 2], []),
     ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),

@@ -144,11 +144,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             ) -> RequestOutput | list[RequestOutput]:
+             tools: list[dict] | None = None) -> RequestOutput | list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (a list of {"role", "content"} messages) and
         generate the assistant's reply; given a list of conversations, reply to each, batched (as vLLM's
         ``LLM.chat``), one output a conversation. ``continue_final_message`` (with ``add_generation_prompt`` False):
-        the reply continues the last message, an assistant's begun (a prefilled answer)."""
+        the reply continues the last message, an assistant's begun (a prefilled answer). ``tools``: OpenAI's function
+        definitions, given to the template as vLLM's ``LLM.chat`` gives them (a call constrained to a schema: the
+        server's ``tool_choice``, or ``SamplingParams(structured=...)``)."""
         if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("LLM.chat takes a conversation, a non-empty list of {'role': ..., 'content': ...} messages "
                             f"(or a list of conversations), got {_kind(messages)}; for plain text, LLM.generate")
@@ -159,8 +161,8 @@ class LLM:
             if not conv or odd is not None:
                 raise TypeError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages, got "
                                 + ("an empty list" if not conv else f"a message of type {type(odd).__name__}"))
-        outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message)
-                              for c in convs], sampling_params)
+        outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
+                                                                 tools) for c in convs], sampling_params)
         return outs if batch else outs[0]
 
 

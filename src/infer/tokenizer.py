@@ -130,16 +130,17 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Render with the checkpoint's template, then encode without adding BOS again (the template has it).
         ``continue_final_message``: the last message (the assistant's, begun) is left open, so the reply continues
-        it (transformers' flag; no new turn is opened then)."""
+        it (transformers' flag; no new turn is opened then). ``tools``: OpenAI's function definitions, given to the
+        template (which decides what the model sees of them; SmolLM2's shows none)."""
         if not self.has_chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: add_generation_prompt must be false")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
+                                           continue_final_message=continue_final_message, tools=tools or None)
         return self.encode(text, add_special_tokens=False)
 
     def token_strings(self, ids: list[int]) -> list[str]:

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ..engine import QueueFullError
 from ..engine.async_engine import EngineStoppedError, RequestStream
 from . import protocol as P
+from . import tools
 from .errors import ApiError
 from .metrics import ServerMetrics
 from .state import CurrentState, ServerState
@@ -47,12 +48,15 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
         raise ApiError(400, "continue_final_message continues the last message: it must be the assistant's, and "
                        "add_generation_prompt false", param="continue_final_message")
-    ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
-                                                            for m in body.messages], body.add_generation_prompt,
-                                  body.continue_final_message)
+    calls = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if calls[0] is not None and body.continue_final_message:
+        raise ApiError(400, "a tool call is a new assistant message: tool_choice cannot continue the last one",
+                       param="tool_choice")
+    ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in body.messages],
+                                  body.add_generation_prompt, body.continue_final_message, P.tool_dicts(body.tools))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(state, body, [ids], max_tokens, top, True, [""], request)
+    return await _serve(state, body, [ids], max_tokens, top, True, [""], request, calls)
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -88,7 +92,9 @@ def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request):
+async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request,
+                 calls: tuple = (None, None)):
+    """``calls``: tools.plan's (mode, constraint) of a chat request; a mode answers with tool calls."""
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     # echo with logprobs scores the prompt too (OpenAI's legacy completions: its tokens lead the logprobs, the first
     # with none), as lm-evaluation-harness's loglikelihood requests read it
@@ -97,6 +103,12 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         structured, field = body.structured()
     except ValueError as e:
         raise ApiError(400, str(e), param=str(e).split(":")[0] if ":" in str(e) else "response_format")
+    mode, constraint = calls
+    if mode is not None:
+        if structured is not None:
+            raise ApiError(400, f"tool_choice {mode!r} constrains the answer to a call already: give {field} or "
+                           "tool_choice, not both", param="tool_choice")
+        structured, field = constraint, "tools"
     streams: list[RequestStream] = []
     # a predicted output (OpenAI's): its tokens, a copy source for the suffix proposers' drafts
     prediction = None if body.prediction is None else await run_in_threadpool(
@@ -127,7 +139,9 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         for s in streams:
             s.close()
         raise
-    choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n], scored) for k, s in enumerate(streams)]
+    name = body.tool_choice.function.name if mode == "named" else None
+    choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n], scored,
+                       None if mode is None else tools.ToolCallReader(mode, name)) for k, s in enumerate(streams)]
     if body.stream:
         opts = body.stream_options
         events = _stream_events(state, rid, body.model, choices, chat, bool(opts and opts.include_usage), logprobs,
@@ -186,9 +200,9 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
     try:
         if chat:
             for c in choices:
-                yield _sse(P.completion_chunk(rid, model, created, [
-                    {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                    chat=True))
+                yield _sse(P.completion_chunk(rid, model, created, [  # a call's message has no content
+                    {"index": c.index, "delta": {"role": "assistant", "content": None if c.reader else ""},
+                     "finish_reason": None}], chat=True))
         elif any(c.echo for c in choices) and not any(c.scored for c in choices):
             for c in choices:
                 yield _sse(P.completion_chunk(rid, model, created, [
@@ -203,7 +217,7 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
             if isinstance(out, Exception):
                 yield _sse(P.error_body(f"generation failed: {out}", "server_error", None, 500))
                 continue
-            finish = _finish_reason(out) if out.finished else None
+            finish = c.finish_reason if out.finished else None  # set by c.observe
             if c.scored and not c.echoed:  # the prompt's chunk, scored by the first output's
                 c.echoed = True
                 lp, c.offset = _prompt_payload(state.tokenizer, c.prompt_ids, out.prompt_logprobs)
@@ -218,8 +232,10 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 lp = _logprobs_payload(state.tokenizer, [out], chat, c.offset)
                 c.offset += sum(len(t) for t in lp.get("tokens", ()))
             if chat:
-                choice = {"index": c.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
-                          "finish_reason": finish}
+                delta = c.reader.feed(out.text) if c.reader else {"content": out.text} if out.text else {}
+                if not delta and finish is None and lp is None:
+                    continue  # a call not complete yet
+                choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": out.text, "logprobs": lp, "finish_reason": finish}
             if include_spec:  # the tokens whose text this chunk carries (several when text was held back)
@@ -238,9 +254,11 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
 class _Choice:
     """One (prompt, n) stream and what has been seen of it."""
 
-    def __init__(self, index: int, stream: RequestStream, prompt_ids: list[int], echo: str, scored: bool = False):
+    def __init__(self, index: int, stream: RequestStream, prompt_ids: list[int], echo: str, scored: bool = False,
+                 reader: tools.ToolCallReader | None = None):
         self.index, self.stream, self.prompt_ids, self.echo = index, stream, prompt_ids, echo
         self.scored = scored  # the echoed prompt's tokens lead the logprobs (``_serve``)
+        self.reader = reader  # a tool call's: the text read as calls
         self.outputs = []
         self.text = ""
         self.finish_reason = None
@@ -263,6 +281,8 @@ class _Choice:
         self.text += out.text
         if out.finished:
             self.finish_reason = _finish_reason(out)
+            if self.reader is not None:
+                self.finish_reason = self.reader.finish_reason(self.finish_reason)
             self.draft, self.accepted = out.num_draft_tokens, out.num_accepted_tokens
             metrics.requests.labels(out.finish_reason or "stop").inc()
             metrics.e2e.observe(t - self.t0)
@@ -334,7 +354,11 @@ def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, s
                 head, offset = _prompt_payload(tok, c.prompt_ids, c.outputs[0].prompt_logprobs if c.outputs else None)
             tail = _logprobs_payload(tok, c.outputs, chat, offset)
             lp = {k: head[k] + tail[k] for k in head}
-        if chat:
+        if chat and c.reader is not None:  # read whole: the calls it makes
+            c.reader.feed(c.text)
+            out_choices.append({"index": c.index, "message": c.reader.message(), "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        elif chat:
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason})
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal
@@ -139,7 +140,6 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send tools=[] and
     # the like), refused with a 400 naming them otherwise, never dropped in silence
-    tools: list | None = None
     bad_words: list | None = None
     allowed_token_ids: list | None = None
     use_beam_search: bool | None = None
@@ -149,7 +149,6 @@ class _Common(BaseModel):
     logits_processors: list | None = None
 
     _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
-    _no_tools = field_validator("tools")(_unsupported("no tool calling"))
     _no_bans = field_validator("bad_words", "allowed_token_ids")(_unsupported("restrict tokens with logit_bias or a "
                                                                               "regex instead"))
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's", off=(None, False)))
@@ -208,11 +207,74 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    tools: list | None = None
 
+    _no_tools = field_validator("tools")(_unsupported("tools are the chat route's: /v1/chat/completions"))
     _no_suffix = field_validator("suffix")(_unsupported("no insertion after a suffix"))
     _best_of = field_validator("best_of")(_unsupported("n choices are; best_of is not", off=(None, 1)))
 
     _valid_prompt = field_validator("prompt")(valid_text)
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema; none: the function takes no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """OpenAI's tool: a function the model may call (tools.py answers it)."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as a chat template reads them (OpenAI's JSON, unset fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text, as the API answers it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant's message made (a conversation's history, sent back with the tool's result)."""
+
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_form(self) -> dict:
+        """As chat templates read a call: its arguments an object (templates write them with ``tojson``)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
 class ContentPart(BaseModel):
@@ -231,8 +293,19 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
     _valid_content = field_validator("content")(valid_text)
+
+    def template_form(self) -> dict:
+        """The message as the chat template reads it (the checkpoint's template decides what the model sees of it)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_form() for c in self.tool_calls]
+        out.update({k: getattr(self, k) for k in ("tool_call_id", "name") if getattr(self, k) is not None})
+        return out
 
     def unread(self) -> str | None:
         """The type of the first content part that is not text (the model reads text only), or None."""
@@ -256,6 +329,10 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    # OpenAI's tool calling (tools.py): "none", "required" or a named function; "auto" is refused (no call parser)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     _template = field_validator("chat_template")(_unsupported("the checkpoint's own chat template is used"))
 

@@ -24,6 +24,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[P.ChatMessage] | None = Field(None, min_length=1)
+    tools: list[P.Tool] | None = None  # given to the chat template with messages, as the chat route gives them
 
     _valid_prompt = field_validator("prompt")(P.valid_text)
 
@@ -45,8 +46,8 @@ async def tokenize(body: TokenizeRequest, state: CurrentState):
         if not tok.has_chat_template:
             raise ApiError(400, "this model's tokenizer has no chat template; tokenize a prompt", param="messages")
         _check_readable(body.messages)
-        ids = await run_in_threadpool(tok.apply_chat_template, [{"role": m.role, "content": m.text()}
-                                                                for m in body.messages])
+        ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in body.messages],
+                                      tools=P.tool_dicts(body.tools))
     else:
         ids = await run_in_threadpool(tok.encode, body.prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
