@@ -1,5 +1,7 @@
 """Generation loops: greedy parity with transformers, seeded sampling, stop conditions, beam search, bad input."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -237,3 +239,38 @@ def test_predictions_are_one_a_prompt_and_change_nothing(gqa_dir):
         with pytest.raises(ValueError, match=says):
             llm.generate(["def f(x):", "import os"], params, predictions=bad)
     assert not llm.engine.has_unfinished
+
+
+def test_n_sequences_a_prompt_as_vllm_reads_them(gqa_dir):
+    """SamplingParams(n=k): k sequences a prompt in ``outputs`` (vLLM's ``out.outputs[j].text``), sequence j drawn
+    as the request seeded seed + j would be; the fields are the first's. A sequence of one fills ``outputs`` too."""
+    llm = LLM(gqa_dir)
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=7, logprobs=0)
+    a, b = llm.generate(["def fib", "Hello"], [replace(p, n=3), p])
+    assert [o.index for o in a.outputs] == [0, 1, 2] and len(b.outputs) == 1
+    alone = [llm.generate("def fib", replace(p, seed=7 + j))[0] for j in range(3)]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # distinct draws
+    assert a.token_ids == a.outputs[0].token_ids and a.text == a.outputs[0].text
+    assert b.outputs[0].token_ids == b.token_ids and b.outputs[0].text == b.text
+    for o, ref in zip(a.outputs, alone):
+        assert o.finish_reason == ref.finish_reason and o.logprobs == ref.logprobs
+        assert o.cumulative_logprob == pytest.approx(sum(lp for lp, _ in ref.logprobs))
+    unseeded = llm.generate("def fib", SamplingParams(temperature=1.0, max_tokens=12, n=4))[0].outputs
+    assert len(unseeded) == 4 and len({tuple(o.token_ids) for o in unseeded}) > 1
+    chats = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4, n=2))
+    assert chats.outputs[0].token_ids == chats.outputs[1].token_ids  # greedy: n equal sequences
+
+
+def test_n_is_refused_where_one_sequence_runs(gqa_dir):
+    llm = LLM(gqa_dir)
+    with pytest.raises(ValueError, match="SamplingParams.n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64 - 2, n=3)
+    with pytest.raises(ValueError, match="LLM.stream yields one sequence"):
+        next(llm.stream("hi", SamplingParams(n=2)))
+    with pytest.raises(ValueError, match="SamplingParams.n must be 1 for an engine request"):
+        llm.engine.add_request([1, 2], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="autoregressive_generate decodes one sequence"):
+        autoregressive_generate(llm.model, [1, 2], SamplingParams(max_tokens=2, n=2))

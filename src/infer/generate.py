@@ -68,6 +68,9 @@ def autoregressive_generate(
         raise ValueError("logprobs are reported by the engine (LLM, Engine): autoregressive_generate computes none")
     if params.min_tokens:
         raise ValueError("min_tokens runs on the engine (LLM, Engine): autoregressive_generate masks no stop token")
+    if params.n != 1:
+        raise ValueError(f"autoregressive_generate decodes one sequence: SamplingParams.n must be 1, got {params.n} "
+                         "(LLM.generate returns n)")
     eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     check_fits(model, len(prompt_ids), params.max_tokens)
     device = model.device

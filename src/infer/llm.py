@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -78,9 +79,14 @@ class LLM:
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
     def make_requests(self, prompts, sampling_params=None, predictions=None) -> list[Request]:
-        """Validate every prompt first (nothing is queued if one is bad), then queue them all on the engine.
-        ``predictions``: one a prompt (text, token ids or None), what its output is expected to repeat (OpenAI's
-        predicted outputs: the suffix proposers copy drafts from it; the output is the same without it)."""
+        """Validate every prompt first (nothing is queued if one is bad), then queue them all on the engine: n
+        requests for a prompt whose SamplingParams ask for n sequences, one after another. ``predictions``: one a
+        prompt (text, token ids or None), what its output is expected to repeat (OpenAI's predicted outputs: the
+        suffix proposers copy drafts from it; the output is the same without it)."""
+        return [r for group in self._request_groups(prompts, sampling_params, predictions) for r in group]
+
+    def _request_groups(self, prompts, sampling_params=None, predictions=None) -> list[list[Request]]:
+        """make_requests' requests, one list a prompt (its n sequences)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -95,10 +101,11 @@ class LLM:
         predictions = [self.tokenizer.encode(x, add_special_tokens=False) if isinstance(x, str) else x
                        for x in predictions]
         inputs = [self._prompt_ids(p) for p in prompts]
-        for (_, ids), p, x in zip(inputs, params, predictions):
-            self.engine.check_request(ids, p, x)
-        return [self.engine.add_request(ids, p, prompt=text, prediction=x)
-                for (text, ids), p, x in zip(inputs, params, predictions)]
+        params = [_sequences(p) for p in params]  # n SamplingParams of n = 1 a prompt
+        for (_, ids), ps, x in zip(inputs, params, predictions):
+            self.engine.check_request(ids, ps[0], x)
+        return [[self.engine.add_request(ids, p, prompt=text, prediction=x) for p in ps]
+                for (text, ids), ps, x in zip(inputs, params, predictions)]
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
@@ -117,20 +124,24 @@ class LLM:
         if debug:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
-            reqs = self.engine.run(self.make_requests(prompts, sampling_params, predictions))
+            groups = self._request_groups(prompts, sampling_params, predictions)
+            self.engine.run([r for g in groups for r in g])
             if debug and isinstance(decoder.on_round, RoundPrinter):
                 decoder.on_round.finish()  # says so where no round ran
         finally:
             if debug:
                 decoder.on_round = None
         spec = decoder is not None
-        return [RequestOutput.from_request(r, speculative=spec) for r in reqs]
+        return [RequestOutput.from_requests(g, speculative=spec) for g in groups]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):
         """Generate for one prompt, yielding each StepOutput (token id, text delta, ...) as the engine makes it.
 
         Stopping the iteration early (``break``, or closing the generator) aborts the request and frees its KV.
         """
+        if sampling_params is not None and sampling_params.n != 1:
+            raise ValueError(f"LLM.stream yields one sequence: SamplingParams.n must be 1, got {sampling_params.n} "
+                             "(LLM.generate returns n)")
         (req,) = self.make_requests([prompt], sampling_params)
         try:
             while not req.finished:
@@ -164,6 +175,14 @@ class LLM:
         outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
                                                                  tools) for c in convs], sampling_params)
         return outs if batch else outs[0]
+
+
+def _sequences(params: SamplingParams) -> list[SamplingParams]:
+    """SamplingParams of n sequences as n of one, sequence j seeded seed + j (as the server's choices): distinct,
+    reproducible draws."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]
 
 
 def named_defaults(engine_kwargs: dict) -> dict:

@@ -217,8 +217,28 @@ class StepOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One generated sequence of a prompt (vLLM's): ``RequestOutput.outputs[index]``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cumulative_logprob: float | None = None  # the sum of its tokens' logprobs (where SamplingParams.logprobs asked)
+
+    @classmethod
+    def from_request(cls, req: Request, index: int = 0) -> CompletionOutput:
+        logprobs = None if req.logprobs is None else list(req.logprobs)
+        return cls(index, req.text, list(req.output_ids), req.finish_reason, req.stop_reason, logprobs,
+                   None if logprobs is None else sum(lp for lp, _ in logprobs))
+
+
+@dataclass
 class RequestOutput:
-    """What the library returns for one prompt."""
+    """What the library returns for one prompt: its first sequence in the fields (as a sequence of one reads them),
+    every sequence (``SamplingParams.n``) in ``outputs``, as vLLM's ``out.outputs[0].text``."""
 
     request_id: str
     prompt: str | None
@@ -237,6 +257,14 @@ class RequestOutput:
     # the same per prompt token (None for the first, which nothing predicts)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request], speculative: bool = False) -> RequestOutput:
+        """One prompt's n sequences (SamplingParams.n): the first's fields, and each in ``outputs``."""
+        out = cls.from_request(reqs[0], speculative)
+        out.outputs = [CompletionOutput.from_request(r, j) for j, r in enumerate(reqs)]
+        return out
 
     @classmethod
     def from_request(cls, req: Request, speculative: bool = False, metrics: dict | None = None) -> RequestOutput:
@@ -252,7 +280,8 @@ class RequestOutput:
             metrics.setdefault("speculation_acceptance_rates", list(req.speculation_acceptance_rates))
         out = cls(req.request_id, req.prompt, req.prompt_ids, req.text, list(req.output_ids), req.finish_reason,
                   req.stop_reason, metrics=metrics, logprobs=None if req.logprobs is None else list(req.logprobs),
-                  prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+                  prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+                  outputs=[CompletionOutput.from_request(req)])
         if speculative:
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             out.acceptance_rate = req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else 0.0

@@ -48,6 +48,9 @@ class SamplingParams:
     # none of the request's stops (EOS, stop_token_ids, stop strings) ends it before this many tokens; its stop tokens
     # are masked out of the target's law there (ban_early_stops_)
     min_tokens: int = 0
+    # vLLM's: this many sequences for the prompt, each its own request (LLM.generate; the server's n): sequence j
+    # draws with seed + j where a seed is given
+    n: int = 1
 
     def __post_init__(self):
         def bad(name, why):
@@ -82,6 +85,10 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}]")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.seed is not None and self.n > 1 and isinstance(self.seed, int) and self.seed + self.n > SEED_RANGE[1]:
+            bad("seed", f"+ n must stay below 2**64 (sequence j draws with seed + j), n = {self.n}")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "must be a boolean")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)

@@ -298,6 +298,9 @@ class Engine:
         if self._initial_free_kv < min(n + params.max_tokens + lookahead, self.max_seq_len):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than the "
                              f"whole pool holds ({self._initial_free_kv} tokens): raise num_kv_blocks")
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n must be 1 for an engine request, got {params.n}: one request is one "
+                             "sequence (LLM.generate and the server make n requests of n)")
         params.check_vocab(V)
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
