@@ -274,3 +274,21 @@ def test_n_is_refused_where_one_sequence_runs(gqa_dir):
         llm.engine.add_request([1, 2], SamplingParams(n=2))
     with pytest.raises(ValueError, match="autoregressive_generate decodes one sequence"):
         autoregressive_generate(llm.model, [1, 2], SamplingParams(max_tokens=2, n=2))
+
+
+def test_vllm_idioms_prompt_dicts_get_tokenizer_and_a_progress_bar(gqa_dir, capfd):
+    """Code written for vLLM's LLM runs: TextPrompt / TokensPrompt dicts, get_tokenizer(), use_tqdm."""
+    llm = LLM(gqa_dir)
+    p = SamplingParams(temperature=0, max_tokens=6)
+    ids = llm.get_tokenizer().encode("def fib")
+    assert ids == llm.tokenizer.encode("def fib")
+    a, b, c = llm.generate([{"prompt": "def fib"}, {"prompt_token_ids": ids}, "def fib"], p, use_tqdm=True)
+    assert a.token_ids == b.token_ids == c.token_ids and a.prompt == "def fib" and b.prompt is None
+    assert "Processed prompts" in capfd.readouterr().err
+    assert llm.generate({"prompt": "def fib"}, p)[0].token_ids == a.token_ids
+    llm.generate("def fib", p)
+    assert "Processed prompts" not in capfd.readouterr().err  # silent unless asked
+    for bad, words in (({"prompt": "x", "multi_modal_data": {}}, "multi_modal_data"), ({}, "one of"),
+                       ({"prompt": 3}, "text or token ids")):
+        with pytest.raises((ValueError, TypeError), match=words):
+            llm.generate([bad], p)

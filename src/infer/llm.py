@@ -69,14 +69,26 @@ class LLM:
         self.close()
 
     # -- inputs ------------------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def get_tokenizer(self):
+        """The checkpoint's Hugging Face tokenizer (vLLM's ``LLM.get_tokenizer``): its chat template, its ids."""
+        return self.tokenizer.hf
+
+    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids": [...]}
+            other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if other or len(prompt) != 1:
+                raise ValueError("a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids' (ids)"
+                                 + (f"; this model reads neither {other}" if other else f", got {sorted(prompt)}"))
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+            if not isinstance(prompt, (str, list, tuple)):
+                raise TypeError(f"a prompt dict's value is text or token ids, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: at least one token is needed")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict of one, got {type(prompt).__name__}")
 
     def make_requests(self, prompts, sampling_params=None, predictions=None) -> list[Request]:
         """Validate every prompt first (nothing is queued if one is bad), then queue them all on the engine: n
@@ -87,7 +99,7 @@ class LLM:
 
     def _request_groups(self, prompts, sampling_params=None, predictions=None) -> list[list[Request]]:
         """make_requests' requests, one list a prompt (its n sequences)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -108,11 +120,14 @@ class LLM:
                 for (text, ids), ps, x in zip(inputs, params, predictions)]
 
     # -- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 debug: bool | callable = False, predictions: list | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or lists of token ids. ``predictions``: one a
-        prompt, the text its output is expected to repeat (OpenAI's predicted outputs; ``make_requests``).
+                 debug: bool | callable = False, predictions: list | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts are strings, lists of token ids, or vLLM's prompt dicts
+        ({"prompt": text} / {"prompt_token_ids": ids}). ``predictions``: one a prompt, the text its output is expected
+        to repeat (OpenAI's predicted outputs; ``make_requests``). ``use_tqdm`` (vLLM's name; off by default, as the
+        library is silent): a progress bar of the prompts finished, on stderr.
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """
@@ -125,7 +140,7 @@ class LLM:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
             groups = self._request_groups(prompts, sampling_params, predictions)
-            self.engine.run([r for g in groups for r in g])
+            self._run(groups, use_tqdm)
             if debug and isinstance(decoder.on_round, RoundPrinter):
                 decoder.on_round.finish()  # says so where no round ran
         finally:
@@ -133,6 +148,23 @@ class LLM:
                 decoder.on_round = None
         spec = decoder is not None
         return [RequestOutput.from_requests(g, speculative=spec) for g in groups]
+
+    def _run(self, groups: list[list[Request]], bar: bool) -> None:
+        """Step the engine until every request has finished, counting finished prompts on a bar if asked."""
+        if not bar:
+            self.engine.run([r for g in groups for r in g])
+            return
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True)) as progress:
+            task = progress.add_task("Processed prompts", total=len(groups))
+            while True:
+                done = sum(all(r.finished for r in g) for g in groups)
+                progress.update(task, completed=done)
+                if done == len(groups):
+                    return
+                self.engine.step()
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):
         """Generate for one prompt, yielding each StepOutput (token id, text delta, ...) as the engine makes it.
@@ -155,7 +187,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None) -> RequestOutput | list[RequestOutput]:
+             tools: list[dict] | None = None, use_tqdm: bool = False) -> RequestOutput | list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (a list of {"role", "content"} messages) and
         generate the assistant's reply; given a list of conversations, reply to each, batched (as vLLM's
         ``LLM.chat``), one output a conversation. ``continue_final_message`` (with ``add_generation_prompt`` False):
@@ -173,7 +205,8 @@ class LLM:
                 raise TypeError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages, got "
                                 + ("an empty list" if not conv else f"a message of type {type(odd).__name__}"))
         outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
-                                                                 tools) for c in convs], sampling_params)
+                                                                 tools) for c in convs], sampling_params,
+                             use_tqdm=use_tqdm)
         return outs if batch else outs[0]
 
 
