@@ -344,6 +344,22 @@ def test_serve_rejects_bad_flags_with_one_line(tmp_path):
     assert r.returncode == 2 and "kv_cache_backend" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+def test_a_tool_call_parser_for_a_template_without_tools_is_refused(ckpt_dirs):
+    """--tool-call-parser serves tool_choice "auto", which a model never shown its tools cannot use: refused at start
+    (the tiny checkpoints' template, as SmolLM2's, shows no tools)."""
+    import socket
+
+    with socket.socket() as s:  # a port free now (the check happens before anything listens on it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(ckpt_dirs["gqa"]), "--port", str(port),
+                        "--tool-call-parser", "hermes"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not show tools to the model" in r.stderr.splitlines()[-1], r.stderr
+    r = subprocess.run([sys.executable, "-m", "infer.server", "--model", str(ckpt_dirs["gqa"]),
+                        "--tool-call-parser", "mistral"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'mistral'" in r.stderr
+
+
 def test_speculation_off_per_request_and_the_spec_extension(client):
     kw = dict(model=NAME, prompt="def fib(n):", max_tokens=16, temperature=0)
     spec = client.completions.create(**kw, extra_body={"ignore_eos": True})

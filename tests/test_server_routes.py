@@ -32,9 +32,9 @@ class CharTokenizer:
 class ScriptedStream:
     """Streams ``reply`` one character per StepOutput, the last one finished by length."""
 
-    def __init__(self, request_id, reply):
+    def __init__(self, request_id, reply, finish="length"):
         self.outs = [StepOutput(request_id, ord(ch), ch, finished=i == len(reply) - 1,
-                                finish_reason="length" if i == len(reply) - 1 else None)
+                                finish_reason=finish if i == len(reply) - 1 else None)
                      for i, ch in enumerate(reply)]
         self.closed = self.finished = False
 
@@ -55,15 +55,15 @@ class ScriptedStream:
 class FakeEngine:
     """AsyncEngine's surface the routes use: ``error`` and ``add_request``, which refuses after ``capacity`` adds."""
 
-    def __init__(self, reply="ok!", capacity=100):
-        self.reply, self.capacity = reply, capacity
+    def __init__(self, reply="ok!", capacity=100, finish="length"):
+        self.reply, self.capacity, self.finish = reply, capacity, finish
         self.error = None
         self.added: list[tuple[list[int], object, ScriptedStream]] = []
 
     async def add_request(self, prompt_ids, params, request_id, speculate=True):
         if len(self.added) >= self.capacity:
             raise QueueFullError("waiting queue full")
-        stream = ScriptedStream(request_id, self.reply)
+        stream = ScriptedStream(request_id, self.reply, self.finish)
         self.added.append((prompt_ids, params, stream))
         return stream
 
@@ -201,3 +201,48 @@ def test_body_size_limit_answers_413_before_the_route():
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "x" * 100})
     assert_openai_error(r, 413, "invalid_request_error")
     assert state.engine.added == []
+
+
+# -- tool calls read by a parser ----------------------------------------------------------------------------------
+
+class ChatTokenizer(CharTokenizer):
+    """A chat template that shows the model its tools: the rendering is the messages and tools as JSON."""
+
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None):
+        return self.encode(json.dumps([messages, tools]))
+
+
+HERMES_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+
+
+@pytest.mark.parametrize("parser, reply, content, calls", [
+    ("hermes", HERMES_REPLY, "Checking.", [("get_weather", '{"city":"Paris"}')]),
+    ("hermes", "No tool needed.\n", "No tool needed.\n", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", '{"city":"Oslo"}')]),
+])
+def test_auto_tool_choice_reads_the_models_calls_streamed_or_not(parser, reply, content, calls):
+    state = fake_state(FakeEngine(reply, finish="stop"))
+    state.tokenizer, state.tool_parser = ChatTokenizer(), parser
+    client = mount(completions.router, state)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls", [])] \
+        == calls
+    assert choice["finish_reason"] == ("tool_calls" if calls else "stop")
+    assert json.loads(state.tokenizer.decode(state.engine.added[0][0]))[1] == body["tools"]  # the template saw them
+    assert state.engine.added[0][1].structured is None  # "auto" constrains nothing
+    events = [json.loads(line[6:]) for line in client.post("/v1/chat/completions", json={**body, "stream": True})
+              .text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    sent = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in sent] == calls
+    assert [c["index"] for c in sent] == list(range(len(calls))) and all(c["id"].startswith("call_") for c in sent)
+    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]

@@ -64,3 +64,66 @@ def test_plan_constrains_named_and_required_calls_and_refuses_auto():
         with pytest.raises(ApiError) as e:
             plan(tools, choice, True)
         assert e.value.param == "tool_choice"
+
+
+def _read(reader: ToolCallReader, text: str, cut: int) -> tuple[str, list[dict], list[dict]]:
+    """``text`` streamed in pieces of ``cut`` characters -> (content, calls as sent, the deltas)."""
+    pieces = _pieces(text, cut) or [""]
+    deltas = [reader.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    content = "".join(d.get("content", "") for d in deltas)
+    return content, [c for d in deltas for c in d.get("tool_calls", [])], deltas
+
+
+def _named(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 1000])
+def test_hermes_calls_are_read_from_their_tags_and_the_rest_is_content(cut):
+    text = ('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"s": "</tool_call> <"}}\n</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>\n')
+    reader = ToolCallReader("auto", parser="hermes")
+    content, calls, _ = _read(reader, text, cut)
+    assert content == "Let me check." and _named(calls) == [("a", {"s": "</tool_call> <"}), ("b", {})]
+    message = reader.message()
+    assert message["content"] == "Let me check." and len(message["tool_calls"]) == 2
+    assert reader.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("cut", [1, 3, 1000])
+def test_hermes_text_that_is_no_call_stays_content(cut):
+    for text, want in (("a < b, and <tool no", "a < b, and <tool no"),
+                       ("x <tool_call>not json</tool_call>", "x <tool_call>not json</tool_call>"),
+                       ("\n\nHi\n", "\n\nHi\n"), ("ends <tool_ca", "ends <tool_ca")):
+        reader = ToolCallReader("auto", parser="hermes")
+        content, calls, _ = _read(reader, text, cut)
+        assert (content, calls) == (want, []), text
+        assert reader.message() == {"role": "assistant", "content": want} and reader.finish_reason("stop") == "stop"
+    reader = ToolCallReader("auto", parser="hermes")  # cut by max_tokens inside the tag: a whole object still reads
+    content, calls, _ = _read(reader, '<tool_call>{"name": "a", "arguments": {"s": 1}}', cut)
+    assert content == "" and _named(calls) == [("a", {"s": 1})]
+
+
+@pytest.mark.parametrize("cut", [1, 4, 1000])
+def test_llama3_json_calls_open_the_answer_or_it_is_content(cut):
+    reader = ToolCallReader("auto", parser="llama3_json")
+    _, calls, _ = _read(reader, ' {"name": "a", "parameters": {"s": "}{"}}; {"name": "b", "parameters": {}}', cut)
+    assert _named(calls) == [("a", {"s": "}{"}), ("b", {})] and reader.message()["content"] is None
+    reader = ToolCallReader("auto", parser="llama3_json")
+    content, calls, _ = _read(reader, ' The answer is {"x": 1}.', cut)
+    assert (content, calls) == (' The answer is {"x": 1}.', []) and reader.finish_reason("stop") == "stop"
+    reader = ToolCallReader("auto", parser="llama3_json")
+    content, calls, _ = _read(reader, '\n{"name": "a", "parameters": {}} and {"x": 1}', cut)
+    assert _named(calls) == [("a", {})] and content == ' and {"x": 1}'  # the call, and what is no call
+    reader = ToolCallReader("auto", parser="llama3_json")  # JSON that is no call, and one left open: content
+    content, calls, _ = _read(reader, '{"x": 1} {"name": "a", "parameters": {"s"', cut)
+    assert calls == [] and content == '{"x": 1} {"name": "a", "parameters": {"s"'
+
+
+def test_a_parser_needs_a_template_that_shows_the_tools(ckpt_dirs):
+    from infer.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt_dirs["gqa"])
+    assert not tok.shows_tools()  # the test template, as SmolLM2's, renders messages only
+    tok.hf.chat_template = "{% if tools %}{{ tools | tojson }}{% endif %}" + tok.hf.chat_template
+    assert tok.shows_tools()

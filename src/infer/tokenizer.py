@@ -143,6 +143,18 @@ class Tokenizer:
                                            continue_final_message=continue_final_message, tools=tools or None)
         return self.encode(text, add_special_tokens=False)
 
+    def shows_tools(self) -> bool:
+        """Whether the chat template shows the model the tools it is given (a probe function's name in the text)."""
+        probe = "infer_probe_function_5f2c"
+        tools = [{"type": "function", "function": {"name": probe, "description": "probe", "parameters": {
+            "type": "object", "properties": {}}}}]
+        try:
+            text = self.hf.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not show them
+            return False
+        return probe in text
+
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id decoded alone (for the debug view): may show partial UTF-8 as the replacement character."""
         return [self.hf.decode([i], skip_special_tokens=False) for i in ids]

@@ -25,6 +25,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                   help="read the calls a model writes in its own format, so that tool_choice 'auto' (the default "
+                        "with tools) is served: hermes (<tool_call>...</tool_call>) or llama3_json (Llama 3.1-3.3); "
+                        "the chat template must show the tools (SmolLM2's does not). Without it 'auto' is refused; "
+                        "'required' and a named function need none")
     p.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
                         "default: one engine in this process, no Ray")
@@ -91,11 +96,12 @@ def serve(a) -> int:
         return serve_replicas(a, cfg)
     check_listen(a.host, a.port)  # before the model loads: uvicorn's own failure comes after it, without the address
     engine = AsyncEngine(cfg)
-    app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes)
-    print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
-                            timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events
     try:
+        app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes,
+                        tool_parser=a.tool_call_parser)
+        print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
+        config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
+                                timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events
         GracefulServer(config, engine, a.shutdown_timeout).run()
     finally:
         engine.shutdown()

@@ -78,10 +78,21 @@ class ReplicaHeader:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, replica: str | None = None) -> FastAPI:
+              max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None) -> FastAPI:
+    """``tool_parser`` (tools.PARSERS): the model's call format, which tool_choice "auto" needs; ValueError if the
+    chat template does not show the model its tools (it could not call them)."""
+    if tool_parser is not None:
+        from .tools import PARSERS
+
+        if tool_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_parser!r}")
+        if not engine.engine.tokenizer.shows_tools():
+            raise ValueError("--tool-call-parser: this checkpoint's chat template does not show tools to the model, "
+                             "so it cannot choose to call one; tool_choice 'required' or a named function works "
+                             "without a parser")
     app = FastAPI(title="infer", docs_url=None, redoc_url=None)
     app.openapi = lambda: openapi_schema(app)
-    app.state.server = ServerState.from_engine(engine, served_model_name)
+    app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)

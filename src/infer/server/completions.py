@@ -48,7 +48,7 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
         raise ApiError(400, "continue_final_message continues the last message: it must be the assistant's, and "
                        "add_generation_prompt false", param="continue_final_message")
-    calls = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    calls = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
     if calls[0] is not None and body.continue_final_message:
         raise ApiError(400, "a tool call is a new assistant message: tool_choice cannot continue the last one",
                        param="tool_choice")
@@ -104,7 +104,7 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     except ValueError as e:
         raise ApiError(400, str(e), param=str(e).split(":")[0] if ":" in str(e) else "response_format")
     mode, constraint = calls
-    if mode is not None:
+    if mode in ("named", "required"):
         if structured is not None:
             raise ApiError(400, f"tool_choice {mode!r} constrains the answer to a call already: give {field} or "
                            "tool_choice, not both", param="tool_choice")
@@ -141,7 +141,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         raise
     name = body.tool_choice.function.name if mode == "named" else None
     choices = [_Choice(k, s, prompts[k // body.n], echo[k // body.n], scored,
-                       None if mode is None else tools.ToolCallReader(mode, name)) for k, s in enumerate(streams)]
+                       None if mode is None else tools.ToolCallReader(mode, name, state.tool_parser))
+               for k, s in enumerate(streams)]
     if body.stream:
         opts = body.stream_options
         events = _stream_events(state, rid, body.model, choices, chat, bool(opts and opts.include_usage), logprobs,
@@ -232,7 +233,10 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
                 lp = _logprobs_payload(state.tokenizer, [out], chat, c.offset)
                 c.offset += sum(len(t) for t in lp.get("tokens", ()))
             if chat:
-                delta = c.reader.feed(out.text) if c.reader else {"content": out.text} if out.text else {}
+                delta = c.reader.feed(out.text, out.finished) if c.reader else \
+                    {"content": out.text} if out.text else {}
+                if c.reader and finish is not None:  # the whole answer read: did it call?
+                    finish = c.finish_reason = c.reader.finish_reason(finish)
                 if not delta and finish is None and lp is None:
                     continue  # a call not complete yet
                 choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -281,8 +285,6 @@ class _Choice:
         self.text += out.text
         if out.finished:
             self.finish_reason = _finish_reason(out)
-            if self.reader is not None:
-                self.finish_reason = self.reader.finish_reason(self.finish_reason)
             self.draft, self.accepted = out.num_draft_tokens, out.num_accepted_tokens
             metrics.requests.labels(out.finish_reason or "stop").inc()
             metrics.e2e.observe(t - self.t0)
@@ -355,7 +357,8 @@ def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, s
             tail = _logprobs_payload(tok, c.outputs, chat, offset)
             lp = {k: head[k] + tail[k] for k in head}
         if chat and c.reader is not None:  # read whole: the calls it makes
-            c.reader.feed(c.text)
+            c.reader.feed(c.text, final=True)
+            c.finish_reason = c.reader.finish_reason(c.finish_reason)
             out_choices.append({"index": c.index, "message": c.reader.message(), "logprobs": lp,
                                 "finish_reason": c.finish_reason})
         elif chat:

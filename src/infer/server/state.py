@@ -22,12 +22,13 @@ class ServerState:
     speculative: bool  # usage reports an acceptance rate only when a drafter runs
     max_seq_len: int  # a chat request without max_tokens may fill the context
     vocab_size: int  # token-id prompts are checked against it before anything decodes them (echo)
+    tool_parser: str | None = None  # what reads tool_choice "auto"'s calls (tools.PARSERS); None: "auto" is refused
 
     @classmethod
-    def from_engine(cls, engine: AsyncEngine, served_model_name: str) -> ServerState:
+    def from_engine(cls, engine: AsyncEngine, served_model_name: str, tool_parser: str | None = None) -> ServerState:
         eng = engine.engine
         return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
-                   eng.max_seq_len, eng.model.config.vocab_size)
+                   eng.max_seq_len, eng.model.config.vocab_size, tool_parser)
 
 
 async def server_state(request: Request) -> ServerState:  # async: FastAPI runs a sync dependency in a thread pool
