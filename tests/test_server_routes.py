@@ -100,6 +100,12 @@ def test_models_lists_exactly_the_served_name():
     assert [m["id"] for m in r.json()["data"]] == [NAME]
 
 
+def test_version_is_the_packages():
+    from infer import __version__
+
+    assert mount(meta.router, fake_state()).get("/version").json() == {"version": __version__}
+
+
 def test_model_card_is_the_served_name_only():
     client = mount(meta.router, fake_state())
     r = client.get(f"/v1/models/{NAME}")

@@ -1,4 +1,5 @@
-"""Routes about the server itself rather than generation: liveness, the model list and card, Prometheus metrics."""
+"""Routes about the server itself rather than generation: liveness, the version, the model list and card, Prometheus
+metrics."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from .. import __version__
 from . import protocol as P
 from .errors import error_response
 from .state import CurrentState
@@ -18,6 +20,12 @@ async def health(state: CurrentState):
     if state.engine.error is not None:
         return error_response(503, f"engine loop stopped: {state.engine.error!r}", "server_error")
     return {"status": "ok"}
+
+
+@router.get("/version")
+async def version():
+    """vLLM's: the server's version."""
+    return {"version": __version__}
 
 
 def _card(state) -> dict:
