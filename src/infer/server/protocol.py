@@ -138,8 +138,8 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send tools=[] and
-    # the like), refused with a 400 naming them otherwise, never dropped in silence
+    # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
+    # bad_words=[] and the like), refused with a 400 naming them otherwise, never dropped in silence
     bad_words: list | None = None
     allowed_token_ids: list | None = None
     use_beam_search: bool | None = None
@@ -329,7 +329,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
-    # OpenAI's tool calling (tools.py): "none", "required" or a named function; "auto" is refused (no call parser)
+    # OpenAI's tool calling (tools.py): "none", "required" or a named function; "auto" (the default with tools) needs
+    # the server's --tool-call-parser
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
