@@ -292,3 +292,25 @@ def test_vllm_idioms_prompt_dicts_get_tokenizer_and_a_progress_bar(gqa_dir, capf
                        ({"prompt": 3}, "text or token ids")):
         with pytest.raises((ValueError, TypeError), match=words):
             llm.generate([bad], p)
+
+
+def test_llm_beam_search_is_beam_search_generate_as_vllm_names_it(gqa_dir):
+    from infer.generate import BeamSearchParams
+
+    llm = LLM(gqa_dir)
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    outs = llm.beam_search(["def fib", {"prompt_token_ids": [5, 6, 7]}], params)
+    for out, ids in zip(outs, [llm.tokenizer.encode("def fib"), [5, 6, 7]]):
+        ref = beam_search_generate(llm.model, ids, 3, 8, llm.eos_token_ids)
+        assert [(s.token_ids, s.score) for s in out.sequences] == [(h.token_ids, h.score) for h in ref]
+        assert out.sequences[0].text == llm.tokenizer.decode(ref[0].token_ids)
+    free = llm.beam_search("def fib", BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))[0]
+    assert all(len(s.token_ids) == 8 for s in free.sequences)
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search("x", SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        llm.beam_search([[1, 10**9]], params)

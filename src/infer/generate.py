@@ -96,6 +96,28 @@ def autoregressive_generate(
 
 
 @dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters (``LLM.beam_search``): ``beam_width`` beams of up to ``max_tokens`` tokens,
+    scored with Hugging Face's semantics (``beam_search_generate``); deterministic, so ``temperature`` must be 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {v!r}")
+        if self.temperature != 0:
+            raise ValueError(f"BeamSearchParams.temperature must be 0 (this beam search is deterministic, Hugging "
+                             f"Face's), got {self.temperature!r}")
+
+
+@dataclass
 class BeamHypothesis:
     token_ids: list[int]  # generated ids only
     score: float  # sum of log-probs / (generated length ** length_penalty)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,9 +99,7 @@ class LLM:
 
     def _request_groups(self, prompts, sampling_params=None, predictions=None) -> list[list[Request]]:
         """make_requests' requests, one list a prompt (its n sequences)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -166,6 +164,25 @@ class LLM:
                     return
                 self.engine.step()
 
+    def beam_search(self, prompts, params) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), ``params.beam_width`` hypotheses,
+        best first (``infer.generate.BeamSearchParams``; Hugging Face's beam semantics, on the target alone)."""
+        from .generate import BeamSearchParams, beam_search_generate
+
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"LLM.beam_search takes infer.generate.BeamSearchParams, got {type(params).__name__}")
+        inputs = [self._prompt_ids(p) for p in _prompt_list(prompts)]
+        for _, ids in inputs:  # ids in range, and room for them (the engine's checks)
+            self.engine.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
+        outs = []
+        for _, ids in inputs:
+            hyps = beam_search_generate(self.model, ids, params.beam_width, params.max_tokens,
+                                        [] if params.ignore_eos else self.eos_token_ids, params.length_penalty,
+                                        params.early_stopping)
+            outs.append(BeamSearchOutput([BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.score)
+                                          for h in hyps]))
+        return outs
+
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):
         """Generate for one prompt, yielding each StepOutput (token id, text delta, ...) as the engine makes it.
 
@@ -208,6 +225,28 @@ class LLM:
                                                                  tools) for c in convs], sampling_params,
                              use_tqdm=use_tqdm)
         return outs if batch else outs[0]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, a prompt dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+@dataclass
+class BeamSequence:
+    """One hypothesis of ``LLM.beam_search``: its generated tokens, their text, its score (sum of log-probs over
+    length ** length_penalty)."""
+
+    token_ids: list[int]
+    text: str
+    score: float
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSequence]  # best first
 
 
 def _sequences(params: SamplingParams) -> list[SamplingParams]:

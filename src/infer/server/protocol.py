@@ -151,7 +151,8 @@ class _Common(BaseModel):
     _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_bans = field_validator("bad_words", "allowed_token_ids")(_unsupported("restrict tokens with logit_bias or a "
                                                                               "regex instead"))
-    _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's", off=(None, False)))
+    _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
+                                                                          off=(None, False)))
     _specials = field_validator("skip_special_tokens")(_unsupported("special tokens are always skipped",
                                                                      off=(None, True)))
     _no_truncation = field_validator("truncate_prompt_tokens")(_unsupported("a prompt is never truncated"))
