@@ -236,8 +236,9 @@ class Tool(BaseModel):
 
 
 def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
-    """The tools as a chat template reads them (OpenAI's JSON, unset fields left out)."""
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    """The tools as a chat template reads them: OpenAI's JSON, every field present (as vLLM gives them: a template
+    reading ``function.parameters`` of a function without any meets null, not an undefined that fails)."""
+    return [t.model_dump() for t in tools] if tools else None
 
 
 class FunctionName(BaseModel):
