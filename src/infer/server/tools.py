@@ -18,6 +18,7 @@ come, every other call whole as its JSON object closes, text as content."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from ..structured import StructuredOutput
@@ -208,20 +209,18 @@ class ToolCallReader:
                 content, self.pending, self.state = content + self.pending[:at], self.pending[at + len(self.OPEN):], \
                     "inside"
             # the tag closes at the first "</tool_call>" after a whole call (the JSON may hold that text too)
-            ends = [i for i in range(len(self.pending)) if self.pending.startswith(self.CLOSE, i)] + [-1] * final
-            end = next((e for e in ends if _as_call(self.pending[:e if e >= 0 else None].strip())), None)
-            if end is None:
-                if not final:
-                    break  # not a whole call yet
-                end = ends[0]  # no call: the text up to the first close (or all of it)
-            body = self.pending if end < 0 else self.pending[:end]
-            call = _as_call(body.strip())
+            ends = [m.start() for m in re.finditer(re.escape(self.CLOSE), self.pending)] + [len(self.pending)] * final
+            found = next(((e, c) for e in ends if (c := _as_call(self.pending[:e].strip())) is not None), None)
+            if found is None and not final:
+                break  # not a whole call yet
+            end, call = found or (ends[0], None)  # no call: the text up to the first close (or all of it)
+            body, closed = self.pending[:end], end < len(self.pending)
             if call is not None:
                 calls.append(call)
             else:  # not a call: the text as the model wrote it
-                content += self.OPEN + body + ("" if end < 0 else self.CLOSE)
-            self.pending, self.state = ("" if end < 0 else self.pending[end + len(self.CLOSE):]), "content"
-            if end < 0:
+                content += self.OPEN + body + (self.CLOSE if closed else "")
+            self.pending, self.state = self.pending[end + len(self.CLOSE):], "content"
+            if not closed:
                 break
         return self._emit(calls, content, final)
 
