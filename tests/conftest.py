@@ -1,10 +1,13 @@
+import copy
 import os
 import warnings
 
 import pytest
 import torch
 
+from infer.model.loader import load_model
 from infer.testing import SHAPES, make_tiny_llama
+from infer.tokenizer import Tokenizer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,6 +49,19 @@ def gqa_dir(ckpt_dirs):
 @pytest.fixture(scope="session")
 def llama3_dir(ckpt_dirs):
     return ckpt_dirs["llama3"]
+
+
+@pytest.fixture(scope="module")
+def models(gqa_dir):
+    """The gqa checkpoint as target, a drafter that resembles it (a noisy copy: acceptance in between 0 and 1), and
+    the tokenizer (a module may define its own ``models``)."""
+    target = load_model(gqa_dir)
+    drafter = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    return target, drafter, Tokenizer(gqa_dir, extra_eos_token_ids=target.config.eos_token_ids)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 prefix caching, chunked prefill and speculation; seeded reproducibility in any batch; multi-token steps;
 preemption under pool exhaustion; abort; config validation and bad input."""
 
-import copy
 import random
 
 import pytest
@@ -10,22 +9,9 @@ import torch
 
 from infer.engine import Engine, EngineConfig, QueueFullError
 from infer.generate import autoregressive_generate
-from infer.model.loader import load_model
 from infer.sampling import SamplingParams
 from infer.testing import make_tiny_llama
 from infer.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def models(gqa_dir):
-    """Target, a drafter that resembles it (a noisy copy: acceptance in between 0 and 1), and the tokenizer."""
-    target = load_model(gqa_dir)
-    drafter = copy.deepcopy(target)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-    return target, drafter, Tokenizer(gqa_dir, extra_eos_token_ids=target.config.eos_token_ids)
 
 
 def _prompts(n=12, seed=0):

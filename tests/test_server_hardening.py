@@ -22,6 +22,7 @@ from infer.sampling import SamplingParams
 from infer.server import build_app
 from infer.server.thread import ServerThread
 from infer.testing import make_tiny_llama, server_log, start_server, stop_server
+from infer.token_bans import bad_words_ids
 
 NAME = "tiny"
 KEY = "hardening-key"  # with a key: the auth middleware must not hide a client's disconnect from the route
@@ -82,7 +83,6 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     # (route, field, value asking for something, its default as clients send it)
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
-    (CHAT, "bad_words", ["x"], []), ("/v1/completions", "allowed_token_ids", [1, 2], []),
     ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),
     ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
     (CHAT, "chat_template", "{{ messages }}", None),
@@ -119,6 +119,34 @@ def test_openai_penalties_and_logit_bias_reach_the_sampler(server, long_ckpt):
                          ("logit_bias", {"99999": 1})):
         status, r = _post(server, "/v1/completions", {**body, field: value})
         assert status == 400 and r["error"]["param"] == field, r
+
+
+def test_vllm_bad_words_and_allowed_token_ids_reach_the_sampler(server, long_ckpt):
+    """vLLM's bad_words and allowed_token_ids are served as the library applies them (greedy: the same text, another
+    than without them; no banned word in it, no token outside the allowed ones); malformed, a 400 naming the field."""
+    llm = LLM(long_ckpt)
+    greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate(["def f(x):"], SamplingParams(**greedy))[0]
+    body = {"model": NAME, "prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    tok = llm.get_tokenizer()
+    word = next(w for w in (tok.decode([t]).strip() for t in plain.token_ids) if w)  # the first visible token's text
+    allowed = sorted(set(plain.token_ids[::2]))
+    wants = []
+    for extra in ({"bad_words": [word]}, {"allowed_token_ids": allowed}):
+        wants.append(llm.generate(["def f(x):"], SamplingParams(**greedy, **extra))[0])
+        assert wants[-1].text != plain.text
+        status, r = _post(server, "/v1/completions", {**body, **extra})
+        assert status == 200 and r["choices"][0]["text"] == wants[-1].text
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "def f(x):"}], **greedy, **extra}
+        assert _post(server, CHAT, chat)[0] == 200
+    out = wants[0].token_ids
+    assert not any(out[i:i + len(w)] == w for w in bad_words_ids([word], tok) for i in range(len(out)))
+    assert set(wants[1].token_ids) <= set(allowed)
+    for field, value, more in (("bad_words", [""], {}), ("bad_words", "x", {}), ("allowed_token_ids", [], {}),
+                               ("allowed_token_ids", [-1], {}), ("allowed_token_ids", [99999], {}),
+                               ("bad_words", ["x"], {"guided_regex": "[a-z]+"})):
+        status, r = _post(server, "/v1/completions", {**body, field: value, **more})
+        assert status == 400 and r["error"]["param"] == field, (field, value, r)
 
 
 def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckpt):

@@ -10,6 +10,7 @@ from .cache import KVCachePool, SlottedKVCache
 from .model.llama import LlamaForCausalLM
 from .request import Request
 from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, penalty_context, sample
+from .token_bans import ban_bad_words_
 from .tokenizer import Tokenizer
 
 
@@ -85,7 +86,10 @@ def autoregressive_generate(
         while True:
             meta = kv.prepare([slot], [x.shape[1]])
             hidden = model(x, meta.positions, kv, meta)
-            tok = sampler(model.compute_logits(hidden[:, -1]))
+            logits = model.compute_logits(hidden[:, -1])  # [1, V]
+            if req.bad_words:
+                ban_bad_words_(logits, [req])
+            tok = sampler(logits)
             t = int(tok)  # host sync: stop conditions are decided on the host
             sampler.observe(t)
             if req.append(t):

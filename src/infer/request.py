@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import SamplingParams
+from .token_bans import bad_words_ids
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
@@ -66,6 +67,8 @@ class Request:
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.stops = self.eos | self.stop_ids  # the tokens that end it (masked before params.min_tokens)
+        # the token sequences the output never completes (params.bad_words, tokenized: infer.token_bans)
+        self.bad_words = bad_words_ids(params.bad_words, tokenizer) if params.bad_words else None
         self.output_ids: list[int] = []
         # log p of each output token and its top alternatives (params.logprobs; runner.emit appends), and of each prompt
         # token given those before it (params.prompt_logprobs; the prefill fills them, the first entry stays None)

@@ -51,6 +51,11 @@ class SamplingParams:
     # vLLM's: this many sequences for the prompt, each its own request (LLM.generate; the server's n): sequence j
     # draws with seed + j where a seed is given
     n: int = 1
+    # vLLM's: the output never completes one of these words (infer.token_bans): each a string (tokenized as vLLM
+    # does, as written and after a space) or a list of token ids (Hugging Face's bad_words_ids)
+    bad_words: list[str | list[int]] | str | None = None
+    # vLLM's: the output holds only these tokens (every other logit -inf, before anything else)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -115,6 +120,28 @@ class SamplingParams:
             bad("structured", "must be a StructuredOutput, a dict of its fields, or None")
         if self.min_tokens and self.structured is not None:  # a finished grammar allows its end alone: no token left
             bad("min_tokens", "cannot go with structured output (the grammar decides where the output ends)")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            words = self.bad_words if isinstance(self.bad_words, (list, tuple)) else [None]
+            for w in words:
+                if isinstance(w, str) and w.strip():
+                    continue
+                if isinstance(w, (list, tuple)) and w and all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w):
+                    continue
+                bad("bad_words", "must be a list of words, each a string with a non-space character or a non-empty "
+                                 "list of token ids >= 0")
+            self.bad_words = [w if isinstance(w, str) else list(w) for w in words] or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple, set, frozenset)) or not ids or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+            self.allowed_token_ids = sorted(set(ids))
+        for name in ("bad_words", "allowed_token_ids"):  # the grammar's mask and these could leave no token at all
+            if getattr(self, name) is not None and self.structured is not None:
+                bad(name, "cannot go with structured output (restrict the output in the grammar instead)")
 
     @property
     def greedy(self) -> bool:
@@ -131,12 +158,20 @@ class SamplingParams:
         if self.logit_bias is not None and max(self.logit_bias) >= vocab_size:
             raise ValueError(f"SamplingParams.logit_bias names token {max(self.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab_size})")
+        if self.allowed_token_ids is not None and self.allowed_token_ids[-1] >= vocab_size:
+            raise ValueError(f"SamplingParams.allowed_token_ids names token {self.allowed_token_ids[-1]}, outside the "
+                             f"vocabulary [0, {vocab_size})")
+        for w in self.bad_words or ():
+            if not isinstance(w, str) and max(w) >= vocab_size:
+                raise ValueError(f"SamplingParams.bad_words names token {max(w)}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     @property
     def reshapes_logits(self) -> bool:
-        """Whether the law sampled is not the model's logits' own (a penalty or a bias): a greedy row then takes the
-        argmax of the reshaped logits, through the pipeline, not the raw argmax."""
-        return self.penalised or self.logit_bias is not None
+        """Whether the law sampled is not the model's logits' own (a penalty, a bias or allowed tokens): a greedy row
+        then takes the argmax of the reshaped logits, through the pipeline, not the raw argmax. (Bad words and
+        min_tokens are bans on the logits themselves, in place, before any path reads them.)"""
+        return self.penalised or self.logit_bias is not None or self.allowed_token_ids is not None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -181,7 +216,8 @@ class SamplingBatch:
         of tensor it would have built (an inference tensor cannot be saved for autograd, and a compiled draft round
         traced with inference tensors guards on it: another kind would recompile it)."""
         key = (tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                      p.frequency_penalty, p.logit_bias and tuple(sorted(p.logit_bias.items())))
+                      p.frequency_penalty, p.logit_bias and tuple(sorted(p.logit_bias.items())),
+                      p.allowed_token_ids and tuple(p.allowed_token_ids))
                      for p in params), vocab_size,
                str(device), torch.is_inference_mode_enabled())
         hit = _BATCHES.get(key)
@@ -197,13 +233,17 @@ class SamplingBatch:
         def t(vals, dtype=torch.float32):
             return torch.tensor(vals, dtype=dtype, device=device)
 
-        bias = None
-        if any(p.logit_bias for p in params):
+        bias = None  # the logit bias, and -inf outside a row's allowed tokens (whatever their bias)
+        if any(p.logit_bias or p.allowed_token_ids for p in params):
             bias = torch.zeros(len(params), vocab_size)
             for i, p in enumerate(params):
                 p.check_vocab(vocab_size)
                 for tok, b in (p.logit_bias or {}).items():
                     bias[i, tok] = b
+                if p.allowed_token_ids is not None:
+                    out = torch.ones(vocab_size, dtype=torch.bool)
+                    out[p.allowed_token_ids] = False
+                    bias[i, out] = float("-inf")
             bias = bias.to(device)
 
         return cls(
@@ -242,8 +282,15 @@ class SamplingBatch:
                              None if self.logit_bias is None else rep(self.logit_bias))
 
     def over(self, ids: torch.Tensor) -> SamplingBatch:
-        """The same laws over a draft vocabulary's columns ``ids`` (a drafter's logits there): the bias sliced."""
-        return self if self.logit_bias is None else replace(self, logit_bias=self.logit_bias[:, ids])
+        """The same laws over a draft vocabulary's columns ``ids`` (a drafter's logits there): the bias sliced. A row
+        whose allowed tokens all lie outside the columns drafts unbiased there (a law of nothing would be NaN): any q
+        is lossless, and the target's p, 0 on every such draft, rejects it."""
+        if self.logit_bias is None:
+            return self
+        bias = self.logit_bias[:, ids]
+        if any(p.allowed_token_ids is not None for p in self.rows):
+            bias = torch.where(torch.isinf(bias).all(-1, keepdim=True), 0.0, bias)
+        return replace(self, logit_bias=bias)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

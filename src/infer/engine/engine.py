@@ -23,6 +23,7 @@ from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
 from ..model.quant import quantize_linears, quantize_model
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
+from ..token_bans import bad_words_ids
 from ..drafters import drafter_kind
 from ..proposers.draft_vocab import DraftVocab
 from ..structured import GrammarCompiler
@@ -302,6 +303,18 @@ class Engine:
             raise ValueError(f"SamplingParams.n must be 1 for an engine request, got {params.n}: one request is one "
                              "sequence (LLM.generate and the server make n requests of n)")
         params.check_vocab(V)
+        if params.bad_words:  # text needs the tokenizer; a ban of every allowed token would leave no law at all
+            words = bad_words_ids(params.bad_words, self.tokenizer)
+            if any(t >= V for w in words for t in w):
+                raise ValueError(f"SamplingParams.bad_words encode to tokens outside the vocabulary [0, {V})")
+            if params.allowed_token_ids is not None and \
+                    set(params.allowed_token_ids) <= {w[0] for w in words if len(w) == 1}:
+                raise ValueError("SamplingParams.bad_words ban every one of allowed_token_ids: no token is left to "
+                                 "generate")
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= \
+                set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)):
+            raise ValueError("SamplingParams.min_tokens holds back every one of allowed_token_ids (each a stop "
+                             "token): no token is left to generate")
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
 

@@ -20,6 +20,7 @@ from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..structured import mask_rows_
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts, sample
+from ..token_bans import ban_bad_words_
 from .kv_manager import KVManager
 from .stats import EngineStats
 
@@ -66,6 +67,8 @@ class ModelRunner:
         reported are then those of the law sampled)."""
         if any(r.params.min_tokens for r in reqs):  # no stop token before the request's min_tokens
             ban_early_stops_(logits, reqs)
+        if any(r.bad_words for r in reqs):  # no bad word completed
+            ban_bad_words_(logits, reqs)
         if any(r.grammar is not None for r in reqs):
             mask_rows_(logits, [r.grammar for r in reqs])
         params = [r.params for r in reqs]

@@ -138,10 +138,10 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes (infer.token_bans)
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output holds
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
-    # bad_words=[] and the like), refused with a 400 naming them otherwise, never dropped in silence
-    bad_words: list | None = None
-    allowed_token_ids: list | None = None
+    # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
     use_beam_search: bool | None = None
     skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
@@ -149,8 +149,7 @@ class _Common(BaseModel):
     logits_processors: list | None = None
 
     _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
-    _no_bans = field_validator("bad_words", "allowed_token_ids")(_unsupported("restrict tokens with logit_bias or a "
-                                                                              "regex instead"))
+    _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
                                                                           off=(None, False)))
     _specials = field_validator("skip_special_tokens")(_unsupported("special tokens are always skipped",
@@ -198,6 +197,7 @@ class _Common(BaseModel):
                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
+                              bad_words=self.bad_words or None, allowed_token_ids=self.allowed_token_ids,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
                               prompt_logprobs=prompt_logprobs)
 

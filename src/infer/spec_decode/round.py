@@ -30,6 +30,7 @@ import torch
 from ..proposers.base import DraftBatch, Proposal, Proposer
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
+from ..token_bans import ban_bad_words_, chain_drafted
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
 from .tree import MAX_NODES, TreeShape
@@ -201,6 +202,8 @@ class SpeculativeDecoder:
         logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0
         if any(p.min_tokens for p in params):  # position j: no stop token before the row's min_tokens
             ban_early_stops_(logits, reqs)
+        if any(r.bad_words for r in reqs):  # position j: no bad word completed by the output and the j drafts before
+            ban_bad_words_(logits, reqs, chain_drafted([host[b][:nd[b]] for b in range(len(reqs))]))
         if grammar is not None:  # p' = the target restricted to what the grammar allows, at each position
             grammar.apply(reqs, logits)
             grammar.release()  # the matchers follow the emitted tokens from here (Request.append)

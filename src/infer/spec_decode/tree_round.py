@@ -27,6 +27,7 @@ import torch
 from ..cache.base import TreeAttn
 from ..proposers.base import DraftBatch
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
+from ..token_bans import ban_bad_words_, tree_drafted
 from ..structured import mask_bias
 from .grammar import prune_tree
 from .tree import TreeShape, to_batch
@@ -72,6 +73,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     logits = runner.model.compute_logits(hidden, torch.tensor([len(t.tokens) for t in trees]))  # [B, N, V], pads 0
     if any(p.min_tokens for p in params):  # a node at depth d: no stop token before the row's min_tokens
         ban_early_stops_(logits, reqs, depth)
+    if any(r.bad_words for r in reqs):  # node i: no bad word completed by the output and the drafts on its path
+        ban_bad_words_(logits, reqs, tree_drafted(trees))
     for b, m in masks.items():  # p' at every node: the target restricted to what the grammar allows after its path
         logits[b, :len(m)] += mask_bias(m, V).to(dev)
     if fast_greedy:
