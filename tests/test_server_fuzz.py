@@ -40,8 +40,8 @@ def test_no_5xx_and_every_answer_matches_the_schema(live):
     schema = schemathesis.openapi.from_url(live.url + "/openapi.json")
     seen: collections.Counter = collections.Counter()  # (path, status) the fuzzer got
     operations = [op.ok() for op in schema.get_all_operations()]
-    assert {o.path for o in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                            "/metrics"}
+    assert {o.path for o in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                                            "/health", "/metrics"}
     for operation in operations:
         # valid requests everywhere, invalid ones where there is something to get wrong (a body)
         modes = list(schemathesis.GenerationMode) if operation.method.upper() == "POST" else \
@@ -55,6 +55,6 @@ def test_no_5xx_and_every_answer_matches_the_schema(live):
                 seen[case.path, response.status_code] += 1
 
             fuzz()
-    for path in ("/v1/completions", "/v1/chat/completions"):  # both kinds reached the generation routes
-        assert seen[path, 200] > 0 and seen[path, 400] > 0, seen
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):  # each reached the generation routes
+        assert seen[path, 200] > 0 and seen[path, 400] > 0, (path, sorted(seen.items()))
     assert not any(status >= 500 for _, status in seen)

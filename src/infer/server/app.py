@@ -2,8 +2,8 @@
 
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
-is full. The routes live in routers (meta, completions, tokens) that read a ServerState from ``app.state.server``;
-errors and middlewares are in errors.py. ``/`` serves the playground (static/: chat or completion, streamed, each token
+is full. The routes live in routers (meta, completions, responses, tokens) that read a ServerState from
+``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground (static/: chat or completion, streamed, each token
 coloured by how speculation produced it).
 """
 
@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
-from . import completions, meta, tokens
+from . import completions, meta, responses, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -37,7 +37,7 @@ def openapi_schema(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
         name = app.state.server.served_model_name  # the one model id this server answers to (else 404)
-        for body in ("CompletionRequest", "ChatCompletionRequest"):
+        for body in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
             props = schema["components"]["schemas"].get(body, {}).get("properties", {})
             if "model" in props:
                 props["model"] = {"type": "string", "enum": [name], "title": "Model"}
@@ -101,6 +101,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         app.add_middleware(ReplicaHeader, replica=replica)
     app.include_router(meta.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(tokens.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

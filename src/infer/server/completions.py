@@ -113,28 +113,16 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     # a predicted output (OpenAI's): its tokens, a copy source for the suffix proposers' drafts
     prediction = None if body.prediction is None else await run_in_threadpool(
         state.tokenizer.encode, body.prediction.text(), add_special_tokens=False)
+    kw = {} if body.speculation else {"speculate": False}
+    if prediction:
+        kw["prediction"] = prediction
     try:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
-                try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured,
-                                                  prompt_logprobs=logprobs if scored else None)
-                    kw = {} if body.speculation else {"speculate": False}
-                    if prediction:
-                        kw["prediction"] = prediction
-                    streams.append(await state.engine.add_request(ids, params, f"{rid}-{i}-{j}", **kw))
-                except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
-                    state.metrics.requests.labels("rejected").inc()
-                    raise ApiError(503, str(e), "server_error")
-                except QueueFullError as e:
-                    state.metrics.requests.labels("rejected").inc()
-                    raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"})
-                except ValueError as e:
-                    state.metrics.requests.labels("rejected").inc()
-                    msg = str(e)
-                    if field is not None and msg.startswith("invalid "):  # the grammar library's verdict
-                        raise ApiError(400, f"{field}: {msg}", param=field)
-                    raise ApiError(400, msg, param=_param_of(msg))
+                streams.append(await add_stream(
+                    state, ids, lambda: body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured,
+                                                             prompt_logprobs=logprobs if scored else None),
+                    f"{rid}-{i}-{j}", field, **kw))
     except BaseException:
         for s in streams:
             s.close()
@@ -164,6 +152,27 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         watch.cancel()
         _close(choices, state.metrics)
     return _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative)
+
+
+async def add_stream(state: ServerState, ids: list[int], params, request_id: str, field: str | None = None,
+                     **kw) -> RequestStream:
+    """One engine request of ``params()`` (its SamplingParams, built here so that a bad value is a 400 too), or the
+    ApiError that answers it: 503 when the engine cannot take it now, 400 naming what is wrong with it (``field``: the
+    structured output's, for the grammar library's verdict). A rejection is counted."""
+    try:
+        return await state.engine.add_request(ids, params(), request_id, **kw)
+    except EngineStoppedError as e:  # e.g. a lost tensor-parallel worker: nothing can run now
+        state.metrics.requests.labels("rejected").inc()
+        raise ApiError(503, str(e), "server_error")
+    except QueueFullError as e:
+        state.metrics.requests.labels("rejected").inc()
+        raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"})
+    except ValueError as e:
+        state.metrics.requests.labels("rejected").inc()
+        msg = str(e)
+        if field is not None and msg.startswith("invalid "):  # the grammar library's verdict
+            raise ApiError(400, f"{field}: {msg}", param=field)
+        raise ApiError(400, msg, param=_param_of(msg))
 
 
 DISCONNECT_POLL_S = 0.1  # how soon a non-streaming request notices that its client has gone

@@ -1,0 +1,359 @@
+"""/v1/responses: OpenAI's Responses API over the same engine requests as chat. ``input`` (a string, or items:
+messages, the model's ``function_call``s and their ``function_call_output``s) and ``instructions`` become chat
+messages for the checkpoint's template; ``text.format`` is structured output and ``tools`` / ``tool_choice`` are
+tool calling (tools.py), so both stay exact under speculation. The answer is a ``response`` object whose ``output``
+holds a message item (``output_text``) and one ``function_call`` item per call, or, streamed, OpenAI's typed events
+(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). Nothing is stored (``store``
+is answered false, as vLLM without its store): ``previous_response_id`` and ``background`` are refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.async_engine import EngineStoppedError
+from ..sampling import SamplingParams
+from ..structured import StructuredOutput
+from . import protocol as P
+from . import tools
+from .completions import ANSWERS, _Choice, _check_model, _check_readable, _close, _disconnected, _logprobs_payload, \
+    add_stream
+from .errors import ApiError
+from .state import CurrentState, ServerState
+
+router = APIRouter()
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server answers
+
+
+class InputItem(BaseModel):
+    """One item of ``input``: a message (``type`` "message", or left out), a call the model made, or its result."""
+
+    model_config = P.STRICT
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[P.ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+    _valid = field_validator("content", "arguments", "output")(P.valid_text)
+
+
+class FunctionTool(BaseModel):
+    model_config = P.STRICT
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = P.STRICT
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = P.STRICT
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = P.STRICT
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = True
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    store: bool = True
+    metadata: dict | None = None
+    # vLLM's sampling extensions, and infer's
+    seed: int | None = None
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    speculation: bool = True
+    # what this server does not do: refused by name when asked for, never dropped in silence
+    previous_response_id: str | None = None
+    background: bool | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+
+    _valid = field_validator("input", "instructions")(P.valid_text)
+    _no_previous = field_validator("previous_response_id")(P._unsupported("no response is stored: send the whole "
+                                                                          "conversation in input"))
+    _no_background = field_validator("background")(P._unsupported("responses are answered in the request",
+                                                                  off=(None, False)))
+    _no_reasoning = field_validator("reasoning")(P._unsupported("this model does not reason apart from its answer"))
+    _no_truncation = field_validator("truncation")(P._unsupported("an input is never truncated",
+                                                                  off=(None, "disabled")))
+    _include = field_validator("include")(lambda v: v if not set(v or ()) - {LOGPROBS} else P._unsupported(
+        f"only {LOGPROBS!r} can be included")(v))
+
+
+def _messages(body: ResponsesRequest) -> list[P.ChatMessage]:
+    """``instructions`` and ``input`` as chat messages: a call joins the assistant message before it (or opens one),
+    its output is a ``tool`` message."""
+    out = [P.ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
+    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if item.type == "message":
+            if item.role is None:
+                raise ApiError(400, f"{where}: a message needs a role", param="input")
+            parts = item.content if isinstance(item.content, list) else None
+            if parts is not None and (bad := next((p.type for p in parts if p.type not in (
+                    "input_text", "output_text", "text")), None)):
+                raise ApiError(400, f"{where}: content parts of type {bad!r} are not supported: this model reads "
+                               "text only", param="input")
+            content = item.content if parts is None else "".join(p.text or "" for p in parts)
+            out.append(P.ChatMessage(role=item.role, content=content))
+        elif item.type == "function_call":
+            if item.name is None or item.arguments is None:
+                raise ApiError(400, f"{where}: a function_call needs its name and arguments", param="input")
+            call = P.ToolCall(id=item.call_id, function=P.FunctionCall(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls = (out[-1].tool_calls or []) + [call]
+            else:
+                out.append(P.ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            if item.output is None:
+                raise ApiError(400, f"{where}: a function_call_output needs its output", param="input")
+            out.append(P.ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+    if not out:
+        raise ApiError(400, "input holds no message", param="input")
+    return out
+
+
+def _structured(body: ResponsesRequest) -> StructuredOutput | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if fmt.schema_ is None:
+            raise ValueError("a json_schema format needs its schema")
+        return StructuredOutput(json_schema=fmt.schema_)
+    except ValueError as e:
+        raise ApiError(400, f"text.format: {e}", param="text") from None
+
+
+@router.post("/v1/responses", responses=ANSWERS)
+async def responses(body: ResponsesRequest, state: CurrentState, request: Request):
+    _check_model(state, body.model)
+    tok = state.tokenizer
+    if not tok.has_chat_template:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
+    messages = _messages(body)
+    _check_readable(messages)
+    chat_tools = [P.Tool(type="function", function=P.FunctionDef(name=t.name, description=t.description,
+                                                                   parameters=t.parameters, strict=t.strict))
+                  for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if isinstance(choice, ToolChoiceFunction):
+        choice = P.NamedToolChoice(type="function", function=P.FunctionName(name=choice.name))
+    mode, constraint = tools.plan(chat_tools, choice, body.parallel_tool_calls, state.tool_parser)
+    structured, field = _structured(body), "text"
+    if mode in ("named", "required"):
+        if structured is not None:
+            raise ApiError(400, f"tool_choice {mode!r} constrains the answer to a call already: give text.format or "
+                           "tool_choice, not both", param="tool_choice")
+        structured, field = constraint, "tools"
+    ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in messages], True, False,
+                                  P.tool_dicts(chat_tools))
+    logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
+
+    def params() -> SamplingParams:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                              repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
+                              max_tokens=body.max_output_tokens or max(1, state.max_seq_len - len(ids)),
+                              structured=structured)
+
+    rid = f"resp_{uuid.uuid4().hex}"
+    stream = await add_stream(state, ids, params, rid, field, **({} if body.speculation else {"speculate": False}))
+    name = choice.function.name if mode == "named" else None
+    c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,
+                                                                                          state.tool_parser))
+    answer = _Answer(state, body, rid, c, logprobs is not None)
+    if body.stream:
+        return StreamingResponse(answer.events(), media_type="text/event-stream")
+    work = asyncio.ensure_future(c.consume(state.metrics))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client has gone (499: nginx's "client closed")
+            work.cancel()
+            return Response(status_code=499)
+        try:
+            work.result()
+        except EngineStoppedError as e:
+            raise ApiError(503, str(e), "server_error") from e
+    finally:
+        watch.cancel()
+        _close([c], state.metrics)
+    answer.read(c.text, c.outputs, final=True)
+    answer.finish()
+    return answer.response()
+
+
+class _Answer:
+    """A response's output items, built from the choice's text as it comes (streamed: as events)."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, choice: _Choice, logprobs: bool):
+        self.state, self.body, self.rid, self.c, self.logprobs = state, body, rid, choice, logprobs
+        self.created = P.now()
+        self.items: list[dict] = []  # output items in order: the message (opened at its first text), the calls
+        self.message: dict | None = None
+        self.calls: dict[int, dict] = {}  # a call's index in the reader -> its item
+        self.seq = 0
+
+    def read(self, text: str, outs: list, final: bool = False) -> list[tuple[str, dict]]:
+        """Take ``text`` (and the outputs that wrote it) into the items -> the events that says."""
+        delta = self.c.reader.feed(text, final) if self.c.reader else {"content": text} if text else {}
+        events = self._open_message() if delta.get("content") else []
+        if delta.get("content"):
+            part = self.message["content"][0]
+            part["text"] += delta["content"]
+            lp = _logprobs_payload(self.state.tokenizer, outs, True)["content"] if self.logprobs and outs else []
+            part["logprobs"] += lp
+            events.append(("response.output_text.delta", self._at(self.message, content_index=0,
+                                                                  delta=delta["content"], logprobs=lp)))
+        for call in delta.get("tool_calls", ()):
+            item = self.calls.get(call["index"])
+            if item is None:
+                item = self.calls[call["index"]] = {
+                    "type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                events.append(self._added(item))
+            if call["function"].get("arguments"):
+                item["arguments"] += call["function"]["arguments"]
+                events.append(("response.function_call_arguments.delta",
+                               self._at(item, delta=call["function"]["arguments"])))
+        return events
+
+    def _open_message(self) -> list[tuple[str, dict]]:
+        """The message item and its text part, opened at the first text (events: their ``added``)."""
+        if self.message is not None:
+            return []
+        self.message = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                        "role": "assistant", "content": []}
+        events = [self._added(self.message)]
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.message["content"].append(part)
+        return events + [("response.content_part.added", self._at(self.message, content_index=0,
+                                                                  part=copy.deepcopy(part)))]
+
+    def _added(self, item: dict) -> tuple[str, dict]:
+        self.items.append(item)
+        return "response.output_item.added", {"output_index": len(self.items) - 1, "item": copy.deepcopy(item)}
+
+    def _at(self, item: dict, **kw) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item), **kw}
+
+    def finish(self) -> list[tuple[str, dict]]:
+        """The events that close every item (an answer without tools has its message, empty or not)."""
+        events = self._open_message() if self.c.reader is None else []
+        for i, item in enumerate(self.items):
+            item["status"] = "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                events += [("response.output_text.done", self._at(item, content_index=0, text=part["text"],
+                                                                  logprobs=part["logprobs"])),
+                           ("response.content_part.done", self._at(item, content_index=0, part=part))]
+            else:
+                events.append(("response.function_call_arguments.done", self._at(item, arguments=item["arguments"])))
+            events.append(("response.output_item.done", {"output_index": i, "item": item}))
+        return events
+
+    def response(self, status: str | None = None) -> dict:
+        """The response object; ``status`` None: as the finished choice says."""
+        reason = self.c.finish_reason
+        if status is None:
+            for item in self.items:
+                item["status"] = "completed" if reason != "length" else "incomplete"
+            status = {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
+        b, fmt = self.body, self.body.text.format if self.body.text and self.body.text.format else None
+        usage = P.usage(len(self.c.prompt_ids), len(self.c.outputs), self.c.draft, self.c.accepted,
+                        self.state.speculative)
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": b.model,
+            "output": self.items if status != "in_progress" else [], "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": None, "store": False, "temperature": b.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, BaseModel) else
+            b.tool_choice or ("auto" if b.tools else "none"),
+            "tools": [t.model_dump() for t in b.tools or ()], "top_p": b.top_p, "truncation": "disabled",
+            "metadata": b.metadata or {}, "top_logprobs": b.top_logprobs,
+            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"], "acceptance_rate": usage["acceptance_rate"],
+                      "num_draft_tokens": usage["num_draft_tokens"],
+                      "num_accepted_tokens": usage["num_accepted_tokens"]}}
+
+    def _event(self, kind: str, data: dict) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
+
+    async def events(self):
+        c = self.c
+        try:
+            yield self._event("response.created", {"response": self.response("in_progress")})
+            yield self._event("response.in_progress", {"response": self.response("in_progress")})
+            pending = []  # outputs whose text is not out yet (held back for a stop string)
+            try:
+                async for out in c.stream:
+                    c.observe(out, self.state.metrics)
+                    if out.token_id is not None:
+                        pending.append(out)
+                    if not out.text and not out.finished:
+                        continue
+                    for kind, data in self.read(out.text, pending, final=out.finished):
+                        yield self._event(kind, data)
+                    pending = []
+            except Exception as e:  # noqa: BLE001 - surfaced to the client as OpenAI's error event
+                yield self._event("error", {"code": "server_error", "message": f"generation failed: {e}",
+                                            "param": None})
+                return
+            for kind, data in self.finish():
+                yield self._event(kind, data)
+            done = self.response()
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                done["status"], "response.failed")
+            yield self._event(kind, {"response": done})
+        finally:  # normal end, client disconnect (cancellation) or error: abort whatever still runs
+            _close([c], self.state.metrics)

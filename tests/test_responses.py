@@ -1,0 +1,166 @@
+"""/v1/responses end to end with the official openai client (``client.responses``): a text answer as the library's
+chat answers it, streamed as OpenAI's typed events (the SDK's own accumulator reads them back), instructions and
+input items, structured output, tool calls (named and required, streamed too) and a call's history, logprobs, and
+the 400s naming what cannot be answered."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from infer.engine import EngineConfig
+from infer.engine.async_engine import AsyncEngine
+from infer.llm import LLM
+from infer.sampling import SamplingParams
+from infer.server import build_app
+from infer.server.thread import ServerThread
+
+NAME = "tiny-responses"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+         {"type": "function", "name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}]
+GREEDY = dict(temperature=0, max_output_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt_dirs):
+    # a speculating engine: target gqa, drafter mha (the same tokenizer, other weights: real rejections)
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], draft_model=ckpt_dirs["mha"], spec_length=3,
+                                      max_batch_size=4, block_size=4))
+    with ServerThread(build_app(engine, NAME)) as s:
+        s.client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0)
+        yield s
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dirs):
+    return LLM(ckpt_dirs["gqa"])
+
+
+def _ref(llm, messages, **kw):
+    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=GREEDY["max_output_tokens"], **kw))
+
+
+def test_a_text_answer_is_the_library_chat_answer(srv, llm):
+    r = srv.client.responses.create(model=NAME, input="Say something.", **GREEDY)
+    ref = _ref(llm, [{"role": "user", "content": "Say something."}])
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == ref.text
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    want = "incomplete" if ref.finish_reason == "length" else "completed"
+    assert r.status == want and (want == "completed" or r.incomplete_details.reason == "max_output_tokens")
+    assert r.usage.input_tokens == len(ref.prompt_token_ids) and r.usage.output_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.store is False
+
+
+def test_instructions_and_input_items_are_the_chat_messages(srv, llm):
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": "More."}]
+    r = srv.client.responses.create(model=NAME, instructions="Be brief.", input=items, **GREEDY)
+    ref = _ref(llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More."}])
+    assert r.output_text == ref.text and r.instructions == "Be brief."
+
+
+def test_streamed_events_carry_the_same_answer(srv):
+    kw = dict(model=NAME, input="Count.", temperature=0, max_output_tokens=16)
+    whole = srv.client.responses.create(**kw)
+    events = list(srv.client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if whole.status == "completed" else "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    with srv.client.responses.stream(**kw) as stream:  # the SDK's accumulator checks every event's place
+        last = list(stream)[-1]
+    assert last.type == kinds[-1] and last.response.output_text == whole.output_text
+
+
+def test_text_format_json_schema_is_structured_output(srv, llm):
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    r = srv.client.responses.create(model=NAME, input="Weather?", text={"format": fmt}, temperature=0,
+                                    max_output_tokens=60)
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    assert r.output_text == llm.chat([{"role": "user", "content": "Weather?"}], SamplingParams(
+        temperature=0, max_tokens=60, structured={"json_schema": WEATHER})).text
+    assert r.text.format.type == "json_schema"
+
+
+def _calls(events) -> list[tuple[str, str]]:
+    """A stream's function calls as (name, arguments), assembled from their argument deltas."""
+    calls = {}
+    for e in events:
+        if e.type == "response.output_item.added" and e.item.type == "function_call":
+            calls[e.item.id] = [e.item.name, ""]
+        elif e.type == "response.function_call_arguments.delta":
+            calls[e.item_id][1] += e.delta
+        elif e.type == "response.function_call_arguments.done":
+            assert calls[e.item_id][1] == e.arguments
+    return [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "get_weather"}, "required"])
+def test_tool_calls_are_function_call_items(srv, choice):
+    kw = dict(model=NAME, input="Weather in Paris?", tools=TOOLS, tool_choice=choice, temperature=0,
+              max_output_tokens=120, parallel_tool_calls=False)
+    r = srv.client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id.startswith("call_") and calls[0].status in ("completed", "incomplete")
+    if r.status == "completed":
+        schema = {t["name"]: t["parameters"] for t in TOOLS}[calls[0].name]
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+    if choice != "required":
+        assert calls[0].name == "get_weather" and not [o for o in r.output if o.type == "message"]
+    assert _calls(srv.client.responses.create(**kw, stream=True)) == [(calls[0].name, calls[0].arguments)]
+
+
+def test_a_call_and_its_output_in_input_are_the_chat_history(srv):
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city":"Paris","unit":"C"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "SUNNY-21"}]
+    r = srv.client.responses.create(model=NAME, input=items, tools=TOOLS, tool_choice="none", **GREEDY)
+    chat = srv.client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=GREEDY["max_output_tokens"], tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS],
+        messages=[{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                      "name": "get_weather", "arguments": '{"city":"Paris","unit":"C"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "SUNNY-21"}])
+    assert r.output_text == chat.choices[0].message.content
+
+
+def test_logprobs_when_included(srv):
+    r = srv.client.responses.create(model=NAME, input="Hi", include=["message.output_text.logprobs"],
+                                    top_logprobs=2, **GREEDY)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps).startswith(r.output_text[:1])
+    assert all(lp.logprob <= 0 and lp.top_logprobs[0].logprob >= lp.logprob for lp in lps)  # greedy: the top
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"background": True}, 400, "background"),
+    ({"truncation": "auto"}, 400, "truncation"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"tools": TOOLS}, 400, "tool_choice"),  # "auto" without the server's --tool-call-parser
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text"),
+    ({"model": "nope"}, 404, "model"),
+])
+def test_requests_that_cannot_be_answered_name_the_field(srv, body, status, param):
+    with pytest.raises(openai.APIStatusError) as e:
+        srv.client.responses.create(**{"model": NAME, "input": "x", "max_output_tokens": 2, **body})
+    assert e.value.status_code == status and param in (e.value.body.get("param") or ""), e.value.body
