@@ -58,6 +58,20 @@ def test_a_text_answer_is_the_library_chat_answer(srv, llm):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.store is False
 
 
+def test_the_sampling_fields_chat_takes_are_served_too(srv, llm):
+    """vLLM's sampling extensions (here bad_words, top_k, stop) act as in the library, not dropped in silence."""
+    free = _ref(llm, [{"role": "user", "content": "Say something."}])
+    word = next(w for w in (llm.get_tokenizer().decode([t]).strip() for t in free.token_ids) if w)
+    # top_k 1 at temperature 0.9 is the argmax: dropped, the answer would be drawn
+    for extra in ({"bad_words": [word]}, {"seed": 7, "top_k": 1, "stop": [free.text[3:5]]}):
+        r = srv.client.responses.create(model=NAME, input="Say something.", max_output_tokens=12,
+                                        temperature=0 if "bad_words" in extra else 0.9, extra_body=extra)
+        want = llm.chat([{"role": "user", "content": "Say something."}], SamplingParams(
+            **{"temperature": 0, "max_tokens": 12, **extra}))
+        assert r.output_text == want.text
+    assert want.text != free.text
+
+
 def test_instructions_and_input_items_are_the_chat_messages(srv, llm):
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},

@@ -104,11 +104,12 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-class _Common(BaseModel):
+class Sampling(BaseModel):
+    """The sampling fields every generation route takes (OpenAI's, and vLLM's extensions as its clients send them:
+    stop tokens, the stop string kept in the text, a minimum length, banned words and allowed tokens)."""
+
     model_config = STRICT
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
@@ -118,28 +119,48 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     speculation: bool = True  # infer's extension: false decodes this request plainly (same output, its own speed)
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
-    prediction: Prediction | None = None  # OpenAI's predicted output: a copy source for drafts (speed only)
-
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
-    # vLLM's extensions, as its clients send them: stop tokens, the stop string kept in the text, a minimum length, and
-    # the older names of structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json, regex,
-    # choice, grammar)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = Field(0, ge=0)
+    bad_words: list[str] | None = None  # words the output never completes (infer.token_bans)
+    allowed_token_ids: list[int] | None = None  # the only tokens the output holds
+
+    _valid_stop = field_validator("stop")(valid_text)
+    _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
+    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
+                        structured: StructuredOutput | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
+                              max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
+                              bad_words=self.bad_words or None, allowed_token_ids=self.allowed_token_ids,
+                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
+                              prompt_logprobs=prompt_logprobs)
+
+
+class _Common(Sampling):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
+    prediction: Prediction | None = None  # OpenAI's predicted output: a copy source for drafts (speed only)
+    # vLLM's older names of structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json,
+    # regex, choice, grammar)
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    bad_words: list[str] | None = None  # vLLM's: words the output never completes (infer.token_bans)
-    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output holds
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
     # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
     use_beam_search: bool | None = None
@@ -148,8 +169,7 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
 
-    _valid_stop = field_validator("stop", "guided_regex", "guided_choice", "guided_grammar")(valid_text)
-    _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
+    _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
                                                                           off=(None, False)))
     _specials = field_validator("skip_special_tokens")(_unsupported("special tokens are always skipped",
@@ -158,7 +178,6 @@ class _Common(BaseModel):
     _no_prompt_lp = field_validator("prompt_logprobs")(_unsupported("echo with logprobs scores the prompt "
                                                                      "(/v1/completions)"))
     _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))
-    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint asked for and the field that asked (for a 400 naming it); ValueError if it is malformed."""
@@ -187,19 +206,6 @@ class _Common(BaseModel):
                 "structured_outputs"
             raise ValueError(f"{field}: {e}") from None
         return None, None
-
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
-                        structured: StructuredOutput | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        seed = None if self.seed is None else self.seed + seed_offset  # n > 1: distinct, reproducible choices
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or None,
-                              max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
-                              bad_words=self.bad_words or None, allowed_token_ids=self.allowed_token_ids,
-                              seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
-                              prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Common):

@@ -81,15 +81,13 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = P.STRICT
+class ResponsesRequest(P.Sampling):
+    """OpenAI's fields, and the sampling extensions chat takes (``Sampling``: vLLM's and infer's)."""
 
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
@@ -99,12 +97,6 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     store: bool = True
     metadata: dict | None = None
-    # vLLM's sampling extensions, and infer's
-    seed: int | None = None
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    speculation: bool = True
     # what this server does not do: refused by name when asked for, never dropped in silence
     previous_response_id: str | None = None
     background: bool | None = None
@@ -197,10 +189,8 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
 
     def params() -> SamplingParams:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                              repetition_penalty=body.repetition_penalty, seed=body.seed, logprobs=logprobs,
-                              max_tokens=body.max_output_tokens or max(1, state.max_seq_len - len(ids)),
-                              structured=structured)
+        return body.sampling_params(body.max_output_tokens or max(1, state.max_seq_len - len(ids)), logprobs,
+                                    structured=structured)
 
     rid = f"resp_{uuid.uuid4().hex}"
     stream = await add_stream(state, ids, params, rid, field, **({} if body.speculation else {"speculate": False}))
