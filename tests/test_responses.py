@@ -147,8 +147,9 @@ def test_a_call_and_its_output_in_input_are_the_chat_history(srv):
         model=NAME, temperature=0, max_tokens=GREEDY["max_output_tokens"], tool_choice="none",
         tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS],
         messages=[{"role": "user", "content": "Weather?"},
-                  {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                      "name": "get_weather", "arguments": '{"city":"Paris","unit":"C"}'}}]},
+                  {"role": "assistant", "content": None, "tool_calls": [{
+                      "id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"C"}'}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "SUNNY-21"}])
     assert r.output_text == chat.choices[0].message.content
 

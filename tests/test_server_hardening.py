@@ -83,7 +83,7 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     # (route, field, value asking for something, its default as clients send it)
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
-    ("/v1/completions", "use_beam_search", True, False), (CHAT, "skip_special_tokens", False, True),
+    ("/v1/completions", "use_beam_search", True, False),
     ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
     (CHAT, "chat_template", "{{ messages }}", None),
 ]
@@ -147,6 +147,19 @@ def test_vllm_bad_words_and_allowed_token_ids_reach_the_sampler(server, long_ckp
                                ("bad_words", ["x"], {"guided_regex": "[a-z]+"})):
         status, r = _post(server, "/v1/completions", {**body, field: value, **more})
         assert status == 400 and r["error"]["param"] == field, (field, value, r)
+
+
+def test_vllm_skip_special_tokens_false_writes_them_out(server):
+    """skip_special_tokens false (vLLM's): special tokens are in the text, the answer's and an echoed prompt's (here
+    the only allowed token is BOS, a special one); by default, and true, they are left out."""
+    body = {"model": NAME, "prompt": "x", "max_tokens": 2, "allowed_token_ids": [0], "echo": True}
+    for skip, text in ((None, "x"), (True, "x"), (False, "<|begin_of_text|>x" + "<|begin_of_text|>" * 2)):
+        status, r = _post(server, "/v1/completions", {**body, **({} if skip is None else {"skip_special_tokens": skip})})
+        assert status == 200 and r["choices"][0]["text"] == text, r
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "allowed_token_ids": [0],
+            "skip_special_tokens": False}
+    status, r = _post(server, CHAT, chat)
+    assert status == 200 and r["choices"][0]["message"]["content"] == "<|begin_of_text|>" * 2, r
 
 
 def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckpt):

@@ -100,3 +100,23 @@ def test_decode_is_transformers_decode_through_the_rust_tokenizer(gqa_dir, tmp_p
     assert Tokenizer(d)._raw_decode is None
     assert Tokenizer(d).decode(ours.encode("a , b", add_special_tokens=False)) == \
         AutoTokenizer.from_pretrained(d).decode(ours.encode("a , b", add_special_tokens=False))
+
+
+def test_special_tokens_are_written_out_when_not_skipped(gqa_dir):
+    """SamplingParams.skip_special_tokens (vLLM's): a request's text leaves out special tokens by default and writes
+    them as the tokenizer spells them when False, streamed piece by piece as whole."""
+    from infer.request import Request
+    from infer.sampling import SamplingParams
+
+    tok = Tokenizer(gqa_dir)
+    bos = tok.bos_token_id
+    ids = [bos] + tok.encode("hello world", add_special_tokens=False) + [bos]
+    for skip, want in ((True, "hello world"), (False, "<|begin_of_text|>hello world<|begin_of_text|>")):
+        r = Request([5, 6], SamplingParams(max_tokens=len(ids), skip_special_tokens=skip), tokenizer=tok)
+        pieces = []
+        for t in ids:
+            r.append(t)
+            pieces.append(r.stream_text())
+        assert r.text == "".join(pieces) == want == tok.decode(ids, skip_special_tokens=skip)
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=None)

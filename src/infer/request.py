@@ -78,7 +78,8 @@ class Request:
         self.text = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the token id or stop string that ended it
-        self._detok: IncrementalDetokenizer | None = tokenizer.detokenizer(prompt_ids) if tokenizer else None
+        self._detok: IncrementalDetokenizer | None = \
+            tokenizer.detokenizer(prompt_ids, params.skip_special_tokens) if tokenizer else None
         self._max_stop = max((len(s) for s in params.stop), default=0)
         # speculative counters (stay zero without speculation)
         self.num_draft_tokens = 0

@@ -56,6 +56,8 @@ class SamplingParams:
     bad_words: list[str | list[int]] | str | None = None
     # vLLM's: the output holds only these tokens (every other logit -inf, before anything else)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the text leaves out special tokens (BOS, chat markers); False writes them as the tokenizer spells them
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         def bad(name, why):
@@ -94,8 +96,9 @@ class SamplingParams:
             bad("n", "must be an integer >= 1")
         if self.seed is not None and self.n > 1 and isinstance(self.seed, int) and self.seed + self.n > SEED_RANGE[1]:
             bad("seed", f"+ n must stay below 2**64 (sequence j draws with seed + j), n = {self.n}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            bad("include_stop_str_in_output", "must be a boolean")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             bad("seed", "must be an integer in [0, 2**64) or None")

@@ -159,8 +159,8 @@ class Tokenizer:
         """Each id decoded alone (for the debug view): may show partial UTF-8 as the replacement character."""
         return [self.hf.decode([i], skip_special_tokens=False) for i in ids]
 
-    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids)
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -169,19 +169,24 @@ class IncrementalDetokenizer:
     Decodes a short window ``ids[prefix:]`` and emits what it adds beyond ``ids[prefix:read]``; a window that
     ends in U+FFFD (an incomplete byte sequence) is held back until the next token completes it. The window
     starts a few tokens into the prompt so tokenizers that strip a leading space (SentencePiece) decode the
-    first generated word correctly.
+    first generated word correctly. ``skip_special_tokens`` False writes special tokens out (vLLM's option).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 5):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 5,
+                 skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0
         self.read = len(self.ids)
+        self.skip = skip_special_tokens
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        new_text = self.tok.decode(self.ids[self.prefix:])
+        prefix_text = self._decode(self.ids[self.prefix:self.read])
+        new_text = self._decode(self.ids[self.prefix:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
             self.prefix, self.read = self.read, len(self.ids)
             return new_text[len(prefix_text):]
@@ -189,7 +194,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence: whatever is still held back (possibly a lone replacement character)."""
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        new_text = self.tok.decode(self.ids[self.prefix:])
+        prefix_text = self._decode(self.ids[self.prefix:self.read])
+        new_text = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return new_text[len(prefix_text):]

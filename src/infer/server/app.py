@@ -3,8 +3,8 @@
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
 is full. The routes live in routers (meta, completions, responses, tokens) that read a ServerState from
-``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground (static/: chat or completion, streamed, each token
-coloured by how speculation produced it).
+``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground (static/: chat or
+completion, streamed, each token coloured by how speculation produced it).
 """
 
 from __future__ import annotations

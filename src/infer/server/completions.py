@@ -34,7 +34,8 @@ async def completions(body: P.CompletionRequest, state: CurrentState, request: R
     _check_model(state, body.model)
     tok = state.tokenizer
     prompts = await run_in_threadpool(_prompt_ids, tok, body.prompt, state.vocab_size)
-    echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+    echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=body.skip_special_tokens is not False)
+            if body.echo else "" for p in prompts]
     return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request)
 
 

@@ -127,6 +127,7 @@ class Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     bad_words: list[str] | None = None  # words the output never completes (infer.token_bans)
     allowed_token_ids: list[int] | None = None  # the only tokens the output holds
+    skip_special_tokens: bool | None = None  # None: true (vLLM's default); false writes special tokens out
 
     _valid_stop = field_validator("stop")(valid_text)
     _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
@@ -142,6 +143,7 @@ class Sampling(BaseModel):
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
                               bad_words=self.bad_words or None, allowed_token_ids=self.allowed_token_ids,
+                              skip_special_tokens=self.skip_special_tokens is not False,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
                               prompt_logprobs=prompt_logprobs)
 
@@ -164,7 +166,6 @@ class _Common(Sampling):
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
     # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
     use_beam_search: bool | None = None
-    skip_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
@@ -172,8 +173,6 @@ class _Common(Sampling):
     _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
                                                                           off=(None, False)))
-    _specials = field_validator("skip_special_tokens")(_unsupported("special tokens are always skipped",
-                                                                     off=(None, True)))
     _no_truncation = field_validator("truncate_prompt_tokens")(_unsupported("a prompt is never truncated"))
     _no_prompt_lp = field_validator("prompt_logprobs")(_unsupported("echo with logprobs scores the prompt "
                                                                      "(/v1/completions)"))
