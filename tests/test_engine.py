@@ -304,6 +304,27 @@ def test_min_tokens_holds_every_stop_back_and_speculation_keeps_greedy_parity(mo
     assert spec.stats.num_drafts > 0
 
 
+def test_truncate_prompt_tokens_reads_the_prompt_end(models):
+    """truncate_prompt_tokens (vLLM's): the engine (and autoregressive_generate) read the prompt's last k tokens, as if
+    only those were given; -1 keeps as many as max_seq_len; k must be >= 1 or -1."""
+    target, _, _ = models
+    prompt = [(5 * j) % 200 + 3 for j in range(20)]
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    eng = Engine(EngineConfig(model="t", max_seq_len=64), model=target)
+    short = eng.run([eng.add_request(prompt[-7:], SamplingParams(**greedy))])[0]
+    cut = eng.run([eng.add_request(prompt, SamplingParams(**greedy, truncate_prompt_tokens=7))])[0]
+    assert cut.prompt_ids == prompt[-7:] and cut.output_ids == short.output_ids
+    assert autoregressive_generate(target, prompt, SamplingParams(**greedy, truncate_prompt_tokens=7),
+                                   eos_token_ids=[]).output_ids == short.output_ids
+    whole = eng.run([eng.add_request(prompt, SamplingParams(**greedy, truncate_prompt_tokens=-1))])[0]
+    assert whole.prompt_ids == prompt
+    with pytest.raises(ValueError, match="exceeds"):  # -1 keeps 64: with max_tokens it cannot fit
+        eng.add_request(list(range(3, 83)), SamplingParams(**greedy, truncate_prompt_tokens=-1))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_min_tokens_holds_stop_strings_back():
     """A stop string seen before min_tokens does not end the request (vLLM checks them from the minimum on)."""
     from infer.request import Request

@@ -84,7 +84,7 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
     ("/v1/completions", "use_beam_search", True, False),
-    ("/v1/completions", "truncate_prompt_tokens", 4, None), ("/v1/completions", "prompt_logprobs", 1, None),
+("/v1/completions", "prompt_logprobs", 1, None),
     (CHAT, "chat_template", "{{ messages }}", None),
 ]
 
@@ -160,6 +160,25 @@ def test_vllm_skip_special_tokens_false_writes_them_out(server):
             "skip_special_tokens": False}
     status, r = _post(server, CHAT, chat)
     assert status == 200 and r["choices"][0]["message"]["content"] == "<|begin_of_text|>" * 2, r
+
+
+def test_vllm_truncate_prompt_tokens_reads_the_prompt_end(server, long_ckpt):
+    """truncate_prompt_tokens (vLLM's): the request reads its prompt's last k tokens, as the library does; the echo
+    and the usage say so; 0 is a 400 naming the field."""
+    llm = LLM(long_ckpt)
+    ids = llm.get_tokenizer().encode("def f(x):\n    return x + 1")
+    body = {"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True,
+            "truncate_prompt_tokens": 4}
+    want = llm.generate([{"prompt_token_ids": ids[-4:]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    lib = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                   truncate_prompt_tokens=4))
+    assert lib[0].prompt_token_ids == ids[-4:] and lib[0].text == want[0].text
+    status, r = _post(server, "/v1/completions", body)
+    assert status == 200 and r["usage"]["prompt_tokens"] == 4, r
+    assert r["choices"][0]["text"] == llm.get_tokenizer().decode(ids[-4:]) + want[0].text
+    for value in (0, -2):
+        status, r = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": value})
+        assert status == 400 and r["error"]["param"] == "truncate_prompt_tokens", r
 
 
 def test_vllm_stop_token_ids_stop_strings_kept_and_guided_names(server, long_ckpt):

@@ -73,6 +73,7 @@ def autoregressive_generate(
         raise ValueError(f"autoregressive_generate decodes one sequence: SamplingParams.n must be 1, got {params.n} "
                          "(LLM.generate returns n)")
     eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
+    prompt_ids = params.truncated(prompt_ids, model.config.max_position_embeddings)
     check_fits(model, len(prompt_ids), params.max_tokens)
     device = model.device
     if generator is None and not params.greedy:

@@ -58,6 +58,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: the text leaves out special tokens (BOS, chat markers); False writes them as the tokenizer spells them
     skip_special_tokens: bool = True
+    # vLLM's: only the prompt's last this many tokens are read (left truncation); -1: as many as the engine's
+    # max_seq_len; None: the whole prompt
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -96,6 +99,9 @@ class SamplingParams:
             bad("n", "must be an integer >= 1")
         if self.seed is not None and self.n > 1 and isinstance(self.seed, int) and self.seed + self.n > SEED_RANGE[1]:
             bad("seed", f"+ n must stay below 2**64 (sequence j draws with seed + j), n = {self.n}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, -1 (the engine's max_seq_len) or None")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a boolean")
@@ -146,6 +152,10 @@ class SamplingParams:
             if getattr(self, name) is not None and self.structured is not None:
                 bad(name, "cannot go with structured output (restrict the output in the grammar instead)")
 
+    def truncated(self, prompt_ids: list[int], max_len: int) -> list[int]:
+        """The prompt as the request reads it: its last ``truncate_prompt_tokens`` tokens (-1: ``max_len``)."""
+        return truncate_prompt(prompt_ids, self.truncate_prompt_tokens, max_len)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -175,6 +185,14 @@ class SamplingParams:
         then takes the argmax of the reshaped logits, through the pipeline, not the raw argmax. (Bad words and
         min_tokens are bans on the logits themselves, in place, before any path reads them.)"""
         return self.penalised or self.logit_bias is not None or self.allowed_token_ids is not None
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` tokens (-1: ``max_len``; None: all)."""
+    if keep is None:
+        return prompt_ids
+    keep = max_len if keep == -1 else keep
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

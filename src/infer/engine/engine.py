@@ -283,6 +283,7 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams, prediction: list[int] | None = None) -> None:
         """Raise ValueError naming the problem if this request can never run (or its prediction is no token ids)."""
+        prompt_ids = params.truncated(prompt_ids, self.max_seq_len)
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -334,6 +335,7 @@ class Engine:
         ids the output is expected to repeat (OpenAI's predicted outputs), which the suffix proposers copy drafts
         from; other proposers ignore it, and the output is the same either way."""
         params = params or SamplingParams()
+        prompt_ids = params.truncated(prompt_ids, self.max_seq_len)  # vLLM's truncate_prompt_tokens
         self.check_request(prompt_ids, params, prediction)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

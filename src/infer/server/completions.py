@@ -34,6 +34,7 @@ async def completions(body: P.CompletionRequest, state: CurrentState, request: R
     _check_model(state, body.model)
     tok = state.tokenizer
     prompts = await run_in_threadpool(_prompt_ids, tok, body.prompt, state.vocab_size)
+    prompts = [body.read_prompt(p, state.max_seq_len) for p in prompts]  # truncate_prompt_tokens (vLLM's)
     echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=body.skip_special_tokens is not False)
             if body.echo else "" for p in prompts]
     return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request)
@@ -53,8 +54,9 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     if calls[0] is not None and body.continue_final_message:
         raise ApiError(400, "a tool call is a new assistant message: tool_choice cannot continue the last one",
                        param="tool_choice")
-    ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in body.messages],
-                                  body.add_generation_prompt, body.continue_final_message, P.tool_dicts(body.tools))
+    ids = body.read_prompt(await run_in_threadpool(
+        tok.apply_chat_template, [m.template_form() for m in body.messages], body.add_generation_prompt,
+        body.continue_final_message, P.tool_dicts(body.tools)), state.max_seq_len)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _serve(state, body, [ids], max_tokens, top, True, [""], request, calls)

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, truncate_prompt
 from ..structured import StructuredOutput
 
 
@@ -128,10 +128,17 @@ class Sampling(BaseModel):
     bad_words: list[str] | None = None  # words the output never completes (infer.token_bans)
     allowed_token_ids: list[int] | None = None  # the only tokens the output holds
     skip_special_tokens: bool | None = None  # None: true (vLLM's default); false writes special tokens out
+    truncate_prompt_tokens: int | None = None  # the prompt's last this many tokens (-1: as many as the context holds)
 
     _valid_stop = field_validator("stop")(valid_text)
     _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
     _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
+    _truncate = field_validator("truncate_prompt_tokens")(
+        lambda v: v if v is None or v >= 1 or v == -1 else _unsupported("it must be >= 1, or -1")(v))
+
+    def read_prompt(self, ids: list[int], max_seq_len: int) -> list[int]:
+        """The prompt's tokens as the request reads them (``truncate_prompt_tokens``)."""
+        return truncate_prompt(ids, self.truncate_prompt_tokens, max_seq_len)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0,
                         structured: StructuredOutput | None = None,
@@ -144,6 +151,7 @@ class Sampling(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
                               bad_words=self.bad_words or None, allowed_token_ids=self.allowed_token_ids,
                               skip_special_tokens=self.skip_special_tokens is not False,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens,
                               seed=seed, ignore_eos=self.ignore_eos, logprobs=logprobs, structured=structured,
                               prompt_logprobs=prompt_logprobs)
 
@@ -166,14 +174,12 @@ class _Common(Sampling):
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
     # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
     use_beam_search: bool | None = None
-    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     logits_processors: list | None = None
 
     _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
                                                                           off=(None, False)))
-    _no_truncation = field_validator("truncate_prompt_tokens")(_unsupported("a prompt is never truncated"))
     _no_prompt_lp = field_validator("prompt_logprobs")(_unsupported("echo with logprobs scores the prompt "
                                                                      "(/v1/completions)"))
     _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))

@@ -186,6 +186,7 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
         structured, field = constraint, "tools"
     ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in messages], True, False,
                                   P.tool_dicts(chat_tools))
+    ids = body.read_prompt(ids, state.max_seq_len)
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
 
     def params() -> SamplingParams:
