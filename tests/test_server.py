@@ -344,6 +344,50 @@ def test_serve_rejects_bad_flags_with_one_line(tmp_path):
     assert r.returncode == 2 and "kv_cache_backend" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+def test_vllm_command_lines_run_as_they_are():
+    """vLLM's flag names for the same settings (--max-model-len, --max-num-seqs, -tp) and --enable-auto-tool-choice,
+    which needs --tool-call-parser, as in vLLM."""
+    from infer.server.__main__ import add_serve_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    cfg = engine_config(p.parse_args(["--model", "m", "--max-model-len", "64", "--max-num-seqs", "3", "-tp", "1"]))
+    assert (cfg.max_seq_len, cfg.max_batch_size, cfg.tensor_parallel_size) == (64, 3, 1)
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        engine_config(p.parse_args(["--model", "m", "--enable-auto-tool-choice"]))
+    a = p.parse_args(["--model", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert engine_config(a) and a.tool_call_parser == "hermes"
+
+
+def test_a_chat_template_of_the_servers_own(ckpt_dirs, tmp_path):
+    """--chat-template (vLLM's): the server renders chats with it, not the checkpoint's (the library's LLM.chat takes
+    one too); one that cannot render a conversation is refused at start with the template engine's message."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    from infer.server.__main__ import chat_template
+
+    assert chat_template(argparse.Namespace(chat_template=str(path))) == template  # a file, or the text itself
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], max_batch_size=2))
+    try:
+        with pytest.raises(ValueError, match="cannot render a conversation"):
+            build_app(engine, NAME, chat_template="{% for m in messages %}")
+        with ServerThread(build_app(engine, NAME, chat_template=template)) as srv:
+            msgs = [{"role": "user", "content": "hi"}]
+            status, _, ids = _raw(srv, "/tokenize", json.dumps({"model": NAME, "messages": msgs}).encode())
+            status, _, text = _raw(srv, "/detokenize", json.dumps({"model": NAME, "tokens": ids["tokens"]}).encode())
+            assert status == 200 and text["prompt"] == "[user] hi\n>"
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, temperature=0)
+            assert r.usage.prompt_tokens == len(ids["tokens"])
+    finally:
+        engine.shutdown()
+    llm = LLM(ckpt_dirs["gqa"])
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), chat_template=template)
+    assert out.prompt_token_ids == ids["tokens"]
+
+
 def test_a_tool_call_parser_for_a_template_without_tools_is_refused(ckpt_dirs):
     """--tool-call-parser serves tool_choice "auto", which a model never shown its tools cannot use: refused at start
     (the tiny checkpoints' template, as SmolLM2's, shows no tools)."""

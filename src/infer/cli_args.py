@@ -81,6 +81,9 @@ HELP = {
 }
 
 FLAGS = {"use_speculative_decoding": "--speculative-decoding"}  # the seeds' name for the flag
+# vLLM's names for the same fields, so its command lines run as they are
+ALIASES = {"max_seq_len": ("--max-model-len",), "max_batch_size": ("--max-num-seqs",),
+           "tensor_parallel_size": ("-tp",)}
 
 MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_in_background",
                 "tensor_parallel_size")
@@ -133,12 +136,13 @@ def add_dataclass_args(p: argparse.ArgumentParser, cls, fields, required=(), **o
         if name in required:
             kw.update(required=True, help=text)
             kw.pop("default")
+        flags = (flag, *ALIASES.get(name, ()))
         if bool in (typing.get_args(tp) or (tp,)):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif name == "stop":
-            p.add_argument(flag, action="append", **kw)
+            p.add_argument(*flags, action="append", **kw)
         else:
-            p.add_argument(flag, type=_parser_for(tp), **kw)
+            p.add_argument(*flags, type=_parser_for(tp), **kw)
 
 
 def config_kwargs(a: argparse.Namespace, cls, fields=None) -> dict:

@@ -130,18 +130,32 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """Render with the checkpoint's template, then encode without adding BOS again (the template has it).
-        ``continue_final_message``: the last message (the assistant's, begun) is left open, so the reply continues
-        it (transformers' flag; no new turn is opened then). ``tools``: OpenAI's function definitions, given to the
-        template (which decides what the model sees of them; SmolLM2's shows none)."""
-        if not self.has_chat_template:
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        """Render with the checkpoint's template (or ``chat_template``, a Jinja template, as vLLM's ``LLM.chat``
+        takes one), then encode without adding BOS again (the template has it). ``continue_final_message``: the
+        last message (the assistant's, begun) is left open, so the reply continues it (transformers' flag; no new
+        turn is opened then). ``tools``: OpenAI's function definitions, given to the template (which decides what
+        the model sees of them; SmolLM2's shows none)."""
+        if not self.has_chat_template and chat_template is None:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: add_generation_prompt must be false")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, tools=tools or None)
+                                           continue_final_message=continue_final_message, tools=tools or None,
+                                           chat_template=chat_template)
         return self.encode(text, add_special_tokens=False)
+
+    def use_chat_template(self, template: str) -> None:
+        """Replace the checkpoint's chat template with ``template`` (Jinja; vLLM's ``--chat-template``); ValueError
+        with the template engine's message if it cannot render a conversation."""
+        try:
+            self.hf.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                         {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}],
+                                        tokenize=False, add_generation_prompt=True, chat_template=template)
+        except Exception as e:  # noqa: BLE001 - jinja2's syntax and runtime errors, and the template's own raises
+            raise ValueError(f"the chat template cannot render a conversation: {type(e).__name__}: {e}") from None
+        self.hf.chat_template = template
 
     def shows_tools(self) -> bool:
         """Whether the chat template shows the model the tools it is given (a probe function's name in the text)."""

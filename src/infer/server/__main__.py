@@ -8,7 +8,7 @@ import threading
 
 import uvicorn
 
-from ..cli_args import add_dataclass_args, add_model_args, add_spec_args, config_kwargs
+from ..cli_args import _text_or_file, add_dataclass_args, add_model_args, add_spec_args, config_kwargs
 from ..engine.config import EngineConfig
 
 ENGINE_FIELDS = ("kv_cache_backend", "block_size", "num_kv_blocks", "enable_prefix_caching", "max_batch_size",
@@ -30,6 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "with tools) is served: hermes (<tool_call>...</tool_call>) or llama3_json (Llama 3.1-3.3); "
                         "the chat template must show the tools (SmolLM2's does not). Without it 'auto' is refused; "
                         "'required' and a named function need none")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted as it is: --tool-call-parser is what serves 'auto' (and this needs it)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (inline, or a file holding it) used instead of the checkpoint's")
     p.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
                         "default: one engine in this process, no Ray")
@@ -47,10 +51,18 @@ def engine_config(a) -> EngineConfig:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     if not a.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes | llama3_json): the model's call "
+                         "format, which tool_choice 'auto' is read with")
     from ..demo import with_serve_defaults
 
     # SmolLM2's shipped GGUF: its Q4_1 blocks on the integer kernel and its best drafter, unless asked otherwise
     return EngineConfig(**with_serve_defaults(config_kwargs(a, EngineConfig)))
+
+
+def chat_template(a) -> str | None:
+    """--chat-template's text (inline, or the file it names)."""
+    return None if a.chat_template is None else _text_or_file(a.chat_template)
 
 
 def check_listen(host: str, port: int) -> None:
@@ -98,7 +110,7 @@ def serve(a) -> int:
     engine = AsyncEngine(cfg)
     try:
         app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes,
-                        tool_parser=a.tool_call_parser)
+                        tool_parser=a.tool_call_parser, chat_template=chat_template(a))
         print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                                 timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events

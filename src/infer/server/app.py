@@ -78,9 +78,14 @@ class ReplicaHeader:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None) -> FastAPI:
+              max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """``tool_parser`` (tools.PARSERS): the model's call format, which tool_choice "auto" needs; ValueError if the
-    chat template does not show the model its tools (it could not call them)."""
+    chat template does not show the model its tools (it could not call them). ``chat_template``: a Jinja template
+    the server renders chats with instead of the checkpoint's (vLLM's ``--chat-template``); ValueError if it cannot
+    render a conversation."""
+    if chat_template is not None:
+        engine.engine.tokenizer.use_chat_template(chat_template)
     if tool_parser is not None:
         from .tools import PARSERS
 

@@ -33,7 +33,7 @@ def _require_ray():
 
 def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes: int, replicas: int,
                max_replicas: int | None = None, replica_cpus: float = 1.0, grace: float = 10.0,
-               tool_parser: str | None = None):
+               tool_parser: str | None = None, chat_template: str | None = None):
     """The Ray Serve application: an ``InferReplica`` deployment bound to the engine's config."""
     _, serve = _require_ray()
 
@@ -41,8 +41,8 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
     class InferReplica:
         """One replica: an AsyncEngine and build_app's OpenAI app, built when Ray starts the replica."""
 
-        def __init__(self, cfg, served_model_name, api_key, max_body_bytes, tool_parser=None):
-            self.args = (served_model_name, api_key, max_body_bytes, tool_parser)
+        def __init__(self, cfg, served_model_name, api_key, max_body_bytes, tool_parser=None, chat_template=None):
+            self.args = (served_model_name, api_key, max_body_bytes, tool_parser, chat_template)
             self.cfg, self.engine = cfg, None
 
         def __serve_build_asgi_app__(self):
@@ -51,8 +51,9 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
 
             replica = serve.get_replica_context().replica_id.unique_id
             self.engine = AsyncEngine(self.cfg)
-            name, key, limit, parser = self.args
-            return build_app(self.engine, name, key, limit, replica=replica, tool_parser=parser)
+            name, key, limit, parser, template = self.args
+            return build_app(self.engine, name, key, limit, replica=replica, tool_parser=parser,
+                             chat_template=template)
 
         def check_health(self):
             if self.engine is not None and self.engine.error is not None:
@@ -72,18 +73,20 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
     else:
         opts["num_replicas"] = replicas
     return serve.deployment(InferReplica, name="infer", **opts).bind(cfg, served_model_name, api_key, max_body_bytes,
-                                                                     tool_parser)
+                                                                     tool_parser, chat_template)
 
 
 def serve_replicas(a, cfg) -> int:
     """Start (or join) Ray, run the deployment on ``a.host:a.port``, block until SIGTERM/SIGINT, then shut down."""
     import signal
 
+    from .__main__ import chat_template
+
     ray, serve = _require_ray()
     if a.max_replicas is not None and a.max_replicas < a.replicas:
         raise ValueError(f"--max-replicas ({a.max_replicas}) must be >= --replicas ({a.replicas})")
     app = deployment(cfg, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes, a.replicas,
-                     a.max_replicas, a.replica_cpus, a.shutdown_timeout, a.tool_call_parser)
+                     a.max_replicas, a.replica_cpus, a.shutdown_timeout, a.tool_call_parser, chat_template(a))
     ray.init(include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
