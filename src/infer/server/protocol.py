@@ -33,6 +33,10 @@ def _neg(ids):
     raise ValueError(f"token ids must be >= 0, got {[t for t in ids if t < 0][:5]}")
 
 
+def _keep(value):
+    raise ValueError(f"must be >= 1 (the prompt's last tokens kept), or -1 (as many as the context holds), got {value}")
+
+
 def valid_text(value):
     """Strings (nested in lists) must be encodable Unicode: JSON's "\\ud800" decodes to a lone surrogate, which no
     tokenizer can encode."""
@@ -133,8 +137,7 @@ class Sampling(BaseModel):
     _valid_stop = field_validator("stop")(valid_text)
     _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
     _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
-    _truncate = field_validator("truncate_prompt_tokens")(
-        lambda v: v if v is None or v >= 1 or v == -1 else _unsupported("it must be >= 1, or -1")(v))
+    _truncate = field_validator("truncate_prompt_tokens")(lambda v: v if v is None or v >= 1 or v == -1 else _keep(v))
 
     def read_prompt(self, ids: list[int], max_seq_len: int) -> list[int]:
         """The prompt's tokens as the request reads them (``truncate_prompt_tokens``)."""
