@@ -18,6 +18,7 @@ from .state import ServerState
 if TYPE_CHECKING:
     from .responses import ResponsesRequest
 
+
 class Answer:
     """A response's output items, built from the choice's text as it comes (streamed: as events)."""
 
@@ -30,7 +31,7 @@ class Answer:
         self.seq = 0
 
     def read(self, text: str, outs: list, final: bool = False) -> list[tuple[str, dict]]:
-        """Take ``text`` (and the outputs that wrote it) into the items -> the events that says."""
+        """Take ``text`` (and the outputs that wrote it) into the items -> the events that say so."""
         delta = self.c.reader.feed(text, final) if self.c.reader else {"content": text} if text else {}
         events = self._open_message() if delta.get("content") else []
         if delta.get("content"):
