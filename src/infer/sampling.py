@@ -166,18 +166,15 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError naming ``logit_bias`` if it names a token outside [0, vocab_size) (the engine asks at
-        ``add_request``, before any step; a batch's tensors are built only from checked laws)."""
+        """ValueError naming ``logit_bias`` or ``allowed_token_ids`` if it names a token outside [0, vocab_size) (the
+        engine asks at ``add_request``, before any step, and checks ``bad_words`` there once tokenized; a batch's
+        tensors are built only from checked laws)."""
         if self.logit_bias is not None and max(self.logit_bias) >= vocab_size:
             raise ValueError(f"SamplingParams.logit_bias names token {max(self.logit_bias)}, outside the vocabulary "
                              f"[0, {vocab_size})")
         if self.allowed_token_ids is not None and self.allowed_token_ids[-1] >= vocab_size:
             raise ValueError(f"SamplingParams.allowed_token_ids names token {self.allowed_token_ids[-1]}, outside the "
                              f"vocabulary [0, {vocab_size})")
-        for w in self.bad_words or ():
-            if not isinstance(w, str) and max(w) >= vocab_size:
-                raise ValueError(f"SamplingParams.bad_words names token {max(w)}, outside the vocabulary "
-                                 f"[0, {vocab_size})")
 
     @property
     def reshapes_logits(self) -> bool:

@@ -60,7 +60,7 @@ def ban_bad_words_(logits: torch.Tensor, reqs, drafted: list[list[list[int]]] | 
         allowed = r.params.allowed_token_ids
         for t, before in enumerate(drafted[b] if drafted is not None and logits.dim() == 3 else [[]]):
             ids = banned_after(words, tail + before)
-            if not ids or allowed is not None and set(allowed) <= set(ids):
+            if not ids or allowed is not None and len(ids) >= len(allowed) and set(allowed) <= set(ids):
                 continue
             if logits.dim() == 2:
                 logits[b, ids] = float("-inf")

@@ -306,8 +306,8 @@ class Engine:
         params.check_vocab(V)
         if params.bad_words:  # text needs the tokenizer; a ban of every allowed token would leave no law at all
             words = bad_words_ids(params.bad_words, self.tokenizer)
-            if any(t >= V for w in words for t in w):
-                raise ValueError(f"SamplingParams.bad_words encode to tokens outside the vocabulary [0, {V})")
+            if (top := max(max(w) for w in words)) >= V:  # ids as given, or a tokenizer larger than the logits
+                raise ValueError(f"SamplingParams.bad_words names token {top}, outside the vocabulary [0, {V})")
             if params.allowed_token_ids is not None and \
                     set(params.allowed_token_ids) <= {w[0] for w in words if len(w) == 1}:
                 raise ValueError("SamplingParams.bad_words ban every one of allowed_token_ids: no token is left to "

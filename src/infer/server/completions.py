@@ -140,21 +140,29 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
                                 bool(opts and opts.include_spec),
                                 bool(opts and opts.include_usage and opts.continuous_usage_stats))
         return StreamingResponse(events, media_type="text/event-stream")
+    gone = await consume_all(state, choices, request)
+    return gone or _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative)
+
+
+async def consume_all(state: ServerState, choices: list[_Choice], request: Request) -> Response | None:
+    """Read every choice to its end while watching the client: None once read, a 499 if the client has gone (nobody
+    will read the answer: nginx's "client closed"), an ApiError 503 if the engine died under the requests (a lost
+    tensor-parallel worker). Whatever still runs is aborted on the way out."""
     work = asyncio.ensure_future(asyncio.gather(*[c.consume(state.metrics) for c in choices]))
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client has gone: nobody will read the answer (499: nginx's "client closed")
+        if not work.done():
             work.cancel()
             return Response(status_code=499)
         try:
             work.result()
-        except EngineStoppedError as e:  # the engine died under the request (a lost tensor-parallel worker)
+        except EngineStoppedError as e:
             raise ApiError(503, str(e), "server_error") from e
     finally:
         watch.cancel()
         _close(choices, state.metrics)
-    return _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative)
+    return None
 
 
 async def add_stream(state: ServerState, ids: list[int], params, request_id: str, field: str | None = None,

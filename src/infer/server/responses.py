@@ -8,21 +8,19 @@ is answered false, as vLLM without its store): ``previous_response_id`` and ``ba
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.async_engine import EngineStoppedError
 from ..sampling import SamplingParams
 from ..structured import StructuredOutput
 from . import protocol as P
 from . import tools
-from .completions import ANSWERS, _Choice, _check_model, _check_readable, _close, _disconnected, add_stream
+from .completions import ANSWERS, _Choice, _check_model, add_stream, consume_all
 from .errors import ApiError
 from .response_items import Answer
 from .state import CurrentState
@@ -167,8 +165,7 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
-    messages = _messages(body)
-    _check_readable(messages)
+    messages = _messages(body)  # (a content part the model cannot read is refused there)
     chat_tools = [P.Tool(type="function", function=P.FunctionDef(name=t.name, description=t.description,
                                                                    parameters=t.parameters, strict=t.strict))
                   for t in body.tools] if body.tools else None
@@ -199,20 +196,8 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     answer = Answer(state, body, rid, c, logprobs is not None)
     if body.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
-    work = asyncio.ensure_future(c.consume(state.metrics))
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client has gone (499: nginx's "client closed")
-            work.cancel()
-            return Response(status_code=499)
-        try:
-            work.result()
-        except EngineStoppedError as e:
-            raise ApiError(503, str(e), "server_error") from e
-    finally:
-        watch.cancel()
-        _close([c], state.metrics)
+    if (gone := await consume_all(state, [c], request)) is not None:
+        return gone
     answer.read(c.text, c.outputs, final=True)
     answer.finish()
     return answer.response()
