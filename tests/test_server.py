@@ -153,6 +153,56 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_or_not(client, llm):
     assert plain.tokens == lp.tokens[len(ids):] and plain.text_offset[0] == 0
 
 
+def test_vllms_prompt_logprobs_score_the_prompt_with_ranks(client, llm):
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}} of the
+    token itself (its rank in the target's law) and its top alternatives (ranks 1..n), a completion choice's and a
+    chat completion's (one list for its n choices); echo's own logprobs keep their own count beside it; a stream is a
+    400 naming the field."""
+    prompt = "import os\nimport sys"
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        logp = llm.model.compute_logits(llm.model(torch.tensor([ids])))[0, :-1].float().log_softmax(-1)
+    own = logp.gather(1, torch.tensor(ids[1:])[:, None])
+
+    def check(got, ids, logp, own, top):
+        assert got[0] is None and len(got) == len(ids)
+        for i, entry in enumerate(got[1:]):
+            mine = entry[str(ids[i + 1])]
+            assert mine["logprob"] == pytest.approx(own[i, 0].item(), abs=1e-4)
+            assert mine["rank"] == int((logp[i] > own[i]).sum()) + 1
+            assert mine["decoded_token"] == llm.tokenizer.decode([ids[i + 1]], skip_special_tokens=False)
+            best = logp[i].topk(top)
+            for rank, (t, v) in enumerate(zip(best.indices.tolist(), best.values), 1):
+                assert entry[str(t)]["logprob"] == pytest.approx(v.item(), abs=1e-4)
+                assert t == ids[i + 1] or entry[str(t)]["rank"] == rank
+            assert set(entry) == {str(t) for t in best.indices.tolist()} | {str(ids[i + 1])}
+
+    for echo_top, top in ((1, 3), (3, 1)):  # each answer its own count of alternatives
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, logprobs=echo_top,
+                                      echo=True, n=2, extra_body={"prompt_logprobs": top})
+        for ch in r.choices:
+            check(ch.model_extra["prompt_logprobs"], ids, logp, own, top)
+            assert ch.logprobs.top_logprobs[0] is None
+            sizes = [len(t) for t in ch.logprobs.top_logprobs[1:len(ids)]]  # tokens that decode alike share a key
+            assert max(sizes) == echo_top and min(sizes) >= 1
+            assert ch.logprobs.token_logprobs[1:len(ids)] == pytest.approx(own[:, 0].tolist(), abs=1e-4)
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0).choices[0]
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat_ids = llm.tokenizer.apply_chat_template(msgs, True)
+    with torch.no_grad():
+        clogp = llm.model.compute_logits(llm.model(torch.tensor([chat_ids])))[0, :-1].float().log_softmax(-1)
+    c = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, n=2, extra_body={"prompt_logprobs": 0})
+    check(c.model_extra["prompt_logprobs"], chat_ids, clogp, clogp.gather(1, torch.tensor(chat_ids[1:])[:, None]), 0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
 def test_a_content_part_the_model_cannot_read_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [

@@ -84,7 +84,6 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
     ("/v1/completions", "use_beam_search", True, False),
-("/v1/completions", "prompt_logprobs", 1, None),
     (CHAT, "chat_template", "{{ messages }}", None),
 ]
 

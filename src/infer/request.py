@@ -71,9 +71,10 @@ class Request:
         self.bad_words = bad_words_ids(params.bad_words, tokenizer) if params.bad_words else None
         self.output_ids: list[int] = []
         # log p of each output token and its top alternatives (params.logprobs; runner.emit appends), and of each prompt
-        # token given those before it (params.prompt_logprobs; the prefill fills them, the first entry stays None)
+        # token given those before it, with its rank in the target's law (1: the likeliest; params.prompt_logprobs; the
+        # prefill fills them, the first entry stays None)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.text = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -217,7 +218,7 @@ class StepOutput:
     source: str = "target"
     round_k: int = 0
     # the request's first output only, where it asked for them (SamplingParams.prompt_logprobs): Request.prompt_logprobs
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
 
 
 @dataclass
@@ -258,9 +259,9 @@ class RequestOutput:
     mean_accepted_length: float | None = None
     metrics: dict = field(default_factory=dict)
     # SamplingParams.logprobs: (log p, [(token, log p) of the top alternatives]) per generated token; prompt_logprobs:
-    # the same per prompt token (None for the first, which nothing predicts)
+    # the same per prompt token and its rank, 1 for the likeliest (None for the first, which nothing predicts)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
 
     @classmethod

@@ -135,21 +135,25 @@ class ModelRunner:
         return [(r, self.emit(r, t, logits[i])) for i, (r, t) in enumerate(zip(done_reqs, tokens))]
 
     def _prompt_logprobs(self, req: Request, start: int, hidden: torch.Tensor) -> None:
-        """A chunk's states at positions start .. start + n - 1 (hidden [n, H]) -> log p of prompt tokens start + 1 ..
-        (those the chunk predicts; the prompt's last position predicts the first output, which ``emit`` reports)."""
+        """A chunk's states at positions start .. start + n - 1 (hidden [n, H]) -> (log p, top alternatives, rank) of
+        prompt tokens start + 1 .. (those the chunk predicts; the prompt's last position predicts the first output,
+        which ``emit`` reports)."""
         m = min(hidden.shape[0], len(req.prompt_ids) - 1 - start)
         if m <= 0:
             return
         top = req.params.prompt_logprobs
         logp = self.model.compute_logits(hidden[None, :m])[0].float().log_softmax(-1)  # [m, V]
         nxt = torch.tensor(req.prompt_ids[start + 1:start + 1 + m], device=logp.device)
-        own = logp.gather(1, nxt[:, None])[:, 0].tolist()
+        own_t = logp.gather(1, nxt[:, None])  # [m, 1]
+        # vLLM's rank: 1 + how many tokens the target finds likelier than the prompt's own
+        ranks = ((logp > own_t).sum(-1) + 1).tolist()
+        own = own_t[:, 0].tolist()
         if top:
             vals, idx = logp.topk(top, -1)
             alts = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
         else:
             alts = [[] for _ in range(m)]
-        req.prompt_logprobs[start + 1:start + 1 + m] = list(zip(own, alts))
+        req.prompt_logprobs[start + 1:start + 1 + m] = list(zip(own, alts, ranks))
 
     @torch.inference_mode()
     def decode(self, decode: list[Request]) -> list[tuple[Request, StepOutput]]:

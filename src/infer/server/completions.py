@@ -102,6 +102,12 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     # echo with logprobs scores the prompt too (OpenAI's legacy completions: its tokens lead the logprobs, the first
     # with none), as lm-evaluation-harness's loglikelihood requests read it
     scored = not chat and body.echo and logprobs is not None
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs are answered whole, not streamed: ask with stream false",
+                       param="prompt_logprobs")
+    # the engine scores the prompt with the alternatives both ask for; each answer keeps its own count
+    asks = [n for n in (body.prompt_logprobs, logprobs if scored else None) if n is not None]
+    prompt_top = max(asks) if asks else None
     try:
         structured, field = body.structured()
     except ValueError as e:
@@ -124,7 +130,7 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
             for j in range(body.n):
                 streams.append(await add_stream(
                     state, ids, lambda: body.sampling_params(max_tokens, logprobs, seed_offset=j, structured=structured,
-                                                             prompt_logprobs=logprobs if scored else None),
+                                                             prompt_logprobs=prompt_top),
                     f"{rid}-{i}-{j}", field, **kw))
     except BaseException:
         for s in streams:
@@ -141,7 +147,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
                                 bool(opts and opts.include_usage and opts.continuous_usage_stats))
         return StreamingResponse(events, media_type="text/event-stream")
     gone = await consume_all(state, choices, request)
-    return gone or _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative)
+    return gone or _final_body(state.tokenizer, rid, body.model, choices, chat, logprobs, state.speculative,
+                               body.prompt_logprobs)
 
 
 async def consume_all(state: ServerState, choices: list[_Choice], request: Request) -> Response | None:
@@ -241,7 +248,7 @@ async def _stream_events(state: ServerState, rid, model, choices, chat, include_
             finish = c.finish_reason if out.finished else None  # set by c.observe
             if c.scored and not c.echoed:  # the prompt's chunk, scored by the first output's
                 c.echoed = True
-                lp, c.offset = _prompt_payload(state.tokenizer, c.prompt_ids, out.prompt_logprobs)
+                lp, c.offset = _prompt_payload(state.tokenizer, c.prompt_ids, out.prompt_logprobs, logprobs)
                 yield _sse(P.completion_chunk(rid, model, created, [
                     {"index": c.index, "text": c.echo, "logprobs": lp, "finish_reason": None}]))
             if include_spec and out.token_id is not None:
@@ -345,9 +352,34 @@ def _completion_logprobs(tok, ids: list[int], scored: list, offset: int) -> tupl
             "text_offset": offsets}, offset
 
 
-def _prompt_payload(tok, ids: list[int], scored) -> tuple[dict, int]:
-    """The echoed prompt's logprobs (``scored``: StepOutput.prompt_logprobs; None: not computed, every entry None)."""
-    return _completion_logprobs(tok, ids, scored if scored is not None else [None] * len(ids), 0)
+def _prompt_payload(tok, ids: list[int], scored, top: int) -> tuple[dict, int]:
+    """The echoed prompt's logprobs with ``top`` alternatives (``scored``: StepOutput.prompt_logprobs, which may hold
+    more for the request's prompt_logprobs; None: not computed, every entry None)."""
+    scored = [None] * len(ids) if scored is None else [s if s is None else (s[0], s[1][:top]) for s in scored]
+    return _completion_logprobs(tok, ids, scored, 0)
+
+
+def _scored_prompt(c: _Choice) -> list | None:
+    """The choice's prompt as scored by the engine (its first output carries it), or None (no output came)."""
+    return c.outputs[0].prompt_logprobs if c.outputs else None
+
+
+def _vllm_prompt_logprobs(tok, ids: list[int], scored: list | None, top: int) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}} of the
+    token itself and its ``top`` alternatives (ranks 1..top in order)."""
+    if scored is None:
+        return None
+    out = []
+    for tid, s in zip(ids, scored):
+        if s is None:
+            out.append(None)
+            continue
+        own, alts, rank = s[0], s[1][:top], s[2]
+        entry = {str(t): {"logprob": lp, "rank": r, "decoded_token": d}
+                 for r, ((t, lp), d) in enumerate(zip(alts, _token_strs(tok, [t for t, _ in alts])), 1)}
+        entry[str(tid)] = {"logprob": own, "rank": rank, "decoded_token": _token_strs(tok, [tid])[0]}
+        out.append(entry)
+    return out
 
 
 def _logprobs_payload(tok, outs, chat: bool, offset: int = 0) -> dict:
@@ -364,7 +396,10 @@ def _logprobs_payload(tok, outs, chat: bool, offset: int = 0) -> dict:
                                 offset)[0]
 
 
-def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, speculative: bool) -> dict:
+def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, speculative: bool,
+                prompt_logprobs: int | None = None) -> dict:
+    """``prompt_logprobs``: vLLM's, with that many alternatives (a chat completion's one list, a completion choice's
+    own), or None: not asked."""
     out_choices = []
     for c in choices:
         lp = None
@@ -373,7 +408,7 @@ def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, s
         elif logprobs is not None:  # an echoed prompt's tokens first, scored (the first with none)
             head, offset = ({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0)
             if c.scored:
-                head, offset = _prompt_payload(tok, c.prompt_ids, c.outputs[0].prompt_logprobs if c.outputs else None)
+                head, offset = _prompt_payload(tok, c.prompt_ids, _scored_prompt(c), logprobs)
             tail = _logprobs_payload(tok, c.outputs, chat, offset)
             lp = {k: head[k] + tail[k] for k in head}
         if chat and c.reader is not None:  # read whole: the calls it makes
@@ -387,8 +422,15 @@ def _final_body(tok, rid, model, choices: list[_Choice], chat: bool, logprobs, s
         else:
             out_choices.append({"index": c.index, "text": c.echo + c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
+            if prompt_logprobs is not None:
+                out_choices[-1]["prompt_logprobs"] = _vllm_prompt_logprobs(tok, c.prompt_ids, _scored_prompt(c),
+                                                                           prompt_logprobs)
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
             "model": model, "choices": out_choices, "usage": _usage(choices, speculative)}
+    if chat and prompt_logprobs is not None:  # the n choices share one prompt
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(tok, choices[0].prompt_ids, _scored_prompt(choices[0]),
+                                                        prompt_logprobs)
+    return body
 
 
 def _sse(obj: dict) -> str:

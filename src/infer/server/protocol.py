@@ -174,17 +174,17 @@ class _Common(Sampling):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: log p of each prompt token given those before it, its rank and this many alternatives (answered as
+    # vLLM does: a completion choice's prompt_logprobs, a chat completion's; not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
     # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
     use_beam_search: bool | None = None
-    prompt_logprobs: int | None = None
     logits_processors: list | None = None
 
     _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
     _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
                                                                           off=(None, False)))
-    _no_prompt_lp = field_validator("prompt_logprobs")(_unsupported("echo with logprobs scores the prompt "
-                                                                     "(/v1/completions)"))
     _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
