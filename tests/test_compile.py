@@ -39,9 +39,18 @@ def test_a_batched_engine_builds_every_graph_at_start_up(gqa_dir, eager):
     is done neither a batch nor the request after it stops to compile (each such graph cost seconds mid-request)."""
     llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, compile=True, max_batch_size=2, block_size=4)
     assert llm.engine.wait_until_ready(timeout=600)
+    from infer.beam import BeamSearchParams
+    from infer.generate import beam_search_generate
+
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert _ids(llm.generate(PROMPTS, GREEDY)) == eager  # two at a time, of different lengths
         assert _ids(llm.generate(PROMPTS[:1], GREEDY)) == eager[:1]  # alone, on the blocks the batch left
+        # a beam search's steps are engine requests on the same graphs (run on the model's own KV slots, they cost
+        # a compile per shape: 156 s of SmolLM2's 24 tokens)
+        beams = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=8))[0].sequences
+    want = beam_search_generate(LLM(gqa_dir, compile=False).model, llm.tokenizer.encode(PROMPTS[0]), 3, 8,
+                                llm.eos_token_ids)
+    assert [s.token_ids for s in beams] == [h.token_ids for h in want]
     assert llm.engine.stats.num_draft_tokens > 0
 
 

@@ -314,3 +314,27 @@ def test_llm_beam_search_is_beam_search_generate_as_vllm_names_it(gqa_dir):
         llm.beam_search("x", SamplingParams())
     with pytest.raises(ValueError, match="out of range"):
         llm.beam_search([[1, 10**9]], params)
+
+
+def test_a_beam_step_reads_only_each_beams_keep_likeliest_tokens():
+    """infer.beam's invariant, which lets the server step a search over engine requests' logprobs: laws that are -inf
+    outside each beam's ``keep`` likeliest tokens pick the same beams, scores and hypotheses as the whole laws (with
+    EOS ending some beams, so finished hypotheses and the stop rule are exercised)."""
+    from infer.beam import BeamSearch, sparse_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    V, nb = 50, 3
+    for early in (False, True):
+        dense, sparse = (BeamSearch(nb, 7, [3], 0.8, early) for _ in range(2))
+        while not dense.done:
+            rows = len(dense.beams())
+            logp = (torch.randn(rows, V, generator=g) * 2).log_softmax(-1)
+            logp[:, 3] += 1.5  # EOS likely enough to end beams on the way
+            top = logp.topk(sparse.keep)
+            alts = [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)]
+            a, b = dense.step(logp), sparse.step(sparse_logprobs(alts, V))
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+            assert dense.beams() == sparse.beams() and torch.allclose(dense.scores, sparse.scores)
+        assert sparse.done and [(h.token_ids, h.score) for h in dense.finished] == \
+            [(h.token_ids, h.score) for h in sparse.finished]
+        assert len(dense.finished) == nb and any(h.token_ids[-1] == 3 for h in dense.finished)

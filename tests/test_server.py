@@ -203,6 +203,47 @@ def test_vllms_prompt_logprobs_score_the_prompt_with_ranks(client, llm):
     assert e.value.body["param"] == "prompt_logprobs"
 
 
+def test_vllms_use_beam_search_answers_the_librarys_beams(server, client, llm):
+    """vLLM's use_beam_search: n choices, the beams LLM.beam_search finds, best first (each step's laws come from engine
+    requests' logprobs, batched and prefix-cached, the library's from its own KV slots), on both routes, with
+    length_penalty, early_stopping, ignore_eos and echo; the KV is free after. A field a beam search does not apply,
+    a beam field without it, or a width whose steps need more alternatives than a request reports is a 400 naming it."""
+    from infer.generate import BeamSearchParams
+
+    prompt = "def fib(n):"
+    for n, extra in ((3, {}), (2, {"length_penalty": 0.5, "early_stopping": True}), (2, {"ignore_eos": True})):
+        want = llm.beam_search(prompt, BeamSearchParams(beam_width=n, max_tokens=8, **extra))[0].sequences
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, n=n, echo=True,
+                                      extra_body={"use_beam_search": True, **extra})
+        assert [c.text for c in r.choices] == [prompt + s.text for s in want] and [c.index for c in r.choices] == \
+            list(range(len(want)))
+        eos = set(llm.eos_token_ids) if not extra.get("ignore_eos") else set()
+        assert [c.finish_reason for c in r.choices] == \
+            ["stop" if s.token_ids[-1] in eos else "length" for s in want]
+        assert r.usage.completion_tokens == sum(len(s.token_ids) for s in want)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    want = llm.beam_search({"prompt_token_ids": llm.tokenizer.apply_chat_template(msgs, True)},
+                           BeamSearchParams(beam_width=2, max_tokens=6))[0].sequences
+    c = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, n=2,
+                                       extra_body={"use_beam_search": True})
+    assert [ch.message.content for ch in c.choices] == [s.text for s in want]
+    assert _wait_idle(server.engine)
+    base = {"model": NAME, "prompt": prompt, "max_tokens": 4}
+    for field, value, body in (("stream", True, {"use_beam_search": True}),
+                               ("temperature", 0.7, {"use_beam_search": True}),
+                               ("stop", ["\n"], {"use_beam_search": True}),
+                               ("logprobs", 1, {"use_beam_search": True}),
+                               ("length_penalty", 0.5, {}), ("early_stopping", True, {})):
+        status, _, r = _raw(server, "/v1/completions", json.dumps({**base, **body, field: value}).encode())
+        assert status == 400 and r["error"]["param"] == field, (field, r)
+    status, _, r = _raw(server, "/v1/completions", json.dumps({**base, "use_beam_search": True, "n": 11}).encode())
+    assert status == 400 and r["error"]["param"] == "n" and "too wide" in r["error"]["message"], r
+    status, _, r = _raw(server, "/v1/chat/completions", json.dumps({
+        "model": NAME, "messages": msgs, "use_beam_search": True, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}).encode())
+    assert status == 400 and r["error"]["param"] == "tool_choice", r
+
+
 def test_a_content_part_the_model_cannot_read_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [

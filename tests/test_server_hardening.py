@@ -83,7 +83,6 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     # (route, field, value asking for something, its default as clients send it)
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
-    ("/v1/completions", "use_beam_search", True, False),
     (CHAT, "chat_template", "{{ messages }}", None),
 ]
 

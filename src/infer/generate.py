@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .beam import BeamHypothesis, BeamSearch, BeamSearchParams
 from .cache import KVCachePool, SlottedKVCache
 from .model.llama import LlamaForCausalLM
 from .request import Request
@@ -13,6 +12,10 @@ from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, ma
 from .token_bans import ban_bad_words_
 from .tokenizer import Tokenizer
 
+
+# BeamSearchParams lives in infer.beam; infer.generate keeps the name vLLM's users import from here
+__all__ = ["BeamHypothesis", "BeamSearchParams", "TokenSampler", "autoregressive_generate", "beam_search_generate",
+           "check_fits"]
 
 def check_fits(model: LlamaForCausalLM, prompt_len: int, max_tokens: int) -> None:
     limit = model.config.max_position_embeddings
@@ -100,34 +103,6 @@ def autoregressive_generate(
         kv.free(slot)
 
 
-@dataclass
-class BeamSearchParams:
-    """vLLM's beam-search parameters (``LLM.beam_search``): ``beam_width`` beams of up to ``max_tokens`` tokens,
-    scored with Hugging Face's semantics (``beam_search_generate``); deterministic, so ``temperature`` must be 0."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-
-    def __post_init__(self):
-        for name in ("beam_width", "max_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {v!r}")
-        if self.temperature != 0:
-            raise ValueError(f"BeamSearchParams.temperature must be 0 (this beam search is deterministic, Hugging "
-                             f"Face's), got {self.temperature!r}")
-
-
-@dataclass
-class BeamHypothesis:
-    token_ids: list[int]  # generated ids only
-    score: float  # sum of log-probs / (generated length ** length_penalty)
-
-
 @torch.inference_mode()
 def beam_search_generate(
     model: LlamaForCausalLM,
@@ -138,60 +113,21 @@ def beam_search_generate(
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
 ) -> list[BeamHypothesis]:
-    """Beam search with Hugging Face's semantics (batch of one); returns up to ``num_beams`` hypotheses, best first.
-
-    Each step keeps the top ``max(2, 1 + n_eos) * num_beams`` continuations so that ``num_beams`` unfinished
-    beams survive even when the best ones end; a continuation that ends (EOS or max_tokens) among the top
-    ``num_beams`` becomes a finished hypothesis scored ``logprob / length ** length_penalty``. The search stops
-    when no running beam can beat the worst kept hypothesis (HF's heuristic for ``early_stopping=False``), when
-    ``num_beams`` hypotheses exist and ``early_stopping=True``, or when every continuation has ended.
-    """
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    """Beam search with Hugging Face's semantics (batch of one; ``infer.beam.BeamSearch``) over the model's own KV
+    slots, one per beam; returns up to ``num_beams`` hypotheses, best first."""
+    search = BeamSearch(num_beams, max_tokens, model.config.eos_token_ids if eos_token_ids is None else eos_token_ids,
+                        length_penalty, early_stopping)
     check_fits(model, len(prompt_ids), max_tokens)
-    eos = torch.tensor(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids, dtype=torch.long)
-    device, V, nb = model.device, model.config.vocab_size, num_beams
-    keep = max(2, 1 + len(eos)) * nb
+    device, nb = model.device, num_beams
     kv = SlottedKVCache.for_model(model, len(prompt_ids) + max_tokens, max_slots=nb)
     slots = [kv.allocate() for _ in range(nb)]
     meta = kv.prepare([slots[0]], [len(prompt_ids)])
     hidden = model(torch.tensor([prompt_ids], device=device), meta.positions, kv, meta)
-    logits = model.compute_logits(hidden[:, -1]).expand(nb, V).cpu()
+    logits = model.compute_logits(hidden[:, -1]).cpu()  # [1, V]: every beam is the prompt's at first
     kv.copy_slot([slots[0]] * (nb - 1), slots[1:])
-    running = torch.zeros(nb, max_tokens, dtype=torch.long)
-    run_scores = torch.full((nb,), -1e9)
-    run_scores[0] = 0.0  # only beam 0 is real at first: avoids nb copies of the same continuation
-    finished: list[BeamHypothesis] = []
-    can_improve = True
-    for cur in range(max_tokens):
-        scores = (logits.log_softmax(-1) + run_scores[:, None]).view(-1)  # [nb * V]
-        top_scores, top_idx = scores.topk(keep)
-        src, tok = top_idx // V, top_idx % V
-        cand = running[src]
-        cand[:, cur] = tok
-        ended = torch.isin(tok, eos) | (cur + 1 >= max_tokens)  # [keep]
-        # Finished hypotheses: only among the top nb candidates, only while improvement is still possible.
-        full = len(finished) >= nb
-        if can_improve and not (full and early_stopping is True):
-            gen_len = cur + 1
-            for r in range(nb):
-                if ended[r]:
-                    finished.append(BeamHypothesis(cand[r, :gen_len].tolist(),
-                                                   float(top_scores[r]) / gen_len ** length_penalty))
-            finished.sort(key=lambda h: -h.score)
-            del finished[nb:]
-        live = top_scores + ended.float() * -1e9
-        nxt = live.topk(nb).indices
-        running, run_scores, src_beams = cand[nxt], live[nxt], src[nxt]
-        if len(finished) >= nb:  # HF: best running score at the most hopeful length vs the worst kept hypothesis
-            best_len = max_tokens if (early_stopping == "never" and length_penalty > 0) else cur + 1
-            can_improve = can_improve and float(run_scores[0]) / best_len ** length_penalty > finished[-1].score
-        if not can_improve or bool(ended.all()) or (len(finished) >= nb and early_stopping is True):
-            break
+    while (src_beams := search.step(logits.log_softmax(-1))) is not None:
         kv.copy_slot([slots[i] for i in src_beams.tolist()], slots)  # beam i continues from old beam src_beams[i]
         meta = kv.prepare(slots, [1] * nb)
-        hidden = model(running[:, cur:cur + 1].to(device), meta.positions, kv, meta)
+        hidden = model(search.running[:, search.cur - 1:search.cur].to(device), meta.positions, kv, meta)
         logits = model.compute_logits(hidden[:, -1]).cpu()
-    return finished
+    return search.finished

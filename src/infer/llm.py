@@ -166,22 +166,23 @@ class LLM:
 
     def beam_search(self, prompts, params) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), ``params.beam_width`` hypotheses,
-        best first (``infer.generate.BeamSearchParams``; Hugging Face's beam semantics, on the target alone)."""
-        from .generate import BeamSearchParams, beam_search_generate
+        best first (``infer.beam.BeamSearchParams``; Hugging Face's beam semantics, on the target alone). As vLLM's,
+        each step scores every prompt's running beams as engine requests of one token (their logprobs), batched
+        (``enable_prefix_caching`` serves the beams' common past); a compiled engine runs them on its own graphs."""
+        from .beam import BeamSearchParams, engine_search, sparse_logprobs, step_params
 
         if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"LLM.beam_search takes infer.generate.BeamSearchParams, got {type(params).__name__}")
-        inputs = [self._prompt_ids(p) for p in _prompt_list(prompts)]
-        for _, ids in inputs:  # ids in range, and room for them (the engine's checks)
-            self.engine.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
-        outs = []
-        for _, ids in inputs:
-            hyps = beam_search_generate(self.model, ids, params.beam_width, params.max_tokens,
-                                        [] if params.ignore_eos else self.eos_token_ids, params.length_penalty,
-                                        params.early_stopping)
-            outs.append(BeamSearchOutput([BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.score)
-                                          for h in hyps]))
-        return outs
+            raise TypeError(f"LLM.beam_search takes infer.beam.BeamSearchParams, got {type(params).__name__}")
+        inputs = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
+        searches = [engine_search(self.engine, ids, params) for ids in inputs]  # all checked before any runs
+        while live := [(s, ids) for s, ids in zip(searches, inputs) if not s.done]:
+            steps = [[self.engine.add_request(ids + beam, step_params(s), speculate=False) for beam in s.beams()]
+                     for s, ids in live]
+            self.engine.run([r for rs in steps for r in rs])
+            for (s, _), rs in zip(live, steps):
+                s.step(sparse_logprobs([r.logprobs[-1][1] for r in rs]))
+        return [BeamSearchOutput([BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.score)
+                                  for h in s.finished]) for s in searches]
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None):
         """Generate for one prompt, yielding each StepOutput (token id, text delta, ...) as the engine makes it.

@@ -18,6 +18,7 @@ from .structured import KINDS, StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (SamplingParams sets them to 0)
 SEED_RANGE = (0, 2**64)  # a torch.Generator's seeds; outside them it would overflow or wrap (-1 == 2**64 - 1)
+MAX_LOGPROBS = 20  # alternatives a token's logprobs report at most (OpenAI's top_logprobs limit; vLLM's default)
 
 
 @dataclass
@@ -118,8 +119,8 @@ class SamplingParams:
             self.logit_bias = self.logit_bias or None
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):
-                bad(name, "must be an integer in [0, 20] or None")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if isinstance(self.structured, dict):
             try:
                 self.structured = StructuredOutput(**self.structured)

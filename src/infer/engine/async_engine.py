@@ -19,6 +19,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator
 
+from ..beam import BeamHypothesis, BeamSearchParams, engine_search, sparse_logprobs, step_params
 from ..request import StepOutput
 from ..sampling import SamplingParams
 from .config import EngineConfig
@@ -92,6 +93,37 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()  # consumer went away early: abort and free its KV
+
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams,
+                          request_id: str | None = None) -> list[BeamHypothesis]:
+        """vLLM's ``EngineClient.beam_search``: ``params.beam_width`` hypotheses, best first, as ``LLM.beam_search``
+        finds them (``infer.beam``). Each step asks the engine for every running beam's next-token law: a request of
+        one token whose logprobs are the search's ``keep`` likeliest (all a step reads), decoded plainly, batched
+        beside other requests, the beams' common past from the prefix cache where it is on. ValueError
+        (``beam.engine_search``) before any request if the search cannot run."""
+        search = engine_search(self.engine, prompt_ids, params)
+        if request_id is None:
+            self._ids += 1
+            request_id = f"abeam-{self._ids}"
+        step = step_params(search)
+        while not search.done:
+            # added together, so that one engine step takes them all
+            adds = [asyncio.ensure_future(self.add_request(list(prompt_ids) + beam, step,
+                                                           f"{request_id}-{search.cur}-{i}", speculate=False))
+                    for i, beam in enumerate(search.beams())]
+            try:
+                streams = await asyncio.gather(*adds)
+                alts = [[o async for o in s][-1].top_logprobs for s in streams]
+            finally:
+                for a in adds:
+                    if a.done() and not a.cancelled() and a.exception() is None:
+                        a.result().close()
+                    else:
+                        a.cancel()
+            if any(a is None for a in alts):  # aborted under us (the server shut down)
+                raise EngineStoppedError("beam search aborted: the engine stopped its requests")
+            search.step(sparse_logprobs(alts))
+        return search.finished
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ..engine import QueueFullError
 from ..engine.async_engine import EngineStoppedError, RequestStream
 from . import protocol as P
-from . import tools
+from . import beams, tools
 from .errors import ApiError
 from .metrics import ServerMetrics
 from .state import CurrentState, ServerState
@@ -32,17 +32,21 @@ ANSWERS = {200: {"content": {"application/json": {}, "text/event-stream": {}},
 @router.post("/v1/completions", responses=ANSWERS)
 async def completions(body: P.CompletionRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
+    beams.check(body)
     tok = state.tokenizer
     prompts = await run_in_threadpool(_prompt_ids, tok, body.prompt, state.vocab_size)
     prompts = [body.read_prompt(p, state.max_seq_len) for p in prompts]  # truncate_prompt_tokens (vLLM's)
     echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=body.skip_special_tokens is not False)
             if body.echo else "" for p in prompts]
+    if body.use_beam_search:
+        return await beams.serve(state, body, prompts, body.max_tokens or 16, False, echo, request)
     return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request)
 
 
 @router.post("/v1/chat/completions", responses=ANSWERS)
 async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
+    beams.check(body)
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
@@ -58,6 +62,11 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
         tok.apply_chat_template, [m.template_form() for m in body.messages], body.add_generation_prompt,
         body.continue_final_message, P.tool_dicts(body.tools)), state.max_seq_len)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
+    if body.use_beam_search:
+        if calls[0] is not None:
+            raise ApiError(400, "tool calls are constrained answers, which a beam search does not take: ask with "
+                           "tool_choice none or without use_beam_search", param="tool_choice")
+        return await beams.serve(state, body, [ids], max_tokens, True, [""], request)
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _serve(state, body, [ids], max_tokens, top, True, [""], request, calls)
 

@@ -177,14 +177,16 @@ class _Common(Sampling):
     # vLLM's: log p of each prompt token given those before it, its rank and this many alternatives (answered as
     # vLLM does: a completion choice's prompt_logprobs, a chat completion's; not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-    # OpenAI fields and vLLM extensions infer does not implement: accepted at their defaults (clients send
-    # use_beam_search=false and the like), refused with a 400 naming them otherwise, never dropped in silence
-    use_beam_search: bool | None = None
+    # vLLM's beam search (server/beams.py): n beams, best first; the score divides by length ** length_penalty;
+    # early_stopping ends the search once n hypotheses have ended
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    # vLLM extensions infer does not implement: accepted at their defaults, refused with a 400 naming them
+    # otherwise, never dropped in silence
     logits_processors: list | None = None
 
     _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
-    _no_beams = field_validator("use_beam_search")(_unsupported("beam search is the library's: LLM.beam_search",
-                                                                          off=(None, False)))
     _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
