@@ -55,7 +55,7 @@ def test_a_text_answer_is_the_library_chat_answer(srv, llm):
     want = "incomplete" if ref.finish_reason == "length" else "completed"
     assert r.status == want and (want == "completed" or r.incomplete_details.reason == "max_output_tokens")
     assert r.usage.input_tokens == len(ref.prompt_token_ids) and r.usage.output_tokens == len(ref.token_ids)
-    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.store is False
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens and r.store is True
 
 
 def test_the_sampling_fields_chat_takes_are_served_too(srv, llm):
@@ -154,6 +154,64 @@ def test_a_call_and_its_output_in_input_are_the_chat_history(srv):
     assert r.output_text == chat.choices[0].message.content
 
 
+def test_a_stored_response_is_read_continued_and_deleted(srv, llm):
+    """store (OpenAI's default): GET returns the response as answered; previous_response_id continues its
+    conversation (the library's chat of the whole history, whose instructions are not carried over, OpenAI's rule),
+    streamed or not, through a call and its output too; DELETE drops it; store false keeps nothing."""
+    first = srv.client.responses.create(model=NAME, input="Say something.", instructions="Be brief.", **GREEDY)
+    assert srv.client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = srv.client.responses.create(model=NAME, input="And again?", previous_response_id=first.id, **GREEDY)
+    history = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And again?"}]
+    assert second.previous_response_id == first.id and second.output_text == _ref(llm, history).text
+    events = list(srv.client.responses.create(model=NAME, input="Once more.", previous_response_id=second.id,
+                                              stream=True, **GREEDY))
+    third = events[-1].response  # response.completed, or .incomplete at max_output_tokens
+    history += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Once more."}]
+    assert third.output_text == _ref(llm, history).text
+    assert srv.client.responses.retrieve(third.id).output_text == third.output_text  # a stream's is kept too
+    # a call's turn: its function_call item is the assistant message whose output the next input answers
+    call = srv.client.responses.create(model=NAME, input="Weather?", tools=TOOLS, temperature=0,
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       max_output_tokens=120)
+    (fc,) = [o for o in call.output if o.type == "function_call"]
+    after = srv.client.responses.create(model=NAME, previous_response_id=call.id, tools=TOOLS, tool_choice="none",
+                                        input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                                "output": "SUNNY-21"}], **GREEDY)
+    chat = srv.client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=GREEDY["max_output_tokens"], tool_choice="none",
+        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS],
+        messages=[{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [{
+                      "id": fc.call_id, "type": "function", "function": {"name": fc.name, "arguments": fc.arguments}}]},
+                  {"role": "tool", "tool_call_id": fc.call_id, "content": "SUNNY-21"}])
+    assert after.output_text == chat.choices[0].message.content
+    gone = srv.client.responses.delete(first.id)
+    assert gone is None or getattr(gone, "deleted", True)
+    for rid in (first.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            srv.client.responses.retrieve(rid)
+    with pytest.raises(openai.NotFoundError):  # what continued it is still there; the first is not
+        srv.client.responses.create(model=NAME, input="x", previous_response_id=first.id, **GREEDY)
+    assert srv.client.responses.retrieve(second.id).id == second.id
+    unstored = srv.client.responses.create(model=NAME, input="Hi", store=False, **GREEDY)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        srv.client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_last_responses():
+    from infer.server.response_store import ResponseStore, Stored
+
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put(f"r{i}", Stored({"id": f"r{i}"}, []))
+    assert store.get("r0") is None and store.get("r2").response == {"id": "r2"} and len(store) == 2
+    assert store.delete("r1") and not store.delete("r1")
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(capacity=0)
+
+
 def test_logprobs_when_included(srv):
     r = srv.client.responses.create(model=NAME, input="Hi", include=["message.output_text.logprobs"],
                                     top_logprobs=2, **GREEDY)
@@ -164,7 +222,7 @@ def test_logprobs_when_included(srv):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),  # none stored by that id
     ({"background": True}, 400, "background"),
     ({"truncation": "auto"}, 400, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),

@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 class Answer:
     """A response's output items, built from the choice's text as it comes (streamed: as events)."""
 
-    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, choice: _Choice, logprobs: bool):
+    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, choice: _Choice, logprobs: bool,
+                 on_done=None):
+        """``on_done(response)``: called with the final response object (the store keeps it)."""
         self.state, self.body, self.rid, self.c, self.logprobs = state, body, rid, choice, logprobs
+        self.on_done = on_done or (lambda response: None)
         self.created = P.now()
         self.items: list[dict] = []  # output items in order: the message (opened at its first text), the calls
         self.message: dict | None = None
@@ -103,7 +106,8 @@ class Answer:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": b.model,
             "output": self.items if status != "in_progress" else [], "parallel_tool_calls": b.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": b.temperature,
+            "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
+            "temperature": b.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, BaseModel) else
             b.tool_choice or ("auto" if b.tools else "none"),
@@ -142,6 +146,7 @@ class Answer:
             for kind, data in self.finish():
                 yield self._event(kind, data)
             done = self.response()
+            self.on_done(done)
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 done["status"], "response.failed")
             yield self._event(kind, {"response": done})

@@ -3,8 +3,9 @@ messages, the model's ``function_call``s and their ``function_call_output``s) an
 messages for the checkpoint's template; ``text.format`` is structured output and ``tools`` / ``tool_choice`` are
 tool calling (tools.py), so both stay exact under speculation. The answer is a ``response`` object whose ``output``
 holds a message item (``output_text``) and one ``function_call`` item per call, or, streamed, OpenAI's typed events
-(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). Nothing is stored (``store``
-is answered false, as vLLM without its store): ``previous_response_id`` and ``background`` are refused by name."""
+(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). With ``store`` (OpenAI's
+default) the answer is kept (response_store.py): ``previous_response_id`` continues its conversation, and
+``GET`` / ``DELETE /v1/responses/{id}`` read and drop it. ``background`` is refused by name."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from . import tools
 from .completions import ANSWERS, _Choice, _check_model, add_stream, consume_all
 from .errors import ApiError
 from .response_items import Answer
+from .response_store import Stored, answer_messages
 from .state import CurrentState
 
 router = APIRouter()
@@ -100,8 +102,6 @@ class ResponsesRequest(P.Sampling):
     truncation: str | None = None
 
     _valid = field_validator("input", "instructions")(P.valid_text)
-    _no_previous = field_validator("previous_response_id")(P._unsupported("no response is stored: send the whole "
-                                                                          "conversation in input"))
     _no_background = field_validator("background")(P._unsupported("responses are answered in the request",
                                                                   off=(None, False)))
     _no_reasoning = field_validator("reasoning")(P._unsupported("this model does not reason apart from its answer"))
@@ -111,10 +111,10 @@ class ResponsesRequest(P.Sampling):
         f"only {LOGPROBS!r} can be included")(v))
 
 
-def _messages(body: ResponsesRequest) -> list[P.ChatMessage]:
-    """``instructions`` and ``input`` as chat messages: a call joins the assistant message before it (or opens one),
-    its output is a ``tool`` message."""
-    out = [P.ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
+def _messages(body: ResponsesRequest, history: list[P.ChatMessage]) -> list[P.ChatMessage]:
+    """``input`` as chat messages after ``history`` (a previous response's conversation): a call joins the assistant
+    message before it (or opens one), its output is a ``tool`` message."""
+    out = list(history)
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -132,15 +132,15 @@ def _messages(body: ResponsesRequest) -> list[P.ChatMessage]:
             if item.name is None or item.arguments is None:
                 raise ApiError(400, f"{where}: a function_call needs its name and arguments", param="input")
             call = P.ToolCall(id=item.call_id, function=P.FunctionCall(name=item.name, arguments=item.arguments))
-            if out and out[-1].role == "assistant":
-                out[-1].tool_calls = (out[-1].tool_calls or []) + [call]
+            if out and out[-1].role == "assistant":  # a copy: the message may be a stored response's
+                out[-1] = out[-1].model_copy(update={"tool_calls": (out[-1].tool_calls or []) + [call]})
             else:
                 out.append(P.ChatMessage(role="assistant", tool_calls=[call]))
         else:
             if item.output is None:
                 raise ApiError(400, f"{where}: a function_call_output needs its output", param="input")
             out.append(P.ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
-    if not out:
+    if len(out) == len(history):
         raise ApiError(400, "input holds no message", param="input")
     return out
 
@@ -165,7 +165,16 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
-    messages = _messages(body)  # (a content part the model cannot read is refused there)
+    history = []
+    if body.previous_response_id is not None:
+        if (prev := state.responses.get(body.previous_response_id)) is None:
+            raise ApiError(404, f"no stored response {body.previous_response_id!r} (this server keeps the last "
+                           f"{state.responses.capacity} responses asked with store, until it restarts)",
+                           "not_found_error", "previous_response_id")
+        history = prev.history
+    conversation = _messages(body, history)  # (a content part the model cannot read is refused there)
+    messages = ([P.ChatMessage(role="system", content=body.instructions)] if body.instructions is not None
+                else []) + conversation  # instructions are this response's alone (OpenAI's rule)
     chat_tools = [P.Tool(type="function", function=P.FunctionDef(name=t.name, description=t.description,
                                                                    parameters=t.parameters, strict=t.strict))
                   for t in body.tools] if body.tools else None
@@ -193,11 +202,37 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     name = choice.function.name if mode == "named" else None
     c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,
                                                                                           state.tool_parser))
-    answer = Answer(state, body, rid, c, logprobs is not None)
+
+    def keep(response: dict) -> None:
+        if body.store:
+            state.responses.put(rid, Stored(response, conversation + answer_messages(response["output"])))
+
+    answer = Answer(state, body, rid, c, logprobs is not None, keep)
     if body.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
     if (gone := await consume_all(state, [c], request)) is not None:
         return gone
     answer.read(c.text, c.outputs, final=True)
     answer.finish()
-    return answer.response()
+    response = answer.response()
+    keep(response)
+    return response
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, state: CurrentState):
+    """A stored response, as it was answered."""
+    return _stored(state, response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, state: CurrentState):
+    _stored(state, response_id)
+    state.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(state, response_id: str):
+    if (stored := state.responses.get(response_id)) is None:
+        raise ApiError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
+    return stored

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from ..engine.async_engine import AsyncEngine
 from ..tokenizer import Tokenizer
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ServerState:
     max_seq_len: int  # a chat request without max_tokens may fill the context
     vocab_size: int  # token-id prompts are checked against it before anything decodes them (echo)
     tool_parser: str | None = None  # what reads tool_choice "auto"'s calls (tools.PARSERS); None: "auto" is refused
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored answers
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, served_model_name: str, tool_parser: str | None = None) -> ServerState:
