@@ -244,6 +244,22 @@ def test_vllms_use_beam_search_answers_the_librarys_beams(server, client, llm):
     assert status == 400 and r["error"]["param"] == "tool_choice", r
 
 
+def test_a_beam_search_that_finds_the_queue_full_is_a_503_and_leaves_nothing_running(ckpt_dirs):
+    """A beam search's steps are requests: where --max-waiting-requests cannot take a step's beams, the answer is
+    the queue's 503 with Retry-After, and every request the search had made is aborted (the KV all free)."""
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], max_batch_size=1, block_size=4,
+                                      max_waiting_requests=1))
+    try:
+        with ServerThread(build_app(engine, NAME)) as srv:
+            status, headers, r = _raw(srv, "/v1/completions", json.dumps({
+                "model": NAME, "prompt": "def fib(n):", "max_tokens": 6, "n": 4, "use_beam_search": True}).encode(),
+                key=None)
+            assert status == 503 and {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1", r
+            assert _wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_a_content_part_the_model_cannot_read_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
