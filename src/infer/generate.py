@@ -17,6 +17,7 @@ from .tokenizer import Tokenizer
 __all__ = ["BeamHypothesis", "BeamSearchParams", "TokenSampler", "autoregressive_generate", "beam_search_generate",
            "check_fits"]
 
+
 def check_fits(model: LlamaForCausalLM, prompt_len: int, max_tokens: int) -> None:
     limit = model.config.max_position_embeddings
     if prompt_len == 0:
