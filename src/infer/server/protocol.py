@@ -179,7 +179,7 @@ class _Common(Sampling):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's beam search (server/beams.py): n beams, best first; the score divides by length ** length_penalty;
     # early_stopping ends the search once n hypotheses have ended
-    use_beam_search: bool = False
+    use_beam_search: bool | None = False  # None as false (clients that send every field)
     length_penalty: float = 1.0
     early_stopping: bool = False
     # vLLM extensions infer does not implement: accepted at their defaults, refused with a 400 naming them
