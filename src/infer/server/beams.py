@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import Request
-from fastapi.responses import Response
 
 from ..beam import BeamHypothesis, BeamSearchParams, engine_search
 from ..engine import QueueFullError
-from ..engine.async_engine import EngineStoppedError
 from . import protocol as P
 from .errors import ApiError
 from .state import ServerState
@@ -57,22 +55,17 @@ async def serve(state: ServerState, body, prompts: list[list[int]], max_tokens: 
     searches = [asyncio.ensure_future(state.engine.beam_search(ids, params, f"{rid}-{i}"))
                 for i, ids in enumerate(prompts)]
     work = asyncio.gather(*searches)
-    from .completions import _disconnected  # one client watch for every route (imported here: completions imports us)
+    from .completions import watched  # the client watch of every route (imported here: completions imports us)
 
-    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            return Response(status_code=499)
-        results: list[list[BeamHypothesis]] = work.result()
-    except EngineStoppedError as e:
-        raise ApiError(503, str(e), "server_error") from e
+        if (gone := await watched(work, request)) is not None:
+            return gone
     except QueueFullError as e:  # a step's requests found the queue full (--max-waiting-requests)
         raise ApiError(503, f"server busy: {e}", "server_error", headers={"Retry-After": "1"}) from e
     finally:  # the client gone, or one search failed: the others' requests are aborted too
-        watch.cancel()
         for t in searches:
             t.cancel()
+    results: list[list[BeamHypothesis]] = work.result()
     eos = set(state.engine.engine.eos_token_ids)
     skip = body.skip_special_tokens is not False
     choices, completion = [], 0

@@ -161,23 +161,31 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
 
 
 async def consume_all(state: ServerState, choices: list[_Choice], request: Request) -> Response | None:
-    """Read every choice to its end while watching the client: None once read, a 499 if the client has gone (nobody
-    will read the answer: nginx's "client closed"), an ApiError 503 if the engine died under the requests (a lost
-    tensor-parallel worker). Whatever still runs is aborted on the way out."""
-    work = asyncio.ensure_future(asyncio.gather(*[c.consume(state.metrics) for c in choices]))
+    """Read every choice to its end while watching the client (``watched``). Whatever still runs is aborted on the
+    way out."""
+    try:
+        return await watched(asyncio.ensure_future(asyncio.gather(*[c.consume(state.metrics) for c in choices])),
+                             request)
+    finally:
+        _close(choices, state.metrics)
+
+
+async def watched(work: asyncio.Future, request: Request) -> Response | None:
+    """Await ``work`` while watching its client: None once it is done (its result read: an error it raised is raised
+    here, an engine that died under it (a lost tensor-parallel worker) as an ApiError 503), a 499 if the client has
+    gone first (nobody will read the answer: nginx's "client closed"; ``work`` is cancelled)."""
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            return Response(status_code=499)
-        try:
-            work.result()
-        except EngineStoppedError as e:
-            raise ApiError(503, str(e), "server_error") from e
     finally:
         watch.cancel()
-        _close(choices, state.metrics)
+    if not work.done():
+        work.cancel()
+        return Response(status_code=499)
+    try:
+        work.result()
+    except EngineStoppedError as e:
+        raise ApiError(503, str(e), "server_error") from e
     return None
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling import SamplingParams, truncate_prompt
+from ..sampling import MAX_LOGPROBS, SamplingParams, truncate_prompt
 from ..structured import StructuredOutput
 
 
@@ -176,7 +176,7 @@ class _Common(Sampling):
     guided_grammar: str | None = None
     # vLLM's: log p of each prompt token given those before it, its rank and this many alternatives (answered as
     # vLLM does: a completion choice's prompt_logprobs, a chat completion's; not streamed)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's beam search (server/beams.py): n beams, best first; the score divides by length ** length_penalty;
     # early_stopping ends the search once n hypotheses have ended
     use_beam_search: bool | None = False  # None as false (clients that send every field)
@@ -220,7 +220,7 @@ class _Common(Sampling):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -341,7 +341,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's chat extensions: the reply opens the assistant's turn (add_generation_prompt), or continues the last
     # message, an assistant's begun (continue_final_message: a prefilled answer); the checkpoint's own template
     add_generation_prompt: bool = True

@@ -119,6 +119,12 @@ class Answer:
                       "num_draft_tokens": usage["num_draft_tokens"],
                       "num_accepted_tokens": usage["num_accepted_tokens"]}}
 
+    def final(self) -> dict:
+        """The finished response object, handed to ``on_done`` (the store) as it is answered."""
+        response = self.response()
+        self.on_done(response)
+        return response
+
     def _event(self, kind: str, data: dict) -> str:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
@@ -145,8 +151,7 @@ class Answer:
                 return
             for kind, data in self.finish():
                 yield self._event(kind, data)
-            done = self.response()
-            self.on_done(done)
+            done = self.final()
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 done["status"], "response.failed")
             yield self._event(kind, {"response": done})

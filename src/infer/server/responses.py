@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredOutput
 from . import protocol as P
 from . import tools
@@ -91,7 +91,7 @@ class ResponsesRequest(P.Sampling):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool = True
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None
     store: bool = True
     metadata: dict | None = None
@@ -214,9 +214,7 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
         return gone
     answer.read(c.text, c.outputs, final=True)
     answer.finish()
-    response = answer.response()
-    keep(response)
-    return response
+    return answer.final()
 
 
 @router.get("/v1/responses/{response_id}")
