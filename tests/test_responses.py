@@ -1,9 +1,12 @@
 """/v1/responses end to end with the official openai client (``client.responses``): a text answer as the library's
 chat answers it, streamed as OpenAI's typed events (the SDK's own accumulator reads them back), instructions and
-input items, structured output, tool calls (named and required, streamed too) and a call's history, logprobs, and
+input items, structured output, tool calls (named and required, streamed too) and a call's history, logprobs, the
+store (continued, read, deleted), background responses (polled, streamed again, cancelled), truncation "auto", and
 the 400s naming what cannot be answered."""
 
 import json
+import time
+import urllib.request
 
 import jsonschema
 import openai
@@ -221,10 +224,111 @@ def test_logprobs_when_included(srv):
     assert all(lp.logprob <= 0 and lp.top_logprobs[0].logprob >= lp.logprob for lp in lps)  # greedy: the top
 
 
+def _settled(srv, rid, timeout=60.0):
+    """The background response once its job has ended (polled, as OpenAI's guide does)."""
+    deadline = time.monotonic() + timeout
+    while (r := srv.client.responses.retrieve(rid)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{rid} still {r.status} after {timeout} s"
+        time.sleep(0.02)
+    return r
+
+
+def _idle(srv, timeout=10.0):
+    """True once the engine holds no request (/metrics' gauges): what was cancelled has been aborted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"{srv.url}/metrics").read().decode()
+        if "infer_requests_running 0.0" in text and "infer_requests_waiting 0.0" in text:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_background_response_is_polled_streamed_again_and_continued(srv, llm):
+    """background (store's): the POST answers at once ("queued", no output); polled, the response ends as the same
+    request answered in the foreground; its events stream again from the start or after any sequence number (the
+    SDK's own types read them), or at once; previous_response_id continues it."""
+    r = srv.client.responses.create(model=NAME, input="Say something.", background=True, **GREEDY)
+    assert r.background is True and r.status in ("queued", "in_progress") and r.output == []
+    done = _settled(srv, r.id)
+    ref = _ref(llm, [{"role": "user", "content": "Say something."}])
+    assert done.output_text == ref.text and done.usage.output_tokens == len(ref.token_ids)
+    assert done.status == ("incomplete" if ref.finish_reason == "length" else "completed")
+    events = list(srv.client.responses.retrieve(r.id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.status == "queued"
+    assert events[-1].response.model_dump() == done.model_dump()
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ref.text
+    later = list(srv.client.responses.retrieve(r.id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in later] == [e.model_dump() for e in events[4:]]
+    streamed = list(srv.client.responses.create(model=NAME, input="Say something.", background=True, stream=True,
+                                                **GREEDY))
+    assert streamed[0].response.status == "queued" and streamed[-1].response.output_text == ref.text
+    assert srv.client.responses.retrieve(streamed[-1].response.id).output_text == ref.text
+    after = srv.client.responses.create(model=NAME, input="And again?", previous_response_id=r.id, **GREEDY)
+    history = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": ref.text},
+               {"role": "user", "content": "And again?"}]
+    assert after.output_text == _ref(llm, history).text
+
+
+def test_a_background_response_is_cancelled_with_what_it_wrote(srv):
+    """cancel stops the job (its engine request aborted) and stores it "cancelled" with the output it had; while it
+    runs it cannot be continued; cancelling again returns it as it ended; delete cancels too. A foreground response
+    cannot be cancelled or streamed again, and background needs store."""
+    long = dict(temperature=0, max_output_tokens=200, extra_body={"ignore_eos": True})
+    stream = srv.client.responses.create(model=NAME, input="Count.", background=True, stream=True, **long)
+    events = iter(stream)
+    rid = next(events).response.id
+    next(e for e in events if e.type == "response.output_text.delta")  # running: its first text is out
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.responses.create(model=NAME, input="x", previous_response_id=rid, **GREEDY)
+    assert e.value.body["param"] == "previous_response_id" and "still running" in e.value.body["message"]
+    cancelled = srv.client.responses.cancel(rid)
+    stream.close()
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 200
+    (item,) = cancelled.output
+    assert item.status == "incomplete" and cancelled.output_text and _idle(srv)
+    assert srv.client.responses.retrieve(rid).model_dump() == cancelled.model_dump()
+    assert srv.client.responses.cancel(rid).model_dump() == cancelled.model_dump()
+    gone = srv.client.responses.create(model=NAME, input="Count.", background=True, **long)
+    srv.client.responses.delete(gone.id)
+    assert _idle(srv)
+    with pytest.raises(openai.NotFoundError):
+        srv.client.responses.retrieve(gone.id)
+    foreground = srv.client.responses.create(model=NAME, input="Hi", **GREEDY)
+    for call, param in ((lambda: srv.client.responses.cancel(foreground.id), "response_id"),
+                        (lambda: list(srv.client.responses.retrieve(foreground.id, stream=True)), "stream"),
+                        (lambda: srv.client.responses.create(model=NAME, input="x", background=True, store=False),
+                         "background")):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(srv, llm):
+    """truncation "auto": a conversation longer than the context loses its oldest turns (the instructions stay) until
+    it fits with max_output_tokens; the answer is the library's chat of what was kept. Without it: a 400."""
+    turns = [m for i in range(8) for m in ({"role": "user", "content": f"Question {i}: " + "word " * 12},
+                                            {"role": "assistant", "content": f"Answer {i}: " + "more " * 12})]
+    turns.append({"role": "user", "content": "Last question?"})
+    system = [{"role": "system", "content": "Be brief."}]
+    tok = llm.tokenizer
+    assert len(tok.apply_chat_template(system + turns)) > 256 - GREEDY["max_output_tokens"]  # the context: 256
+    keep = next(k for k in range(0, len(turns), 2)
+                if len(tok.apply_chat_template(system + turns[k:])) <= 256 - GREEDY["max_output_tokens"])
+    r = srv.client.responses.create(model=NAME, input=turns, instructions="Be brief.", truncation="auto", **GREEDY)
+    ref = _ref(llm, system + turns[keep:])
+    assert 0 < keep < len(turns) - 1 and r.truncation == "auto"
+    assert r.output_text == ref.text and r.usage.input_tokens == len(ref.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.responses.create(model=NAME, input=turns, instructions="Be brief.", **GREEDY)
+    assert "exceeds" in e.value.body["message"]
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),  # none stored by that id
-    ({"background": True}, 400, "background"),
-    ({"truncation": "auto"}, 400, "truncation"),
+    ({"truncation": "middle"}, 400, "truncation"),
+    ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input"),

@@ -9,6 +9,8 @@ completion, streamed, each token coloured by how speculation produced it).
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -77,6 +79,13 @@ class ReplicaHeader:
         await self.app(scope, receive, send_tagged)
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    if tasks := app.state.server.responses.cancel_all():  # background responses still running: stopped, not lost
+        await asyncio.wait(tasks)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None,
               chat_template: str | None = None) -> FastAPI:
@@ -95,7 +104,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise ValueError("--tool-call-parser: this checkpoint's chat template does not show tools to the model, "
                              "so it cannot choose to call one; tool_choice 'required' or a named function works "
                              "without a parser")
-    app = FastAPI(title="infer", docs_url=None, redoc_url=None)
+    app = FastAPI(title="infer", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.openapi = lambda: openapi_schema(app)
     app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser)
     install_error_handlers(app)

@@ -91,27 +91,34 @@ class Answer:
             events.append(("response.output_item.done", {"output_index": i, "item": item}))
         return events
 
-    def response(self, status: str | None = None) -> dict:
-        """The response object; ``status`` None: as the finished choice says."""
+    def response(self, status: str | None = None, error: str | None = None) -> dict:
+        """The response object; ``status`` None: as the finished choice says. "queued" or "in_progress": no output
+        yet; "cancelled" or "failed" (``error`` says why): the items as far as they got, ``incomplete``."""
         reason = self.c.finish_reason
         if status is None:
             for item in self.items:
                 item["status"] = "completed" if reason != "length" else "incomplete"
             status = {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
+        elif status in ("cancelled", "failed"):
+            for item in self.items:
+                item["status"] = "incomplete" if item["status"] == "in_progress" else item["status"]
         b, fmt = self.body, self.body.text.format if self.body.text and self.body.text.format else None
         usage = P.usage(len(self.c.prompt_ids), len(self.c.outputs), self.c.draft, self.c.accepted,
                         self.state.speculative)
         return {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "error": None if error is None else {"code": "server_error", "message": error},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": b.model,
-            "output": self.items if status != "in_progress" else [], "parallel_tool_calls": b.parallel_tool_calls,
-            "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
+            "output": [] if status in ("queued", "in_progress") else self.items,
+            "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
+            "reasoning": None, "store": b.store, "background": bool(b.background),
             "temperature": b.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, BaseModel) else
             b.tool_choice or ("auto" if b.tools else "none"),
-            "tools": [t.model_dump() for t in b.tools or ()], "top_p": b.top_p, "truncation": "disabled",
+            "tools": [t.model_dump() for t in b.tools or ()], "top_p": b.top_p,
+            "truncation": b.truncation or "disabled",
             "metadata": b.metadata or {}, "top_logprobs": b.top_logprobs,
             "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -119,9 +126,10 @@ class Answer:
                       "num_draft_tokens": usage["num_draft_tokens"],
                       "num_accepted_tokens": usage["num_accepted_tokens"]}}
 
-    def final(self) -> dict:
-        """The finished response object, handed to ``on_done`` (the store) as it is answered."""
-        response = self.response()
+    def final(self, status: str | None = None, error: str | None = None) -> dict:
+        """The finished response object (``response``'s arguments), handed to ``on_done`` (the store) as it is
+        answered."""
+        response = self.response(status, error)
         self.on_done(response)
         return response
 
@@ -129,10 +137,12 @@ class Answer:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
 
-    async def events(self):
+    async def events(self, created: str = "in_progress"):
+        """OpenAI's typed events, ``response.created`` (its status ``created``: "queued" in the background) to
+        ``response.completed`` / ``.incomplete``, or an ``error`` then ``response.failed``."""
         c = self.c
         try:
-            yield self._event("response.created", {"response": self.response("in_progress")})
+            yield self._event("response.created", {"response": self.response(created)})
             yield self._event("response.in_progress", {"response": self.response("in_progress")})
             pending = []  # outputs whose text is not out yet (held back for a stop string)
             try:
@@ -146,8 +156,9 @@ class Answer:
                         yield self._event(kind, data)
                     pending = []
             except Exception as e:  # noqa: BLE001 - surfaced to the client as OpenAI's error event
-                yield self._event("error", {"code": "server_error", "message": f"generation failed: {e}",
-                                            "param": None})
+                message = f"generation failed: {e}"
+                yield self._event("error", {"code": "server_error", "message": message, "param": None})
+                yield self._event("response.failed", {"response": self.final("failed", message)})
                 return
             for kind, data in self.finish():
                 yield self._event(kind, data)

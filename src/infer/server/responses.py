@@ -5,14 +5,17 @@ tool calling (tools.py), so both stay exact under speculation. The answer is a `
 holds a message item (``output_text``) and one ``function_call`` item per call, or, streamed, OpenAI's typed events
 (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). With ``store`` (OpenAI's
 default) the answer is kept (response_store.py): ``previous_response_id`` continues its conversation, and
-``GET`` / ``DELETE /v1/responses/{id}`` read and drop it. ``background`` is refused by name."""
+``GET`` / ``DELETE /v1/responses/{id}`` read and drop it. ``background`` runs the answer apart from its request
+(background.py: polled, streamed again from any event, cancelled). ``truncation`` "auto" drops the conversation's
+oldest turns (never the instructions, the leading system messages or the last turn) until the prompt and
+``max_output_tokens`` fit the context."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
@@ -21,6 +24,7 @@ from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredOutput
 from . import protocol as P
 from . import tools
+from .background import Job
 from .completions import ANSWERS, _Choice, _check_model, add_stream, consume_all
 from .errors import ApiError
 from .response_items import Answer
@@ -95,18 +99,14 @@ class ResponsesRequest(P.Sampling):
     include: list[str] | None = None
     store: bool = True
     metadata: dict | None = None
-    # what this server does not do: refused by name when asked for, never dropped in silence
     previous_response_id: str | None = None
     background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # what this server does not do: refused by name when asked for, never dropped in silence
     reasoning: dict | None = None
-    truncation: str | None = None
 
     _valid = field_validator("input", "instructions")(P.valid_text)
-    _no_background = field_validator("background")(P._unsupported("responses are answered in the request",
-                                                                  off=(None, False)))
     _no_reasoning = field_validator("reasoning")(P._unsupported("this model does not reason apart from its answer"))
-    _no_truncation = field_validator("truncation")(P._unsupported("an input is never truncated",
-                                                                  off=(None, "disabled")))
     _include = field_validator("include")(lambda v: v if not set(v or ()) - {LOGPROBS} else P._unsupported(
         f"only {LOGPROBS!r} can be included")(v))
 
@@ -159,18 +159,44 @@ def _structured(body: ResponsesRequest) -> StructuredOutput | None:
         raise ApiError(400, f"text.format: {e}", param="text") from None
 
 
+async def _fitted(body: ResponsesRequest, state, messages: list[P.ChatMessage], chat_tools) -> list[int]:
+    """The chat's prompt tokens; with ``truncation`` "auto", the oldest turns dropped (a turn: from a message to the
+    next user message) until the prompt and ``max_output_tokens`` (or one token) fit the context. What cannot be cut
+    (the instructions, leading system messages, the last turn) is left to the engine's length check."""
+    def render(msgs):
+        return run_in_threadpool(state.tokenizer.apply_chat_template, [m.template_form() for m in msgs], True,
+                                 False, P.tool_dicts(chat_tools))
+
+    ids = await render(messages)
+    if body.truncation != "auto":
+        return ids
+    room = state.max_seq_len - (body.max_output_tokens or 1)
+    head = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    while len(ids) > room and (cut := next((j for j in range(head + 1, len(messages))
+                                            if messages[j].role == "user"), None)) is not None:
+        messages = messages[:head] + messages[cut:]
+        ids = await render(messages)
+    return ids
+
+
 @router.post("/v1/responses", responses=ANSWERS)
 async def responses(body: ResponsesRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
+    if body.background and not body.store:
+        raise ApiError(400, "background needs store: a background response is read back from the store",
+                       param="background")
     history = []
     if body.previous_response_id is not None:
         if (prev := state.responses.get(body.previous_response_id)) is None:
             raise ApiError(404, f"no stored response {body.previous_response_id!r} (this server keeps the last "
                            f"{state.responses.capacity} responses asked with store, until it restarts)",
                            "not_found_error", "previous_response_id")
+        if prev.running:
+            raise ApiError(400, f"response {body.previous_response_id!r} is still running in the background: "
+                           "continue it once it has ended", param="previous_response_id")
         history = prev.history
     conversation = _messages(body, history)  # (a content part the model cannot read is refused there)
     messages = ([P.ChatMessage(role="system", content=body.instructions)] if body.instructions is not None
@@ -188,9 +214,7 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
             raise ApiError(400, f"tool_choice {mode!r} constrains the answer to a call already: give text.format or "
                            "tool_choice, not both", param="tool_choice")
         structured, field = constraint, "tools"
-    ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in messages], True, False,
-                                  P.tool_dicts(chat_tools))
-    ids = body.read_prompt(ids, state.max_seq_len)
+    ids = body.read_prompt(await _fitted(body, state, messages, chat_tools), state.max_seq_len)
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
 
     def params() -> SamplingParams:
@@ -203,11 +227,20 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,
                                                                                           state.tool_parser))
 
+    job = None
+
     def keep(response: dict) -> None:
-        if body.store:
-            state.responses.put(rid, Stored(response, conversation + answer_messages(response["output"])))
+        if body.store:  # a background response was stored as it started: unless deleted meanwhile, it is replaced
+            stored = Stored(response, conversation + answer_messages(response["output"]), job)
+            (state.responses.update if job is not None else state.responses.put)(rid, stored)
 
     answer = Answer(state, body, rid, c, logprobs is not None, keep)
+    if body.background:
+        job = Job(answer)  # (its task starts once this handler awaits or returns: the response is stored first)
+        state.responses.put(rid, Stored(job.snapshot(), [], job))
+        if body.stream:
+            return StreamingResponse(job.tail(), media_type="text/event-stream")
+        return job.snapshot()
     if body.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
     if (gone := await consume_all(state, [c], request)) is not None:
@@ -217,16 +250,37 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     return answer.final()
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, state: CurrentState):
-    """A stored response, as it was answered."""
-    return _stored(state, response_id).response
+@router.get("/v1/responses/{response_id}", responses=ANSWERS)
+async def get_response(response_id: str, state: CurrentState, stream: bool = False,
+                       starting_after: int | None = Query(None, ge=0)):
+    """A stored response as it stands (as it was answered, or a background one as it runs); ``stream``: a
+    background response's events, those after the one numbered ``starting_after`` (all by default), to its end."""
+    stored = _stored(state, response_id)
+    if not stream:
+        return stored.current()
+    if stored.job is None:
+        raise ApiError(400, "only a background response can be streamed again: this one was answered in its "
+                       "request", param="stream")
+    return StreamingResponse(stored.job.tail(-1 if starting_after is None else starting_after),
+                             media_type="text/event-stream")
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, state: CurrentState):
+    """Stop a background response (its output so far kept, status "cancelled"); one that has ended is returned as
+    it ended."""
+    stored = _stored(state, response_id)
+    if stored.job is None:
+        raise ApiError(400, "only a background response can be cancelled: this one was answered in its request",
+                       param="response_id")
+    await stored.job.stop()
+    return (state.responses.get(response_id) or stored).current()
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, state: CurrentState):
     _stored(state, response_id)
-    state.responses.delete(response_id)
+    state.responses.delete(response_id)  # (a background response still running is cancelled)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
