@@ -214,6 +214,22 @@ def test_the_store_keeps_the_last_responses():
     with pytest.raises(ValueError, match="capacity"):
         ResponseStore(capacity=0)
 
+    class Job:  # a background response's job, as the store sees it
+        done, cancelled, task = False, False, None
+
+        def cancel(self):
+            self.cancelled = True
+
+    jobs = [Job(), Job(), Job()]
+    for i, job in enumerate(jobs):
+        store.put(f"b{i}", Stored({"id": f"b{i}"}, [], job))
+    assert jobs[0].cancelled and not jobs[1].cancelled  # dropped while it ran: nobody could reach it
+    store.update("b0", Stored({"id": "b0", "status": "cancelled"}, [], jobs[0]))  # its end: not stored again
+    assert store.get("b0") is None and store.get("b2").running
+    assert store.delete("b1") and jobs[1].cancelled
+    jobs[2].done = True
+    assert not store.get("b2").running and store.cancel_all() == [] and not jobs[2].cancelled
+
 
 def test_logprobs_when_included(srv):
     r = srv.client.responses.create(model=NAME, input="Hi", include=["message.output_text.logprobs"],
