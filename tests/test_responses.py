@@ -345,6 +345,8 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(srv, llm):
     ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),  # none stored by that id
     ({"truncation": "middle"}, 400, "truncation"),
     ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
     ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400, "input"),

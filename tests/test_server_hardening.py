@@ -84,6 +84,10 @@ UNSUPPORTED = [  # OpenAI fields and vLLM extensions that would change the outpu
     ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
     ("/v1/completions", "suffix", "x", ""), ("/v1/completions", "best_of", 3, 1),
     (CHAT, "chat_template", "{{ messages }}", None),
+    (CHAT, "functions", [{"name": "f", "parameters": {}}], []), (CHAT, "function_call", "auto", "none"),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}, None), (CHAT, "modalities", ["text", "audio"], ["text"]),
+    (CHAT, "web_search_options", {"search_context_size": "low"}, None), (CHAT, "reasoning_effort", "high", None),
+    (CHAT, "verbosity", "low", None),
 ]
 
 

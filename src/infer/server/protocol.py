@@ -352,8 +352,23 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields that would change the answer and that this server does not serve: refused by name
+    functions: list | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
     _template = field_validator("chat_template")(_unsupported("the checkpoint's own chat template is used"))
+    _no_functions = field_validator("functions", "function_call")(_unsupported(
+        "the legacy functions: give tools and tool_choice", off=(None, [], "none")))
+    _no_audio = field_validator("audio")(_unsupported("this model writes text only"))
+    _text_only = field_validator("modalities")(_unsupported("this model writes text only", off=(None, [], ["text"])))
+    _no_search = field_validator("web_search_options")(_unsupported("no web search"))
+    _no_effort = field_validator("reasoning_effort", "verbosity")(_unsupported(
+        "this model does not reason apart from its answer, nor take a verbosity"))
 
 
 def new_id(prefix: str) -> str:

@@ -104,9 +104,14 @@ class ResponsesRequest(P.Sampling):
     truncation: Literal["auto", "disabled"] | None = None
     # what this server does not do: refused by name when asked for, never dropped in silence
     reasoning: dict | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
 
     _valid = field_validator("input", "instructions")(P.valid_text)
     _no_reasoning = field_validator("reasoning")(P._unsupported("this model does not reason apart from its answer"))
+    _no_conversation = field_validator("conversation")(P._unsupported(
+        "no Conversations API: previous_response_id continues a stored response"))
+    _no_prompt = field_validator("prompt")(P._unsupported("no stored prompt templates: give input and instructions"))
     _include = field_validator("include")(lambda v: v if not set(v or ()) - {LOGPROBS} else P._unsupported(
         f"only {LOGPROBS!r} can be included")(v))
 
