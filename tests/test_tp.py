@@ -189,8 +189,9 @@ def test_a_lost_rank_fails_the_next_step_with_a_clear_error(ckpt_dirs, tmp_path)
 # -- the executor: LLM(..., tensor_parallel_size=2); rank 0 runs the engine, a worker process the other shard ------
 
 EXECUTOR_CASES = {  # every decision on rank 0: auto K, no seeds needed
-    "plain": {},
-    "speculative, auto K": {"draft": True},
+    # the plain case too: the same prompts as requests that do not speculate (the worker's calls are the same as a
+    # plain engine's: it repeats the target's, whoever drafts on rank 0)
+    "speculative, auto K; plain": {"draft": True},
     # the target drafts for itself: long accepted paths, whose nodes the compaction moves
     "tree, paged": {"draft": "self", "spec_tree": "3x2:6"},
     "tree, contiguous": {"draft": "self", "spec_tree": "3x2:6", "kv_cache_backend": "contiguous"},
@@ -213,6 +214,10 @@ def test_executor_tp2_equals_tp1(ckpt_dirs):
             got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
             got.append(llm.generate(prompts[-1:], GREEDY)[0].token_ids)
             sampled = llm.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=8))  # unseeded: fine
+            if name.endswith("plain"):
+                eng = llm.engine
+                plain = [r.output_ids for r in eng.run([eng.add_request(p, GREEDY, speculate=False) for p in prompts])]
+                assert plain == want[:-1], name
             tp, stats, pool = llm.engine.tp, llm.engine.stats, llm.engine.kv.pool
         assert got == want, name
         assert len(sampled[0].token_ids) == 8
@@ -232,15 +237,17 @@ def test_executor_odd_vocabulary_and_mlp_width_equal_tp1(tmp_path):
     drafter = make_tiny_llama(tmp_path / "odd_drafter", "tied", seed=1, vocab_size=327, intermediate_size=67)
     prompts = PROMPTS + [[321, 326, 5]]  # ids of the padded embedding rows beyond the tokenizer's 320 tokens too
     want = [o.token_ids for o in LLM(target).generate(prompts, GREEDY)]
+    hot = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
     for world in (2, 3):
-        for case in ({}, {"draft_model": drafter, "spec_length": 3}):
-            with LLM(target, tensor_parallel_size=world, **case) as llm:
-                got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-                sampled = llm.generate(prompts, SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True))
-                drafted = llm.engine.stats.num_draft_tokens
-            assert got == want, (world, case)
-            assert all(0 <= t < 327 for o in sampled for t in o.token_ids)
-            assert drafted > 0 or not case
+        with LLM(target, tensor_parallel_size=world, draft_model=drafter, spec_length=3) as llm:
+            eng = llm.engine
+            for speculate in (False, True):  # a plain request, then a speculating one
+                got = [r.output_ids for r in eng.run([eng.add_request(p, GREEDY, speculate=speculate)
+                                                      for p in prompts])]
+                sampled = eng.run([eng.add_request(p, hot, speculate=speculate) for p in prompts])
+                assert got == want, (world, speculate)
+                assert all(0 <= t < 327 for r in sampled for t in r.output_ids)
+                assert (eng.stats.num_draft_tokens > 0) == speculate
 
 
 def test_executor_smollm2_tp2_equals_tp1_with_and_without_speculation():
