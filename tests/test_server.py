@@ -530,6 +530,37 @@ def test_speculation_off_per_request_and_the_spec_extension(client):
     assert all("spec" not in c.choices[0].model_dump() for c in plain_chunks if c.choices)  # only when asked
 
 
+def test_prompt_tokens_served_from_the_prefix_cache_are_reported(ckpt_dirs):
+    """The library's RequestOutput.num_cached_tokens (vLLM's), usage.prompt_tokens_details.cached_tokens on both
+    routes, streamed too (OpenAI's), and the Responses API's input_tokens_details: 0 for a prompt met first, then its
+    whole blocks but the one holding its last token (which must run to give logits); a chat's prompt is cached for
+    the Responses API's same conversation."""
+    prompt, greedy = "The quick brown fox jumps over the lazy dog. " * 3, SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(ckpt_dirs["gqa"], enable_prefix_caching=True, block_size=4)
+    first, again = (llm.generate([prompt], greedy)[0] for _ in range(2))
+
+    def hit(n):
+        return (n - 1) // 4 * 4
+
+    assert first.num_cached_tokens == 0 < again.num_cached_tokens == hit(len(first.prompt_token_ids))
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], draft_model=ckpt_dirs["mha"], spec_length=3,
+                                      block_size=4, enable_prefix_caching=True))
+    with ServerThread(build_app(engine, NAME)) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+        done = [c.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0).usage for _ in range(2)]
+        assert [u.prompt_tokens_details.cached_tokens for u in done] == [0, hit(done[0].prompt_tokens)]
+        messages = [{"role": "user", "content": prompt}]
+        chat = c.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0).usage
+        streamed = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))[-1].usage
+        assert chat.prompt_tokens_details.cached_tokens == 0 < hit(chat.prompt_tokens)
+        assert streamed.prompt_tokens_details.cached_tokens == hit(chat.prompt_tokens)
+        response = c.responses.create(model=NAME, input=prompt, max_output_tokens=4, temperature=0).usage
+        assert response.input_tokens == chat.prompt_tokens
+        assert response.input_tokens_details.cached_tokens == hit(chat.prompt_tokens)
+    engine.shutdown()
+
+
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
           "required": ["word", "n"], "additionalProperties": False}
 

@@ -94,6 +94,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running
         self.num_computed = 0  # leading tokens of all_ids() whose K/V the target cache holds
+        self.num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None  # time.monotonic() at the first append (time to first token)
@@ -210,6 +211,7 @@ class StepOutput:
     acceptance_rate: float | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # on the final output: prompt tokens served from the prefix cache (vLLM's)
     logprob: float | None = None  # log p(token) under the target's (processed) distribution
     top_logprobs: list[tuple[int, float]] | None = None
     # how the token came: "target" (a plain step: prefill or decode), "accepted" (a draft the target accepted),
@@ -252,6 +254,7 @@ class RequestOutput:
     token_ids: list[int]  # generated ids only
     finish_reason: str | None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's; 0 with it off)
     # speculative decoding (None without it)
     acceptance_rate: float | None = None
     num_draft_tokens: int = 0
@@ -284,7 +287,7 @@ class RequestOutput:
             metrics.setdefault("drafted_per_position", list(req.drafted_per_position))
             metrics.setdefault("speculation_acceptance_rates", list(req.speculation_acceptance_rates))
         out = cls(req.request_id, req.prompt, req.prompt_ids, req.text, list(req.output_ids), req.finish_reason,
-                  req.stop_reason, metrics=metrics, logprobs=None if req.logprobs is None else list(req.logprobs),
+                  req.stop_reason, req.num_cached_tokens or 0, metrics=metrics, logprobs=None if req.logprobs is None else list(req.logprobs),
                   prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
                   outputs=[CompletionOutput.from_request(req)])
         if speculative:

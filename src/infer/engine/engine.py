@@ -368,7 +368,8 @@ class Engine:
         self._count_finished(req)
         if self.decoder is not None:
             self.decoder.proposer.finished(req)
-        return StepOutput(req.request_id, None, req.stream_text(), True, "abort")
+        return StepOutput(req.request_id, None, req.stream_text(), True, "abort",
+                          num_cached_tokens=req.num_cached_tokens or 0)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     @property

@@ -86,6 +86,8 @@ class KVManager:
         prefix = req.all_ids() if req.prompt_logprobs is None else None
         req.slot = self.pool.allocate(req.num_tokens, prefix_ids=prefix)
         req.num_computed = self.pool.seq_len(req.slot)  # prefix-cache hit
+        if req.num_cached_tokens is None:  # the prompt's hit (a preempted request's later one covers its outputs)
+            req.num_cached_tokens = req.num_computed
         self.stats.prefix_cache_hit_tokens += req.num_computed
         if self.draft_pool is not None:
             self._draft_slots[req.request_id] = self.draft_pool.allocate(req.num_tokens)

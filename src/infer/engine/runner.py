@@ -95,6 +95,8 @@ class ModelRunner:
             req.logprobs.append((out.logprob, out.top_logprobs))
         if req.prompt_logprobs is not None and len(req.output_ids) == 1:
             out.prompt_logprobs = list(req.prompt_logprobs)
+        if done:
+            out.num_cached_tokens = req.num_cached_tokens or 0
         if done and req.num_draft_tokens:
             out.acceptance_rate = req.acceptance_rate
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens

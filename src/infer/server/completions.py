@@ -310,7 +310,7 @@ class _Choice:
         self.outputs = []
         self.text = ""
         self.finish_reason = None
-        self.draft = self.accepted = 0
+        self.draft = self.accepted = self.cached = 0
         self.spec: list[dict] = []  # stream_options.include_spec: tokens not yet sent in a chunk
         self.t0 = time.monotonic()
         self.t_last: float | None = None
@@ -330,6 +330,7 @@ class _Choice:
         if out.finished:
             self.finish_reason = _finish_reason(out)
             self.draft, self.accepted = out.num_draft_tokens, out.num_accepted_tokens
+            self.cached = out.num_cached_tokens
             metrics.requests.labels(out.finish_reason or "stop").inc()
             metrics.e2e.observe(t - self.t0)
 
@@ -345,9 +346,13 @@ def _finish_reason(out) -> str:
 
 def _usage(choices: list[_Choice], speculative: bool) -> dict:
     seen_prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}  # n choices share one prompt
+    cached: dict[int, int] = {}  # a prompt's: the fewest its choices found (a sibling's own prefill is no reuse)
+    for c in choices:
+        cached[id(c.prompt_ids)] = min(cached.get(id(c.prompt_ids), c.cached), c.cached)
     prompt = sum(seen_prompts.values())
     completion = sum(len(c.outputs) for c in choices)
-    return P.usage(prompt, completion, sum(c.draft for c in choices), sum(c.accepted for c in choices), speculative)
+    return P.usage(prompt, completion, sum(c.draft for c in choices), sum(c.accepted for c in choices), speculative,
+                   sum(cached.values()))
 
 
 def _token_strs(tok, ids) -> list[str]:

@@ -379,10 +379,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, draft: int, accepted: int, speculative: bool) -> dict:
-    """Standard token counts plus speculation: acceptance_rate = accepted / drafted tokens (None without it)."""
+def usage(prompt_tokens: int, completion_tokens: int, draft: int, accepted: int, speculative: bool,
+          cached: int = 0) -> dict:
+    """Standard token counts (``cached``: prompt tokens served from the prefix cache, OpenAI's
+    ``prompt_tokens_details``) plus speculation: acceptance_rate = accepted / drafted tokens (None without it)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
             "acceptance_rate": (accepted / draft if draft else 0.0) if speculative else None,
             "num_draft_tokens": draft, "num_accepted_tokens": accepted}
 

@@ -104,7 +104,7 @@ class Answer:
                 item["status"] = "incomplete" if item["status"] == "in_progress" else item["status"]
         b, fmt = self.body, self.body.text.format if self.body.text and self.body.text.format else None
         usage = P.usage(len(self.c.prompt_ids), len(self.c.outputs), self.c.draft, self.c.accepted,
-                        self.state.speculative)
+                        self.state.speculative, self.c.cached)
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
             "error": None if error is None else {"code": "server_error", "message": error},
@@ -120,7 +120,7 @@ class Answer:
             "tools": [t.model_dump() for t in b.tools or ()], "top_p": b.top_p,
             "truncation": b.truncation or "disabled",
             "metadata": b.metadata or {}, "top_logprobs": b.top_logprobs,
-            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
                       "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage["total_tokens"], "acceptance_rate": usage["acceptance_rate"],
                       "num_draft_tokens": usage["num_draft_tokens"],
