@@ -287,7 +287,8 @@ class RequestOutput:
             metrics.setdefault("drafted_per_position", list(req.drafted_per_position))
             metrics.setdefault("speculation_acceptance_rates", list(req.speculation_acceptance_rates))
         out = cls(req.request_id, req.prompt, req.prompt_ids, req.text, list(req.output_ids), req.finish_reason,
-                  req.stop_reason, req.num_cached_tokens or 0, metrics=metrics, logprobs=None if req.logprobs is None else list(req.logprobs),
+                  req.stop_reason, req.num_cached_tokens or 0, metrics=metrics,
+                  logprobs=None if req.logprobs is None else list(req.logprobs),
                   prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
                   outputs=[CompletionOutput.from_request(req)])
         if speculative:
