@@ -1,7 +1,7 @@
 """/v1/responses end to end with the official openai client (``client.responses``): a text answer as the library's
 chat answers it, streamed as OpenAI's typed events (the SDK's own accumulator reads them back), instructions and
 input items, structured output, tool calls (named and required, streamed too) and a call's history, logprobs, the
-store (continued, read, deleted), background responses (polled, streamed again, cancelled), truncation "auto", and
+store (continued, read, listed, deleted), background responses (polled, streamed again, cancelled), truncation "auto", and
 the 400s naming what cannot be answered."""
 
 import json
@@ -201,6 +201,33 @@ def test_a_stored_response_is_read_continued_and_deleted(srv, llm):
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         srv.client.responses.retrieve(unstored.id)
+
+
+def test_a_stored_responses_input_items_are_listed(srv):
+    """GET /v1/responses/{id}/input_items (the SDK's input_items.list): the response's own input as OpenAI's items,
+    newest first by default, in pages the SDK's cursor follows (``after``, ``has_more``)."""
+    items = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city":"Paris","unit":"C"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "SUNNY-21"}]
+    r = srv.client.responses.create(model=NAME, input=items, **GREEDY)
+    newest = list(srv.client.responses.input_items.list(r.id, limit=3))  # two pages: 3, then 1
+    assert [i.type for i in newest] == ["function_call_output", "function_call", "message", "message"]
+    oldest = list(srv.client.responses.input_items.list(r.id, order="asc"))
+    assert [i.id for i in oldest] == [i.id for i in reversed(newest)] and len({i.id for i in oldest}) == 4
+    assert oldest[0].role == "system" and oldest[0].content[0].text == "Be brief."
+    assert oldest[1].role == "user" and oldest[1].content[0].type == "input_text"
+    assert (oldest[2].name, oldest[2].call_id, oldest[3].output) == ("get_weather", "call_1", "SUNNY-21")
+    page = srv.client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert [i.id for i in page.data] == [i.id for i in oldest[:2]] and page.has_more
+    (only,) = srv.client.responses.input_items.list(srv.client.responses.create(model=NAME, input="Hi", **GREEDY).id)
+    assert only.role == "user" and only.content[0].text == "Hi"
+    with pytest.raises(openai.NotFoundError):
+        srv.client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.responses.input_items.list(r.id, after="msg_nope")
+    assert e.value.body["param"] == "after"
 
 
 def test_the_store_keeps_the_last_responses():

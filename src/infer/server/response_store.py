@@ -8,7 +8,7 @@ the event loop."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import protocol as P
@@ -24,6 +24,7 @@ class Stored:
     response: dict  # the response object as answered (a background one: as it started, until its job ends)
     history: list[P.ChatMessage]  # the conversation through this response's answer
     job: Job | None = None  # a background response's, kept for its events after it ends
+    input: list[dict] = field(default_factory=list)  # its own input as OpenAI's items (GET .../input_items)
 
     @property
     def running(self) -> bool:

@@ -5,10 +5,10 @@ tool calling (tools.py), so both stay exact under speculation. The answer is a `
 holds a message item (``output_text``) and one ``function_call`` item per call, or, streamed, OpenAI's typed events
 (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). With ``store`` (OpenAI's
 default) the answer is kept (response_store.py): ``previous_response_id`` continues its conversation, and
-``GET`` / ``DELETE /v1/responses/{id}`` read and drop it. ``background`` runs the answer apart from its request
-(background.py: polled, streamed again from any event, cancelled). ``truncation`` "auto" drops the conversation's
-oldest turns (never the instructions, the leading system messages or the last turn) until the prompt and
-``max_output_tokens`` fit the context."""
+``GET`` / ``DELETE /v1/responses/{id}`` read and drop it (``GET .../input_items``: its own input). ``background``
+runs the answer apart from its request (background.py: polled, streamed again from any event, cancelled).
+``truncation`` "auto" drops the conversation's oldest turns (never the instructions, the leading system messages or
+the last turn) until the prompt and ``max_output_tokens`` fit the context."""
 
 from __future__ import annotations
 
@@ -150,6 +150,26 @@ def _messages(body: ResponsesRequest, history: list[P.ChatMessage]) -> list[P.Ch
     return out
 
 
+def _input_items(body: ResponsesRequest) -> list[dict]:
+    """The request's ``input`` as OpenAI's stored items (each given an id), for ``GET .../input_items``."""
+    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    out = []
+    for item in items:
+        if item.type == "message":
+            text = item.content if not isinstance(item.content, list) else "".join(p.text or "" for p in item.content)
+            part = ({"type": "output_text", "text": text or "", "annotations": []} if item.role == "assistant" else
+                    {"type": "input_text", "text": text or ""})
+            out.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": item.role, "content": [part],
+                        "status": "completed"})
+        elif item.type == "function_call":
+            out.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": item.call_id,
+                        "name": item.name, "arguments": item.arguments, "status": "completed"})
+        else:
+            out.append({"type": "function_call_output", "id": f"fco_{uuid.uuid4().hex}", "call_id": item.call_id,
+                        "output": item.output, "status": "completed"})
+    return out
+
+
 def _structured(body: ResponsesRequest) -> StructuredOutput | None:
     fmt = body.text.format if body.text is not None else None
     if fmt is None or fmt.type == "text":
@@ -232,17 +252,17 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,
                                                                                           state.tool_parser))
 
-    job = None
+    job, inputs = None, _input_items(body)
 
     def keep(response: dict) -> None:
         if body.store:  # a background response was stored as it started: unless deleted meanwhile, it is replaced
-            stored = Stored(response, conversation + answer_messages(response["output"]), job)
+            stored = Stored(response, conversation + answer_messages(response["output"]), job, inputs)
             (state.responses.update if job is not None else state.responses.put)(rid, stored)
 
     answer = Answer(state, body, rid, c, logprobs is not None, keep)
     if body.background:
         job = Job(answer)  # (its task starts once this handler awaits or returns: the response is stored first)
-        state.responses.put(rid, Stored(job.snapshot(), [], job))
+        state.responses.put(rid, Stored(job.snapshot(), [], job, inputs))
         if body.stream:
             return StreamingResponse(job.tail(), media_type="text/event-stream")
         return job.snapshot()
@@ -268,6 +288,24 @@ async def get_response(response_id: str, state: CurrentState, stream: bool = Fal
                        "request", param="stream")
     return StreamingResponse(stored.job.tail(-1 if starting_after is None else starting_after),
                              media_type="text/event-stream")
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, state: CurrentState, after: str | None = None,
+                      limit: int = Query(20, ge=1, le=100), order: Literal["asc", "desc"] = "desc"):
+    """A stored response's own input items, a page of ``limit`` after the item ``after`` in ``order`` (OpenAI's
+    cursor list: newest first by default)."""
+    items = list(_stored(state, response_id).input)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ApiError(400, f"no input item {after!r} in response {response_id!r}", param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
