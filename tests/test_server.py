@@ -495,6 +495,56 @@ def test_a_chat_template_of_the_servers_own(ckpt_dirs, tmp_path):
     assert out.prompt_token_ids == ids["tokens"]
 
 
+def test_a_requests_own_chat_template_and_its_kwargs(ckpt_dirs):
+    """vLLM's chat_template and chat_template_kwargs: a request's template is rendered where the server trusts it
+    (--trust-request-chat-template; else a 400, test_server_hardening), its kwargs always, on the chat route and
+    /tokenize alike, as the library's LLM.chat renders them. A template that cannot render the messages (its own
+    raise_exception, a syntax error) and a kwarg the renderer sets itself are 400s naming the field, never a 500;
+    the server's own template failing on a request's messages names them (``input`` on the Responses route)."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ cue | default('>') }}{% endif %}")
+    own = ("{% for m in messages %}{% if m.role == 'system' and m.content == 'refuse' %}"
+           "{{ raise_exception('this template refuses that system message') }}{% endif %}{{ m.content }}|"
+           "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], max_batch_size=2))
+    try:
+        with ServerThread(build_app(engine, NAME, chat_template=own, trust_request_chat_template=True)) as srv:
+            def post(path, body):
+                return _raw(srv, path, json.dumps({"model": NAME, **body}).encode())
+
+            texts = []
+            for extra in ({}, {"chat_template": template}, {"chat_template": template,
+                                                           "chat_template_kwargs": {"cue": "A:"}}):
+                status, _, ids = post("/tokenize", {"messages": msgs, **extra})
+                assert status == 200, ids
+                texts.append(post("/detokenize", {"tokens": ids["tokens"]})[2]["prompt"])
+            assert texts == ["hi|A:", "[user] hi\n>", "[user] hi\nA:"]
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            extra = {"chat_template": template, "chat_template_kwargs": {"cue": "A:"}}
+            r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, extra_body=extra)
+            assert r.usage.prompt_tokens == len(ids["tokens"])
+            for body, param, words in (
+                    ({"chat_template_kwargs": {"messages": [], "cue": 1}}, "chat_template_kwargs", "'messages'"),
+                    ({"chat_template": "{{ raise_exception('no chats today') }}"}, "chat_template", "no chats today"),
+                    ({"chat_template": "{% for m in messages %}"}, "chat_template", "TemplateSyntaxError"),
+                    ({"chat_template": " "}, "chat_template", "empty"),
+                    ({"messages": [{"role": "system", "content": "refuse"}, *msgs]}, "messages", "refuses that")):
+                for route in ("/v1/chat/completions", "/tokenize"):
+                    status, _, err = post(route, {"messages": msgs, "max_tokens": 2, **body})
+                    assert status == 400 and err["error"]["param"] == param and words in err["error"]["message"], err
+            status, _, err = post("/v1/responses", {"input": "hi", "instructions": "refuse"})
+            assert status == 400 and err["error"]["param"] == "input" and "refuses" in err["error"]["message"], err
+    finally:
+        engine.shutdown()
+    llm = LLM(ckpt_dirs["gqa"])
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6), chat_template=template,
+                    chat_template_kwargs={"cue": "A:"})
+    assert want.prompt_token_ids == ids["tokens"] and r.choices[0].message.content == want.text
+    with pytest.raises(ValueError, match="cannot set 'tokenize'"):
+        llm.chat(msgs, chat_template_kwargs={"tokenize": True})
+
+
 def test_a_tool_call_parser_for_a_template_without_tools_is_refused(ckpt_dirs):
     """--tool-call-parser serves tool_choice "auto", which a model never shown its tools cannot use: refused at start
     (the tiny checkpoints' template, as SmolLM2's, shows no tools)."""

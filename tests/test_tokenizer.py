@@ -48,6 +48,24 @@ def test_missing_chat_template_is_a_clear_error(gqa_dir, tmp_path):
         Tokenizer(d).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_template_kwargs_reach_the_template_and_never_the_renderers_own_arguments(gqa_dir):
+    """chat_template_kwargs are the template's variables; the names transformers' renderer takes itself (every
+    argument of the installed apply_chat_template, and the template's messages) are refused, not passed to clash."""
+    import inspect
+
+    from infer.tokenizer import _RENDERER_OWNS
+
+    tok = Tokenizer(gqa_dir)
+    msgs = [{"role": "user", "content": "hi"}]
+    t = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tail }}"
+    assert tok.decode(tok.apply_chat_template(msgs, chat_template=t, template_kwargs={"tail": "!?"})) == "hi!?"
+    args = set(inspect.signature(tok.hf.apply_chat_template).parameters) - {"kwargs"}
+    assert args <= _RENDERER_OWNS and "messages" in _RENDERER_OWNS
+    for bad in ({"add_generation_prompt": False}, {"messages": []}, {1: "x"}, ["tail"]):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            tok.apply_chat_template(msgs, chat_template=t, template_kwargs=bad)
+
+
 def test_every_eos_id(llama3_dir):
     from infer.model import load_config
 

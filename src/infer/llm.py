@@ -206,14 +206,15 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, use_tqdm: bool = False,
-             chat_template: str | None = None) -> RequestOutput | list[RequestOutput]:
+             chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (a list of {"role", "content"} messages) and
         generate the assistant's reply; given a list of conversations, reply to each, batched (as vLLM's
         ``LLM.chat``), one output a conversation. ``continue_final_message`` (with ``add_generation_prompt`` False):
         the reply continues the last message, an assistant's begun (a prefilled answer). ``tools``: OpenAI's function
         definitions, given to the template as vLLM's ``LLM.chat`` gives them (a call constrained to a schema: the
         server's ``tool_choice``, or ``SamplingParams(structured=...)``). ``chat_template``: a Jinja template used
-        instead of the checkpoint's (vLLM's)."""
+        instead of the checkpoint's, ``chat_template_kwargs`` the template's extra variables (both vLLM's)."""
         if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("LLM.chat takes a conversation, a non-empty list of {'role': ..., 'content': ...} messages "
                             f"(or a list of conversations), got {_kind(messages)}; for plain text, LLM.generate")
@@ -225,7 +226,8 @@ class LLM:
                 raise TypeError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages, got "
                                 + ("an empty list" if not conv else f"a message of type {type(odd).__name__}"))
         outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
-                                                                 tools, chat_template) for c in convs],
+                                                                 tools, chat_template, chat_template_kwargs)
+                              for c in convs],
                              sampling_params, use_tqdm=use_tqdm)
         return outs if batch else outs[0]
 

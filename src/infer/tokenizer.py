@@ -88,6 +88,27 @@ def _gguf_tokenizer(file: Path):
     return hf, eos
 
 
+# the names transformers' chat renderer sets itself (its arguments, and the template's messages): a template kwarg
+# of one of them would clash with it, or change how the chat is rendered rather than what the template sees
+_RENDERER_OWNS = frozenset(("conversation", "conversations", "messages", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+                            "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                            "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """ValueError naming the keys of ``kwargs`` (a chat template's extra variables) that are not the template's to
+    set."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must map variable names to values")
+    if clash := sorted(k for k in kwargs if k in _RENDERER_OWNS):
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(map(repr, clash))}: the renderer sets "
+                         f"{'it' if len(clash) == 1 else 'them'} (give messages, tools and add_generation_prompt as "
+                         "the request's own fields)")
+
+
 class Tokenizer:
     def __init__(self, path: str | os.PathLike, extra_eos_token_ids: list[int] | None = None):
         from .model.gguf import gguf_file_of
@@ -131,19 +152,22 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Render with the checkpoint's template (or ``chat_template``, a Jinja template, as vLLM's ``LLM.chat``
         takes one), then encode without adding BOS again (the template has it). ``continue_final_message``: the
         last message (the assistant's, begun) is left open, so the reply continues it (transformers' flag; no new
         turn is opened then). ``tools``: OpenAI's function definitions, given to the template (which decides what
-        the model sees of them; SmolLM2's shows none)."""
+        the model sees of them; SmolLM2's shows none). ``template_kwargs``: more variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. a reasoning model's ``enable_thinking``); ValueError for one the renderer sets
+        itself."""
+        check_template_kwargs(template_kwargs)
         if not self.has_chat_template and chat_template is None:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: add_generation_prompt must be false")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, tools=tools or None,
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, **(template_kwargs or {}))
         return self.encode(text, add_special_tokens=False)
 
     def use_chat_template(self, template: str) -> None:

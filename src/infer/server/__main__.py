@@ -34,6 +34,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's flag, accepted as it is: --tool-call-parser is what serves 'auto' (and this needs it)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (inline, or a file holding it) used instead of the checkpoint's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (vLLM's flag); without it such a request is refused: "
+                        "a template is code the server runs (sandboxed, but free to loop)")
     p.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
                         "default: one engine in this process, no Ray")
@@ -110,7 +113,8 @@ def serve(a) -> int:
     engine = AsyncEngine(cfg)
     try:
         app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes,
-                        tool_parser=a.tool_call_parser, chat_template=chat_template(a))
+                        tool_parser=a.tool_call_parser, chat_template=chat_template(a),
+                        trust_request_chat_template=a.trust_request_chat_template)
         print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                                 timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events

@@ -88,11 +88,12 @@ async def _lifespan(app: FastAPI):
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """``tool_parser`` (tools.PARSERS): the model's call format, which tool_choice "auto" needs; ValueError if the
     chat template does not show the model its tools (it could not call them). ``chat_template``: a Jinja template
     the server renders chats with instead of the checkpoint's (vLLM's ``--chat-template``); ValueError if it cannot
-    render a conversation."""
+    render a conversation. ``trust_request_chat_template``: a request's own ``chat_template`` is rendered, not
+    refused (vLLM's ``--trust-request-chat-template``)."""
     if chat_template is not None:
         engine.engine.tokenizer.use_chat_template(chat_template)
     if tool_parser is not None:
@@ -106,7 +107,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                              "without a parser")
     app = FastAPI(title="infer", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.openapi = lambda: openapi_schema(app)
-    app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser)
+    app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser, trust_request_chat_template)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)

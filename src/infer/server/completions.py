@@ -17,6 +17,7 @@ from ..engine import QueueFullError
 from ..engine.async_engine import EngineStoppedError, RequestStream
 from . import protocol as P
 from . import beams, tools
+from .chat_render import check_readable, check_template, render_chat
 from .errors import ApiError
 from .metrics import ServerMetrics
 from .state import CurrentState, ServerState
@@ -47,10 +48,8 @@ async def completions(body: P.CompletionRequest, state: CurrentState, request: R
 async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, request: Request):
     _check_model(state, body.model)
     beams.check(body)
-    tok = state.tokenizer
-    if not tok.has_chat_template:
-        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-    _check_readable(body.messages)
+    check_template(state, body.chat_template, "use /v1/completions")
+    check_readable(body.messages)
     if body.continue_final_message and (body.add_generation_prompt or body.messages[-1].role != "assistant"):
         raise ApiError(400, "continue_final_message continues the last message: it must be the assistant's, and "
                        "add_generation_prompt false", param="continue_final_message")
@@ -58,9 +57,9 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
     if calls[0] is not None and body.continue_final_message:
         raise ApiError(400, "a tool call is a new assistant message: tool_choice cannot continue the last one",
                        param="tool_choice")
-    ids = body.read_prompt(await run_in_threadpool(
-        tok.apply_chat_template, [m.template_form() for m in body.messages], body.add_generation_prompt,
-        body.continue_final_message, P.tool_dicts(body.tools)), state.max_seq_len)
+    ids = body.read_prompt(await render_chat(
+        state, body.messages, body.add_generation_prompt, body.continue_final_message, P.tool_dicts(body.tools),
+        body.chat_template, body.chat_template_kwargs), state.max_seq_len)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.max_seq_len - len(ids))
     if body.use_beam_search:
         if calls[0] is not None:
@@ -82,15 +81,6 @@ def _check_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ApiError(400, f"{param} token ids out of range [0, {vocab_size}): {bad[:5]}", param=param)
-
-
-def _check_readable(messages: list[P.ChatMessage]) -> None:
-    """A 400 naming the first content part the model cannot read: answering without what it shows (an image) would
-    answer another question."""
-    for i, m in enumerate(messages):
-        if (kind := m.unread()) is not None:
-            raise ApiError(400, f"messages[{i}]: content parts of type {kind!r} are not supported: this model reads "
-                           "text only", param="messages")
 
 
 def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -346,7 +346,8 @@ class ChatCompletionRequest(_Common):
     # message, an assistant's begun (continue_final_message: a prefilled answer); the checkpoint's own template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: str | None = None
+    chat_template: str | None = None  # a request's own template: taken where the server trusts it (chat_render)
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's extra variables (enable_thinking, ...)
     # OpenAI's tool calling (tools.py): "none", "required" or a named function; "auto" (the default with tools) needs
     # the server's --tool-call-parser
     tools: list[Tool] | None = None
@@ -361,7 +362,6 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: str | None = None
     verbosity: str | None = None
 
-    _template = field_validator("chat_template")(_unsupported("the checkpoint's own chat template is used"))
     _no_functions = field_validator("functions", "function_call")(_unsupported(
         "the legacy functions: give tools and tool_choice", off=(None, [], "none")))
     _no_audio = field_validator("audio")(_unsupported("this model writes text only"))

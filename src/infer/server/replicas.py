@@ -33,16 +33,17 @@ def _require_ray():
 
 def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes: int, replicas: int,
                max_replicas: int | None = None, replica_cpus: float = 1.0, grace: float = 10.0,
-               tool_parser: str | None = None, chat_template: str | None = None):
-    """The Ray Serve application: an ``InferReplica`` deployment bound to the engine's config."""
+               **app_options):
+    """The Ray Serve application: an ``InferReplica`` deployment bound to the engine's config; ``app_options``:
+    build_app's (tool_parser, chat_template, trust_request_chat_template)."""
     _, serve = _require_ray()
 
     @serve.ingress()
     class InferReplica:
         """One replica: an AsyncEngine and build_app's OpenAI app, built when Ray starts the replica."""
 
-        def __init__(self, cfg, served_model_name, api_key, max_body_bytes, tool_parser=None, chat_template=None):
-            self.args = (served_model_name, api_key, max_body_bytes, tool_parser, chat_template)
+        def __init__(self, cfg, served_model_name, api_key, max_body_bytes, app_options):
+            self.args, self.options = (served_model_name, api_key, max_body_bytes), app_options
             self.cfg, self.engine = cfg, None
 
         def __serve_build_asgi_app__(self):
@@ -51,9 +52,7 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
 
             replica = serve.get_replica_context().replica_id.unique_id
             self.engine = AsyncEngine(self.cfg)
-            name, key, limit, parser, template = self.args
-            return build_app(self.engine, name, key, limit, replica=replica, tool_parser=parser,
-                             chat_template=template)
+            return build_app(self.engine, *self.args, replica=replica, **self.options)
 
         def check_health(self):
             if self.engine is not None and self.engine.error is not None:
@@ -73,7 +72,7 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
     else:
         opts["num_replicas"] = replicas
     return serve.deployment(InferReplica, name="infer", **opts).bind(cfg, served_model_name, api_key, max_body_bytes,
-                                                                     tool_parser, chat_template)
+                                                                     app_options)
 
 
 def serve_replicas(a, cfg) -> int:
@@ -86,7 +85,8 @@ def serve_replicas(a, cfg) -> int:
     if a.max_replicas is not None and a.max_replicas < a.replicas:
         raise ValueError(f"--max-replicas ({a.max_replicas}) must be >= --replicas ({a.replicas})")
     app = deployment(cfg, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes, a.replicas,
-                     a.max_replicas, a.replica_cpus, a.shutdown_timeout, a.tool_call_parser, chat_template(a))
+                     a.max_replicas, a.replica_cpus, a.shutdown_timeout, tool_parser=a.tool_call_parser,
+                     chat_template=chat_template(a), trust_request_chat_template=a.trust_request_chat_template)
     ray.init(include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

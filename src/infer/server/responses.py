@@ -18,13 +18,13 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from starlette.concurrency import run_in_threadpool
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredOutput
 from . import protocol as P
 from . import tools
 from .background import Job
+from .chat_render import render_chat
 from .completions import ANSWERS, _Choice, _check_model, add_stream, consume_all
 from .errors import ApiError
 from .response_items import Answer
@@ -189,8 +189,7 @@ async def _fitted(body: ResponsesRequest, state, messages: list[P.ChatMessage], 
     next user message) until the prompt and ``max_output_tokens`` (or one token) fit the context. What cannot be cut
     (the instructions, leading system messages, the last turn) is left to the engine's length check."""
     def render(msgs):
-        return run_in_threadpool(state.tokenizer.apply_chat_template, [m.template_form() for m in msgs], True,
-                                 False, P.tool_dicts(chat_tools))
+        return render_chat(state, msgs, tools=P.tool_dicts(chat_tools), param="input")
 
     ids = await render(messages)
     if body.truncation != "auto":

@@ -4,12 +4,15 @@ Tokenisation runs in a worker thread, as the generation routes' does."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from . import protocol as P
-from .completions import _check_ids, _check_model, _check_readable
+from .chat_render import check_readable, check_template, render_chat
+from .completions import _check_ids, _check_model
 from .errors import ApiError
 from .state import CurrentState
 
@@ -25,6 +28,11 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[P.ChatMessage] | None = Field(None, min_length=1)
     tools: list[P.Tool] | None = None  # given to the chat template with messages, as the chat route gives them
+    # as the chat route renders messages (vLLM's tokenize takes the same)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     _valid_prompt = field_validator("prompt")(P.valid_text)
 
@@ -41,15 +49,16 @@ async def tokenize(body: TokenizeRequest, state: CurrentState):
     _check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give prompt (a text) or messages (a chat), one of them", param="prompt")
-    tok = state.tokenizer
     if body.messages is not None:
-        if not tok.has_chat_template:
-            raise ApiError(400, "this model's tokenizer has no chat template; tokenize a prompt", param="messages")
-        _check_readable(body.messages)
-        ids = await run_in_threadpool(tok.apply_chat_template, [m.template_form() for m in body.messages],
-                                      tools=P.tool_dicts(body.tools))
+        check_template(state, body.chat_template, "tokenize a prompt")
+        check_readable(body.messages)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise ApiError(400, "continue_final_message continues the last message: add_generation_prompt must be "
+                           "false", param="continue_final_message")
+        ids = await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                P.tool_dicts(body.tools), body.chat_template, body.chat_template_kwargs)
     else:
-        ids = await run_in_threadpool(tok.encode, body.prompt)
+        ids = await run_in_threadpool(state.tokenizer.encode, body.prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
 
 
