@@ -520,6 +520,11 @@ def test_a_requests_own_chat_template_and_its_kwargs(ckpt_dirs):
                 assert status == 200, ids
                 texts.append(post("/detokenize", {"tokens": ids["tokens"]})[2]["prompt"])
             assert texts == ["hi|A:", "[user] hi\n>", "[user] hi\nA:"]
+            begun = {"messages": [*msgs, {"role": "assistant", "content": "Sure"}], "continue_final_message": True}
+            status, _, cont = post("/tokenize", {**begun, "add_generation_prompt": False})
+            assert post("/detokenize", {"tokens": cont["tokens"]})[2]["prompt"] == "hi|Sure"
+            status, _, err = post("/tokenize", begun)
+            assert status == 400 and err["error"]["param"] == "continue_final_message"
             c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
             extra = {"chat_template": template, "chat_template_kwargs": {"cue": "A:"}}
             r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, extra_body=extra)
