@@ -339,3 +339,40 @@ def test_min_tokens_holds_stop_strings_back():
         assert r.finish_reason == "stop" and r.text.endswith(ends_after), (min_tokens, r.text)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_priority_policy_admits_by_priority_then_arrival_and_preempts_the_lowest(models, gqa_dir):
+    """vLLM's scheduling_policy "priority": the waiting queue runs lower priority values first (arrival breaks ties),
+    and where KV runs short the running request of the lowest priority is preempted, not the newest (as "fcfs"
+    does); the tokens are every request's own either way. "fcfs" refuses a priority it would ignore."""
+    target, _, tok = models
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng = _engine(models, gqa_dir, spec=False, scheduling_policy="priority", max_batch_size=1)
+    prompts = [[5 + i, 9, 13] for i in range(5)]
+    reqs = [eng.add_request(p, params, priority=rank) for p, rank in zip(prompts, (3, 0, 2, 0, -1))]
+    done = []
+    while eng.has_unfinished:
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert done == [reqs[i].request_id for i in (4, 1, 3, 2, 0)]
+    assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params).output_ids for p in prompts]
+
+    # the first request decodes alone, then six more arrive: 14 blocks of 4 cannot hold them all
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(5, 300) for _ in range(rnd.randrange(5, 20))] for _ in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = [autoregressive_generate(target, p, params).output_ids for p in prompts]
+    for policy, low in (("fcfs", 0), ("priority", 5)):
+        eng = _engine(models, gqa_dir, spec=False, scheduling_policy=policy, max_batch_size=6, num_kv_blocks=14,
+                      block_size=4)
+        first = eng.add_request(prompts[0], params, priority=low)
+        for _ in range(3):
+            eng.step()
+        reqs = [first] + [eng.add_request(p, params) for p in prompts[1:]]
+        eng.run(reqs)
+        assert [r.output_ids for r in reqs] == ref and eng.stats.num_preemptions > 0
+        assert (first.num_preemptions > 0) == (policy == "priority"), policy  # fcfs preempts the newest
+        assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        _engine(models, gqa_dir, spec=False).add_request([5, 6], params, priority=1)
+    with pytest.raises(ValueError, match="scheduling_policy must be"):
+        EngineConfig(model=gqa_dir, scheduling_policy="lifo")

@@ -241,6 +241,27 @@ def test_predictions_are_one_a_prompt_and_change_nothing(gqa_dir):
     assert not llm.engine.has_unfinished
 
 
+def test_priorities_order_the_prompts_and_change_no_token(gqa_dir):
+    """LLM.generate's priority (vLLM's), one a prompt, on an engine with scheduling_policy "priority" and one slot:
+    the prompts finish lowest value first, each with the tokens it has alone, and come back in the prompts' order; a
+    priority list of the wrong length or type, or one an "fcfs" engine would ignore, queues nothing."""
+    llm = LLM(gqa_dir, scheduling_policy="priority", max_batch_size=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(PROMPTS[:3], params)
+    got = llm.generate(PROMPTS[:3], params, priority=[2, 1, 0])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finished = [o.metrics["finish_time"] for o in got]
+    assert finished[2] < finished[1] < finished[0]
+    for bad, error, says in (([1], ValueError, "1 priorities for 3 prompts"), (1, TypeError, "list of integers"),
+                             ([0, 1.5, 0], ValueError, "integer")):
+        with pytest.raises(error, match=says):
+            llm.generate(PROMPTS[:3], params, priority=bad)
+    fcfs = LLM(gqa_dir)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        fcfs.generate(PROMPTS[:3], params, priority=[0, 0, 1])
+    assert not llm.engine.has_unfinished and not fcfs.engine.has_unfinished
+
+
 def test_n_sequences_a_prompt_as_vllm_reads_them(gqa_dir):
     """SamplingParams(n=k): k sequences a prompt in ``outputs`` (vLLM's ``out.outputs[j].text``), sequence j drawn
     as the request seeded seed + j would be; the fields are the first's. A sequence of one fills ``outputs`` too."""

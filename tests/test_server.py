@@ -458,8 +458,10 @@ def test_vllm_command_lines_run_as_they_are():
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    cfg = engine_config(p.parse_args(["--model", "m", "--max-model-len", "64", "--max-num-seqs", "3", "-tp", "1"]))
+    cfg = engine_config(p.parse_args(["--model", "m", "--max-model-len", "64", "--max-num-seqs", "3", "-tp", "1",
+                                      "--scheduling-policy", "priority"]))
     assert (cfg.max_seq_len, cfg.max_batch_size, cfg.tensor_parallel_size) == (64, 3, 1)
+    assert cfg.scheduling_policy == "priority"
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         engine_config(p.parse_args(["--model", "m", "--enable-auto-tool-choice"]))
     a = p.parse_args(["--model", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
@@ -548,6 +550,30 @@ def test_a_requests_own_chat_template_and_its_kwargs(ckpt_dirs):
     assert want.prompt_token_ids == ids["tokens"] and r.choices[0].message.content == want.text
     with pytest.raises(ValueError, match="cannot set 'tokenize'"):
         llm.chat(msgs, chat_template_kwargs={"tokenize": True})
+
+
+def test_priorities_are_served_where_the_server_schedules_by_them(ckpt_dirs):
+    """vLLM's request priority on --scheduling-policy priority: the chat, completions and Responses routes take it
+    (the answer is the one without it: scheduling changes no token); with a beam search it is a 400 naming it, as
+    where the server serves first come, first served (test_server_hardening)."""
+    engine = AsyncEngine(EngineConfig(model=ckpt_dirs["gqa"], max_batch_size=1, scheduling_policy="priority"))
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        with ServerThread(build_app(engine, NAME)) as srv:
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0)
+            ask = dict(model=NAME, messages=msgs, max_tokens=6, temperature=0)
+            texts = [c.chat.completions.create(**ask, extra_body=extra).choices[0].message.content
+                     for extra in ({}, {"priority": -3}, {"priority": 7})]
+            assert texts[0] == texts[1] == texts[2]
+            r = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=0, extra_body={"priority": 2})
+            assert r.choices[0].finish_reason == "length"
+            assert c.responses.create(model=NAME, input="hi", max_output_tokens=6, temperature=0,
+                                      extra_body={"priority": 1}).output_text == texts[0]
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(**ask, extra_body={"priority": 1, "use_beam_search": True, "n": 2})
+            assert e.value.body["param"] == "priority"
+    finally:
+        engine.shutdown()
 
 
 def test_a_tool_call_parser_for_a_template_without_tools_is_refused(ckpt_dirs):

@@ -69,6 +69,9 @@ BAD = [  # (route, raw JSON body, the parameter the 400 must name)
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -1}', "seed"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "16"}', "max_tokens"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', "stream"),
+    # vLLM's priority where the server serves first come, first served (it would be ignored)
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "priority": 1}', "priority"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "priority": 1.5}', "priority"),
 ]
 
 

@@ -70,6 +70,7 @@ HELP = {
     "max_batch_size": "concurrent running requests",
     "max_num_batched_tokens": "tokens per step",
     "max_waiting_requests": "queue bound; more gets 503 from the server",
+    "scheduling_policy": "fcfs (arrival order) or priority (each request's priority, lower first; vLLM's)",
     "EngineConfig.seed": "seed for requests that bring none",
     "SamplingParams.seed": "the request's sampling seed (same seed, same output)",
     "repetition_penalty": "multiplicative, on tokens of the prompt or the output (1: off)",

@@ -97,8 +97,8 @@ class LLM:
         suffix proposers copy drafts from it; the output is the same without it)."""
         return [r for group in self._request_groups(prompts, sampling_params, predictions) for r in group]
 
-    def _request_groups(self, prompts, sampling_params=None, predictions=None) -> list[list[Request]]:
-        """make_requests' requests, one list a prompt (its n sequences)."""
+    def _request_groups(self, prompts, sampling_params=None, predictions=None, priority=None) -> list[list[Request]]:
+        """make_requests' requests, one list a prompt (its n sequences); ``priority``: one a prompt (vLLM's)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -110,22 +110,29 @@ class LLM:
             raise ValueError(f"got {len(predictions)} predictions for {len(prompts)} prompts")
         predictions = [self.tokenizer.encode(x, add_special_tokens=False) if isinstance(x, str) else x
                        for x in predictions]
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority is a list of integers, one a prompt, got {_kind(priority)}")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self._prompt_ids(p) for p in prompts]
         params = [_sequences(p) for p in params]  # n SamplingParams of n = 1 a prompt
-        for (_, ids), ps, x in zip(inputs, params, predictions):
+        for (_, ids), ps, x, rank in zip(inputs, params, predictions, priority):  # every request checked, then added
             self.engine.check_request(ids, ps[0], x)
-        return [[self.engine.add_request(ids, p, prompt=text, prediction=x) for p in ps]
-                for (text, ids), ps, x in zip(inputs, params, predictions)]
+            self.engine.check_priority(rank)
+        return [[self.engine.add_request(ids, p, prompt=text, prediction=x, priority=rank) for p in ps]
+                for (text, ids), ps, x, rank in zip(inputs, params, predictions, priority)]
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  debug: bool | callable = False, predictions: list | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are strings, lists of token ids, or vLLM's prompt dicts
         ({"prompt": text} / {"prompt_token_ids": ids}). ``predictions``: one a prompt, the text its output is expected
         to repeat (OpenAI's predicted outputs; ``make_requests``). ``use_tqdm`` (vLLM's name; off by default, as the
-        library is silent): a progress bar of the prompts finished, on stderr.
+        library is silent): a progress bar of the prompts finished, on stderr. ``priority`` (vLLM's): one integer a
+        prompt, lower first, for an engine with ``scheduling_policy="priority"``.
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """
@@ -137,7 +144,7 @@ class LLM:
         if debug:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
-            groups = self._request_groups(prompts, sampling_params, predictions)
+            groups = self._request_groups(prompts, sampling_params, predictions, priority)
             self._run(groups, use_tqdm)
             if debug and isinstance(decoder.on_round, RoundPrinter):
                 decoder.on_round.finish()  # says so where no round ran

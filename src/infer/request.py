@@ -19,6 +19,7 @@ from .token_bans import bad_words_ids
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
+_arrivals = itertools.count()
 
 
 def count_per_position(drafted: list[int], accepted: list[int], num_draft: int, num_accepted: int) -> None:
@@ -90,6 +91,7 @@ class Request:
         self.accepted_per_position: list[int] = []  # [k]: rounds whose draft k was accepted
         self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
         self.speculate = True  # False: this request never drafts (plain decoding beside speculating requests)
+        self.priority = 0  # scheduling_policy "priority": lower is admitted first, preempted last
         # engine state
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running
@@ -97,6 +99,7 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
+        self.seq = next(_arrivals)  # arrival order where two stamps tie
         self.first_token_time: float | None = None  # time.monotonic() at the first append (time to first token)
         self.finish_time: float | None = None  # ... and when a finish reason was set
         self._streamed = 0  # characters of text already handed out by stream_text()

@@ -71,7 +71,8 @@ class AsyncEngine:
     # -- client side (any thread / event loop) -----------------------------------------------------------------
     async def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt: str | None = None,
-                          speculate: bool = True, prediction: list[int] | None = None) -> RequestStream:
+                          speculate: bool = True, prediction: list[int] | None = None,
+                          priority: int = 0) -> RequestStream:
         if self.error is not None:
             raise EngineStoppedError(f"the engine loop has stopped: {self.error}")
         if request_id is None:
@@ -79,7 +80,7 @@ class AsyncEngine:
             request_id = f"areq-{self._ids}"
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         accepted = loop.create_future()
-        args = (list(prompt_ids), params or SamplingParams(), request_id, prompt, speculate, prediction)
+        args = (list(prompt_ids), params or SamplingParams(), request_id, prompt, speculate, prediction, priority)
         self._cmds.put(("add", args, loop, q, accepted))
         self._wake.set()
         await accepted  # raises what Engine.add_request raised
@@ -156,9 +157,10 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, (ids, params, rid, prompt, speculate, prediction), loop, q, accepted = cmd
+            _, (ids, params, rid, prompt, speculate, prediction, priority), loop, q, accepted = cmd
             try:
-                self.engine.add_request(ids, params, rid, prompt, speculate=speculate, prediction=prediction)
+                self.engine.add_request(ids, params, rid, prompt, speculate=speculate, prediction=prediction,
+                                        priority=priority)
             except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
                 loop.call_soon_threadsafe(_settle, accepted, e)
                 return

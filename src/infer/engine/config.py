@@ -82,6 +82,9 @@ class EngineConfig:
     max_seq_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int = 512  # tokens per step: decode tokens first, the rest goes to prefill chunks
     max_waiting_requests: int | None = None  # None: unbounded queue
+    # vLLM's: "fcfs" admits requests in arrival order; "priority" by each request's priority (lower first, then
+    # arrival), and where KV runs short it preempts the running request of the lowest priority (engine.scheduler)
+    scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = False
     dtype: str = "auto"  # "auto": the checkpoint's own (config.json torch_dtype; float32 for GGUF), or a dtype name
     device: str = "cpu"
@@ -191,6 +194,8 @@ class EngineConfig:
             if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int) \
                     or self.draft_vocab_size < 1:
                 bad(f"draft_vocab_size must be an integer >= 1, 'auto' or None, got {self.draft_vocab_size!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            bad(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.cross_tokenizer not in ("string", "intersection"):
             bad(f"cross_tokenizer must be 'string' or 'intersection', got {self.cross_tokenizer!r}")
         if self.kv_cache_backend not in BACKENDS:

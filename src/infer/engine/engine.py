@@ -319,6 +319,15 @@ class Engine:
         if params.structured is not None:
             self.grammars().compile(params.structured)  # a bad schema, regex or grammar is named here
 
+    def check_priority(self, priority) -> None:
+        """ValueError unless ``priority`` is an integer this engine's scheduling policy takes (any, under
+        "priority"; 0 under "fcfs", which would otherwise ignore it)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine serves requests "
+                             "first come, first served)")
+
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this engine's tokenizer and logits width (infer.structured)."""
         if self._grammars is None:
@@ -328,13 +337,15 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None,
                     generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None,
-                    speculate: bool = True, prediction: list[int] | None = None) -> Request:
+                    speculate: bool = True, prediction: list[int] | None = None, priority: int = 0) -> Request:
         """Queue one request. ``generator`` / ``eos_token_ids`` override the request's own RNG (from params.seed)
         and the engine's EOS ids (library calls on loaded models use them); ``speculate=False`` decodes it plainly
         on a speculating engine (its output is the same either way: only its speed differs). ``prediction``: token
         ids the output is expected to repeat (OpenAI's predicted outputs), which the suffix proposers copy drafts
-        from; other proposers ignore it, and the output is the same either way."""
+        from; other proposers ignore it, and the output is the same either way. ``priority`` (vLLM's; lower is
+        sooner): the request's rank under ``scheduling_policy="priority"``, 0 under "fcfs"."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         prompt_ids = params.truncated(prompt_ids, self.max_seq_len)  # vLLM's truncate_prompt_tokens
         self.check_request(prompt_ids, params, prediction)
         if request_id is not None and request_id in self.requests:
@@ -348,7 +359,7 @@ class Engine:
         grammar = self.grammars().matcher(params.structured) if params.structured is not None else None
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
                       grammar=grammar, prediction=prediction)
-        req.speculate = speculate
+        req.speculate, req.priority = speculate, priority
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req

@@ -8,10 +8,16 @@ Each step, in order:
      prefilling, then new admissions from the waiting queue while slots and KV capacity allow.
 The oldest running request always fits alone (``Engine.add_request`` checks this), so the engine always makes
 progress: preemption goes newest-first and the waiting queue is first-come first-served.
+
+With ``scheduling_policy="priority"`` (vLLM's) "oldest" reads "first by (priority, arrival)", lower priority values
+first: the waiting queue is kept in that order, and the running request preempted is the last in it. The first
+running request still fits alone and is never preempted, so the engine still makes progress; a low priority may wait
+as long as higher ones keep arriving (as in vLLM). Under "fcfs" every priority is 0 and the order is arrival's.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,7 +50,23 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple:
+        return req.priority, req.arrival_time, req.seq
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue at its rank: behind every request that ranks before it (under "fcfs" the rank is
+        arrival's, so a new request goes last and a preempted one, older than any never admitted, first)."""
+        if not self.waiting or self._rank(self.waiting[-1]) <= self._rank(req):
+            self.waiting.append(req)
+        else:
+            bisect.insort(self.waiting, req, key=self._rank)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last by rank (the newest under "fcfs")."""
+        return max(self.running, key=self._rank)
 
     @property
     def has_unfinished(self) -> bool:
@@ -75,7 +97,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req)
         out.preempted.append(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -84,13 +106,13 @@ class Scheduler:
             if not out.empty or out.admitted or not self.running:
                 return out
             # running requests exist but none could take a step (their prefills do not fit together): make room
-            self._preempt(self.running[-1], out)
+            self._preempt(self._victim(), out)
 
     def _try_schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         decode = [r for r in self.running if not is_prefilling(r)]
         while decode and not self.kv.can_fit(decode, []):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim, out)
             if victim in decode:
                 decode.remove(victim)

@@ -19,7 +19,7 @@ from .state import ServerState
 NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                   "logit_bias", "stop_token_ids", "min_tokens", "bad_words", "allowed_token_ids", "logprobs",
                   "top_logprobs", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
-                  "guided_regex", "guided_choice", "guided_grammar", "stream")
+                  "guided_regex", "guided_choice", "guided_grammar", "stream", "priority")
 BEAM_ONLY = ("length_penalty", "early_stopping")  # a beam search's own: refused without use_beam_search
 
 

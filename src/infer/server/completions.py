@@ -122,6 +122,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
     prediction = None if body.prediction is None else await run_in_threadpool(
         state.tokenizer.encode, body.prediction.text(), add_special_tokens=False)
     kw = {} if body.speculation else {"speculate": False}
+    if body.priority:
+        kw["priority"] = body.priority
     if prediction:
         kw["prediction"] = prediction
     try:
@@ -453,6 +455,8 @@ def _param_of(message: str) -> str | None:
     """The field a validation message names (SamplingParams.<field> ..., or the prompt's length)."""
     if message.startswith("SamplingParams."):
         return message.split()[0].split(".", 1)[1]
+    if message.startswith("priority"):
+        return "priority"
     if "prompt" in message:
         return "prompt"
     return None

@@ -168,6 +168,7 @@ class _Common(Sampling):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # infer's extension: regex, choice, grammar (or JSON)
     prediction: Prediction | None = None  # OpenAI's predicted output: a copy source for drafts (speed only)
+    priority: int = 0  # vLLM's: lower is served sooner, where the server runs --scheduling-policy priority
     # vLLM's older names of structured output (guided_json, _regex, _choice, _grammar: structured_outputs' json,
     # regex, choice, grammar)
     guided_json: dict | str | None = None

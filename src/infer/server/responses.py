@@ -102,6 +102,7 @@ class ResponsesRequest(P.Sampling):
     previous_response_id: str | None = None
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    priority: int = 0  # vLLM's, as on the chat route
     # what this server does not do: refused by name when asked for, never dropped in silence
     reasoning: dict | None = None
     conversation: str | dict | None = None
@@ -246,7 +247,8 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
                                     structured=structured)
 
     rid = f"resp_{uuid.uuid4().hex}"
-    stream = await add_stream(state, ids, params, rid, field, **({} if body.speculation else {"speculate": False}))
+    kw = ({} if body.speculation else {"speculate": False}) | ({"priority": body.priority} if body.priority else {})
+    stream = await add_stream(state, ids, params, rid, field, **kw)
     name = choice.function.name if mode == "named" else None
     c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,
                                                                                           state.tool_parser))
