@@ -362,7 +362,7 @@ def test_priority_policy_admits_by_priority_then_arrival_and_preempts_the_lowest
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ref = [autoregressive_generate(target, p, params).output_ids for p in prompts]
     for policy, low in (("fcfs", 0), ("priority", 5)):
-        eng = _engine(models, gqa_dir, spec=False, scheduling_policy=policy, max_batch_size=6, num_kv_blocks=14,
+        eng = _engine(models, gqa_dir, scheduling_policy=policy, max_batch_size=6, num_kv_blocks=14, spec_length=3,
                       block_size=4)
         first = eng.add_request(prompts[0], params, priority=low)
         for _ in range(3):
