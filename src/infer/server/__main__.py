@@ -12,8 +12,8 @@ from ..cli_args import _text_or_file, add_dataclass_args, add_model_args, add_sp
 from ..engine.config import EngineConfig
 
 ENGINE_FIELDS = ("kv_cache_backend", "block_size", "num_kv_blocks", "enable_prefix_caching", "max_batch_size",
-                 "max_seq_len", "max_num_batched_tokens", "max_waiting_requests", "scheduling_policy", "spec_max_batch_size",
-                 "seed")
+                 "max_seq_len", "max_num_batched_tokens", "max_waiting_requests", "scheduling_policy",
+                 "spec_max_batch_size", "seed")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
