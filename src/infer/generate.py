@@ -9,6 +9,7 @@ from .cache import KVCachePool, SlottedKVCache
 from .model.llama import LlamaForCausalLM
 from .request import Request
 from .sampling import SamplingBatch, SamplingParams, argmax, logits_to_probs, make_generator, penalty_context, sample
+from .logits_processors import apply_logits_processors_
 from .token_bans import ban_bad_words_
 from .tokenizer import Tokenizer
 
@@ -92,6 +93,8 @@ def autoregressive_generate(
             meta = kv.prepare([slot], [x.shape[1]])
             hidden = model(x, meta.positions, kv, meta)
             logits = model.compute_logits(hidden[:, -1])  # [1, V]
+            if params.logits_processors:
+                apply_logits_processors_(logits, [req])
             if req.bad_words:
                 ban_bad_words_(logits, [req])
             tok = sampler(logits)

@@ -62,6 +62,10 @@ class SamplingParams:
     # vLLM's: only the prompt's last this many tokens are read (left truncation); -1: as many as the engine's
     # max_seq_len; None: the whole prompt
     truncate_prompt_tokens: int | None = None
+    # vLLM's (and Hugging Face's logits_processor): functions (output_ids, logits) -> logits or (prompt_ids,
+    # output_ids, logits) -> logits, applied in order to each position's logits before every other rule; they must
+    # keep no state across calls (speculation calls them for drafts it then rejects: infer.logits_processors)
+    logits_processors: list | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -149,6 +153,9 @@ class SamplingParams:
                     not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
                 bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
             self.allowed_token_ids = sorted(set(ids))
+        from .logits_processors import check_processors
+
+        self.logits_processors = check_processors(self.logits_processors)
         for name in ("bad_words", "allowed_token_ids"):  # the grammar's mask and these could leave no token at all
             if getattr(self, name) is not None and self.structured is not None:
                 bad(name, "cannot go with structured output (restrict the output in the grammar instead)")

@@ -20,6 +20,7 @@ from ..model.llama import LlamaForCausalLM
 from ..request import Request, StepOutput
 from ..structured import mask_rows_
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts, sample
+from ..logits_processors import apply_logits_processors_
 from ..token_bans import ban_bad_words_
 from .kv_manager import KVManager
 from .stats import EngineStats
@@ -65,6 +66,8 @@ class ModelRunner:
         """logits [N, V] of each request's next token -> one token each (the pipeline of sampling.py). A request
         with structured output has its disallowed tokens set to -inf in ``logits`` first (in place: the logprobs
         reported are then those of the law sampled)."""
+        if any(r.params.logits_processors for r in reqs):  # the request's own functions, before every rule
+            apply_logits_processors_(logits, reqs)
         if any(r.params.min_tokens for r in reqs):  # no stop token before the request's min_tokens
             ban_early_stops_(logits, reqs)
         if any(r.bad_words for r in reqs):  # no bad word completed

@@ -188,7 +188,8 @@ class _Common(Sampling):
     logits_processors: list | None = None
 
     _valid_guided = field_validator("guided_regex", "guided_choice", "guided_grammar")(valid_text)
-    _no_processors = field_validator("logits_processors")(_unsupported("no logits processors"))
+    _no_processors = field_validator("logits_processors")(_unsupported(
+        "logits processors are Python functions: the library's SamplingParams takes them"))
 
     def structured(self) -> tuple[StructuredOutput | None, str | None]:
         """The constraint asked for and the field that asked (for a 400 naming it); ValueError if it is malformed."""

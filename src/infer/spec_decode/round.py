@@ -30,6 +30,7 @@ import torch
 from ..proposers.base import DraftBatch, Proposal, Proposer
 from ..request import Request, StepOutput
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
+from ..logits_processors import apply_logits_processors_
 from ..token_bans import ban_bad_words_, chain_drafted
 from .acceptance import AcceptancePolicy, ExactAcceptance
 from .grammar import RoundGrammar, forced_drafts, with_forced
@@ -200,6 +201,8 @@ class SpeculativeDecoder:
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
         hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
         logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0
+        if any(p.logits_processors for p in params):  # position j: the request's functions, after the j drafts
+            apply_logits_processors_(logits, reqs, chain_drafted([host[b][:nd[b]] for b in range(len(reqs))]))
         if any(p.min_tokens for p in params):  # position j: no stop token before the row's min_tokens
             ban_early_stops_(logits, reqs)
         if any(r.bad_words for r in reqs):  # position j: no bad word completed by the output and the j drafts before

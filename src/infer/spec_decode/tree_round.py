@@ -27,6 +27,7 @@ import torch
 from ..cache.base import TreeAttn
 from ..proposers.base import DraftBatch
 from ..sampling import SamplingBatch, argmax, ban_early_stops_, logits_to_probs, request_contexts
+from ..logits_processors import apply_logits_processors_
 from ..token_bans import ban_bad_words_, tree_drafted
 from ..structured import mask_bias
 from .grammar import prune_tree
@@ -71,6 +72,8 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     attn = TreeAttn(torch.tensor(base, device=dev)[:, None] + depth, base, ancestor_mask(parents))
     hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
     logits = runner.model.compute_logits(hidden, torch.tensor([len(t.tokens) for t in trees]))  # [B, N, V], pads 0
+    if any(p.logits_processors for p in params):  # node i: the request's functions, after the drafts on its path
+        apply_logits_processors_(logits, reqs, tree_drafted(trees))
     if any(p.min_tokens for p in params):  # a node at depth d: no stop token before the row's min_tokens
         ban_early_stops_(logits, reqs, depth)
     if any(r.bad_words for r in reqs):  # node i: no bad word completed by the output and the drafts on its path

@@ -1,0 +1,164 @@
+"""Logits processors (vLLM's ``SamplingParams.logits_processors``; infer.logits_processors): both of vLLM's forms,
+applied at every verified position with the drafts before it (chain and tree), greedy parity of plain, speculating
+and token-by-token decoding, the exact joint law of two tokens under sampling through the batched engine on both KV
+backends and in tree rounds, a verify that calls them without the drafts caught by the same test, and the
+parameter's refusals."""
+
+import pytest
+import torch
+
+from infer.engine import Engine, EngineConfig
+from infer.generate import autoregressive_generate
+from infer.logits_processors import apply_logits_processors_
+from infer.request import Request
+from infer.sampling import SamplingParams
+from infer.spec_decode import round as round_module
+from infer.testing import random_llama
+from infer.token_bans import chain_drafted
+
+from test_spec_distribution import N, V, _next, chi2_pvalue
+
+
+def no_repeat(output_ids, logits):
+    """The last output token cannot come again at once (a new tensor)."""
+    if output_ids:
+        logits = logits.clone()
+        logits[output_ids[-1]] = float("-inf")
+    return logits
+
+
+def lift(prompt_ids, output_ids, logits):
+    """vLLM's three-argument form, in place: the token picked by the position's length is lifted by 2."""
+    logits[(len(prompt_ids) + len(output_ids) * 3) % V] += 2.0
+    return logits
+
+
+PROCESSORS = [no_repeat, lift]
+
+
+def test_each_position_sees_the_output_and_the_drafts_before_it():
+    """A verify's [B, T, V]: position t of a row is processed after the output plus its first t drafts; pads are
+    left alone, and a request without processors is untouched."""
+    seen = []
+
+    def record(prompt_ids, output_ids, logits):
+        seen.append((list(prompt_ids), list(output_ids)))
+        return logits + 1.0
+
+    a = Request([1, 2], SamplingParams(logits_processors=[record]))
+    a.output_ids = [5]
+    b = Request([3], SamplingParams())
+    logits = torch.zeros(2, 4, V)
+    apply_logits_processors_(logits, [a, b], chain_drafted([[6, 7], [4]]))
+    assert seen == [([1, 2], [5]), ([1, 2], [5, 6]), ([1, 2], [5, 6, 7])]
+    assert logits[0, :3].eq(1.0).all() and logits[0, 3].eq(0.0).all() and logits[1].eq(0.0).all()
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_greedy_plain_speculating_and_token_by_token_agree(backend):
+    """Greedy with the processors: plain decoding, speculating chains (paged: trees too) and the token-by-token
+    loop give the same tokens, other than without them, and never a token twice in a row."""
+    target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logits_processors=PROCESSORS)
+    prompt = [1, 2, 3]
+    cfg = dict(block_size=4, kv_cache_backend=backend)
+    plain = Engine(EngineConfig(model="t", **cfg), model=target)
+    want = plain.run([plain.add_request(prompt, params)])[0].output_ids
+    free = plain.run([plain.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))])
+    assert want != free[0].output_ids and all(x != y for x, y in zip(want, want[1:]))
+    assert autoregressive_generate(target, prompt, params, eos_token_ids=[]).output_ids == want
+    shapes = [None] + (["3x2:6"] if backend == "paged" else [])
+    for tree in shapes:
+        spec = Engine(EngineConfig(model="t", draft_model="d", spec_length=3, spec_tree=tree, **cfg), model=target,
+                      draft_model=drafter)
+        assert spec.run([spec.add_request(prompt, params)])[0].output_ids == want, tree
+        assert spec.stats.num_drafts > 0 and (tree is None or spec.stats.tree_rounds > 0)
+
+
+def _joint(target, params, prompt, first):
+    """P(x_first, x_first+1 | prompt) [V, V] under the pipeline, each position's logits processed after the output
+    before it."""
+    n = len(prompt)
+
+    def nxt(seq):
+        with torch.no_grad():
+            logits = target.compute_logits(target(torch.tensor([seq])))[0, -1]
+        for fn in params.logits_processors:
+            logits = fn(seq[n:], logits) if fn is no_repeat else fn(seq[:n], seq[n:], logits)
+        bare = SamplingParams(temperature=params.temperature, top_k=params.top_k)
+        return _next(_Fixed(logits), [seq], bare, n)[0]
+
+    p1 = nxt(prompt)
+    if first == 1:
+        return p1[:, None] * torch.stack([nxt(prompt + [a]) for a in range(V)])
+    out = torch.zeros(V, V)
+    for a in range(V):
+        p2 = nxt(prompt + [a])
+        out += p1[a] * p2[:, None] * torch.stack([nxt(prompt + [a, b]) for b in range(V)])
+    return out
+
+
+class _Fixed:
+    """A stand-in model whose logits are given (``_next`` reads ``config.vocab_size`` and calls it)."""
+
+    def __init__(self, logits):
+        self.logits, self.config = logits, type("C", (), {"vocab_size": V})
+
+    def __call__(self, x):
+        return x
+
+    def compute_logits(self, _):
+        return self.logits[None, None].clone()
+
+
+def _pvalue(params, tree=False, **cfg):
+    """N concurrent sampled requests: the first two tokens of a one-token prompt from one chain round (a tree:
+    tokens 2 and 3 of a two-token prompt from one tree round) -> the chi-square p-value against the exact law."""
+    target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
+    prompt, first = ([1, 2], 2) if tree else ([1], 1)
+    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32, block_size=4,
+                              seed=1234, **({"spec_tree": "2x2"} if tree else {}), **cfg),
+                 model=target, draft_model=drafter)
+    reqs = eng.run([eng.add_request(prompt, params) for _ in range(N)])
+    counts = torch.zeros(V, V)
+    for r in reqs:
+        counts[r.output_ids[first - 1], r.output_ids[first]] += 1
+    assert eng.stats.num_drafts > 0 and (not tree or eng.stats.tree_rounds > 0)
+    try:
+        return chi2_pvalue(counts, _joint(target, params, prompt, first))
+    except AssertionError:  # a zero-probability pair
+        return 0.0
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=3, logits_processors=PROCESSORS)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_engine_joint_law_with_processors(backend):
+    assert _pvalue(SAMPLED, kv_cache_backend=backend) > 0.001
+    assert _pvalue(SamplingParams(temperature=0.7, top_k=5, max_tokens=3, logits_processors=PROCESSORS),
+                   kv_cache_backend=backend) > 0.001
+
+
+def test_tree_rounds_joint_law_with_processors():
+    assert _pvalue(SamplingParams(temperature=1.0, max_tokens=4, logits_processors=PROCESSORS), tree=True) > 0.001
+
+
+def test_a_verify_that_calls_them_without_the_drafts_is_caught(monkeypatch):
+    def blind(logits, reqs, drafted=None):  # every position processed as if it followed the output alone
+        apply_logits_processors_(logits, reqs, [[[] for _ in d] for d in drafted])
+
+    monkeypatch.setattr(round_module, "apply_logits_processors_", blind)
+    assert _pvalue(SAMPLED) < 1e-4
+
+
+def test_processors_that_are_not_functions_of_the_context_are_refused():
+    for bad, says in ((no_repeat, "must be a list"), ([no_repeat, 3], r"logits_processors\[1\]"),
+                      ([lambda logits: logits], r"logits_processors\[0\]")):
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(logits_processors=bad)
+    assert SamplingParams(logits_processors=[]).logits_processors is None
+    eng = Engine(EngineConfig(model="t"), model=random_llama(V, seed=0))
+    req = eng.add_request([1, 2], SamplingParams(max_tokens=2, logits_processors=[lambda out, logits: None]))
+    with pytest.raises(TypeError, match="must return the position's logits"):
+        eng.run([req])
