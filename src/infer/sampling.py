@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .logits_processors import check_processors
 from .structured import KINDS, StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (SamplingParams sets them to 0)
@@ -153,8 +154,6 @@ class SamplingParams:
                     not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
                 bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
             self.allowed_token_ids = sorted(set(ids))
-        from .logits_processors import check_processors
-
         self.logits_processors = check_processors(self.logits_processors)
         for name in ("bad_words", "allowed_token_ids"):  # the grammar's mask and these could leave no token at all
             if getattr(self, name) is not None and self.structured is not None:
