@@ -162,3 +162,28 @@ def test_processors_that_are_not_functions_of_the_context_are_refused():
     req = eng.add_request([1, 2], SamplingParams(max_tokens=2, logits_processors=[lambda out, logits: None]))
     with pytest.raises(TypeError, match="must return the position's logits"):
         eng.run([req])
+
+
+def test_a_processor_that_fails_ends_the_call_and_leaves_the_engine_clean(gqa_dir):
+    """What a processor raises mid-round ends LLM.generate with it, as does one that leaves no token to sample (a
+    ValueError saying so); the call's requests are aborted on the way out, their KV freed, and the next call's
+    tokens are a fresh engine's."""
+    from infer import LLM
+
+    def fails(output_ids, logits):
+        if len(output_ids) >= 3:
+            raise RuntimeError("processor gave up")
+        return logits
+
+    def nothing(output_ids, logits):
+        return torch.full_like(logits, float("-inf"))
+
+    llm = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, block_size=4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["def fib(n):", "import os"]
+    for fn, error, says in ((fails, RuntimeError, "gave up"), (nothing, ValueError, "nothing to sample")):
+        with pytest.raises(error, match=says):
+            llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=12, logits_processors=[fn]))
+        assert not llm.engine.has_unfinished and llm.engine.free_kv_tokens() == llm.engine.initial_free_kv_tokens
+    want = LLM(gqa_dir, draft_model=gqa_dir, spec_length=3, block_size=4).generate(prompts, greedy)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in want]

@@ -155,7 +155,17 @@ class LLM:
         return [RequestOutput.from_requests(g, speculative=spec) for g in groups]
 
     def _run(self, groups: list[list[Request]], bar: bool) -> None:
-        """Step the engine until every request has finished, counting finished prompts on a bar if asked."""
+        """Step the engine until every request has finished, counting finished prompts on a bar if asked. Whatever
+        stops it (a request's logits processor raising, Ctrl-C) aborts the call's unfinished requests on its way
+        out, so the engine holds nothing of them (their KV freed) and the next call starts clean."""
+        try:
+            self._steps(groups, bar)
+        except BaseException:
+            for r in (r for g in groups for r in g if not r.finished):
+                self.engine.abort(r.request_id)
+            raise
+
+    def _steps(self, groups: list[list[Request]], bar: bool) -> None:
         if not bar:
             self.engine.run([r for g in groups for r in g])
             return

@@ -61,13 +61,19 @@ def _run(fns, prompt_ids: list[int], output_ids: list[int], row: torch.Tensor) -
 def apply_logits_processors_(logits: torch.Tensor, reqs, drafted: list[list[list[int]]] | None = None) -> None:
     """Each request's processors over its logits, in place: logits [B, V] (each request's next token) or [B, T, V] (a
     verify or a tree: position t of row b follows the output plus ``drafted[b][t]``, the drafts before it; a row's
-    positions past ``len(drafted[b])`` are padding and left alone). A processor sees copies of the token lists."""
+    positions past ``len(drafted[b])`` are padding and left alone). A processor sees copies of the token lists.
+    ValueError where they leave a position no token with a finite logit (a law of nothing); what a processor raises
+    is raised here (``LLM.generate`` then aborts its requests: the engine is left clean)."""
     for b, r in enumerate(reqs):
         fns = r.params.logits_processors
         if not fns:
             continue
         for t, before in enumerate(drafted[b] if drafted is not None and logits.dim() == 3 else [[]]):
             row = logits[b] if logits.dim() == 2 else logits[b, t]
-            new = _run(fns, list(r.prompt_ids), r.output_ids + list(before), row)
+            output = r.output_ids + list(before)
+            new = _run(fns, list(r.prompt_ids), output, row)
+            if not bool(torch.isfinite(new).any()):
+                raise ValueError(f"request {r.request_id}: its logits processors left no token with a finite logit "
+                                 f"after {len(output)} output tokens: there is nothing to sample")
             if new is not row:
                 row.copy_(new)
