@@ -16,7 +16,8 @@ from infer.spec_decode import round as round_module
 from infer.testing import random_llama
 from infer.token_bans import chain_drafted
 
-from test_spec_distribution import N, V, _next, chi2_pvalue
+from test_spec_distribution import V, _next
+from test_token_bans import engine_pvalue, joint_of
 
 
 def no_repeat(output_ids, logits):
@@ -76,8 +77,7 @@ def test_greedy_plain_speculating_and_token_by_token_agree(backend):
 
 
 def _joint(target, params, prompt, first):
-    """P(x_first, x_first+1 | prompt) [V, V] under the pipeline, each position's logits processed after the output
-    before it."""
+    """The exact law under the pipeline, each position's logits processed after the output before it."""
     n = len(prompt)
 
     def nxt(seq):
@@ -88,14 +88,7 @@ def _joint(target, params, prompt, first):
         bare = SamplingParams(temperature=params.temperature, top_k=params.top_k)
         return _next(_Fixed(logits), [seq], bare, n)[0]
 
-    p1 = nxt(prompt)
-    if first == 1:
-        return p1[:, None] * torch.stack([nxt(prompt + [a]) for a in range(V)])
-    out = torch.zeros(V, V)
-    for a in range(V):
-        p2 = nxt(prompt + [a])
-        out += p1[a] * p2[:, None] * torch.stack([nxt(prompt + [a, b]) for b in range(V)])
-    return out
+    return joint_of(nxt, prompt, first)
 
 
 class _Fixed:
@@ -112,22 +105,9 @@ class _Fixed:
 
 
 def _pvalue(params, tree=False, **cfg):
-    """N concurrent sampled requests: the first two tokens of a one-token prompt from one chain round (a tree:
-    tokens 2 and 3 of a two-token prompt from one tree round) -> the chi-square p-value against the exact law."""
-    target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
-    prompt, first = ([1, 2], 2) if tree else ([1], 1)
-    eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32, block_size=4,
-                              seed=1234, **({"spec_tree": "2x2"} if tree else {}), **cfg),
-                 model=target, draft_model=drafter)
-    reqs = eng.run([eng.add_request(prompt, params) for _ in range(N)])
-    counts = torch.zeros(V, V)
-    for r in reqs:
-        counts[r.output_ids[first - 1], r.output_ids[first]] += 1
-    assert eng.stats.num_drafts > 0 and (not tree or eng.stats.tree_rounds > 0)
-    try:
-        return chi2_pvalue(counts, _joint(target, params, prompt, first))
-    except AssertionError:  # a zero-probability pair
-        return 0.0
+    """The chi-square p-value of N sampled requests through one round (test_token_bans.engine_pvalue) against the
+    exact processed law."""
+    return engine_pvalue(params, lambda target, prompt, first: _joint(target, params, prompt, first), tree=tree, **cfg)
 
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=3, logits_processors=PROCESSORS)

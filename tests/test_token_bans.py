@@ -138,13 +138,8 @@ def test_greedy_parity_plain_speculating_and_token_by_token(models, backend):
 
 
 # -- the exact law under sampling ----------------------------------------------------------------------------------
-def _joint(target, params, words, prompt, first):
-    """P(x_first, x_first+1 | prompt) [V, V] under the pipeline with each position's bans (the output before it)."""
-    n = len(prompt)
-
-    def nxt(seq):
-        return _next(target, [seq], params, n, banned_after(words, seq[n:]) if words else ())[0]
-
+def joint_of(nxt, prompt, first):
+    """P(x_first, x_first+1 | prompt) [V, V] from ``nxt(seq)``, the law of the token after seq [V]."""
     p1 = nxt(prompt)
     if first == 1:
         return p1[:, None] * torch.stack([nxt(prompt + [a]) for a in range(V)])
@@ -155,10 +150,17 @@ def _joint(target, params, words, prompt, first):
     return out
 
 
-def _pvalue(params, words=None, dv_ids=None, tree=False, **cfg):
+def _joint(target, params, words, prompt, first):
+    """The exact law under the pipeline with each position's bans (the output before it)."""
+    n = len(prompt)
+    return joint_of(lambda seq: _next(target, [seq], params, n, banned_after(words, seq[n:]) if words else ())[0],
+                    prompt, first)
+
+
+def engine_pvalue(params, joint, dv_ids=None, tree=False, **cfg):
     """N concurrent sampled requests: the first two tokens of a one-token prompt come from one chain round (with a
     tree: tokens 2 and 3 of a two-token prompt from one tree round) -> the chi-square p-value against the exact
-    joint, 0.0 where a pair of probability 0 came out."""
+    joint ``joint(target, prompt, first)``, 0.0 where a pair of probability 0 came out."""
     target, drafter = random_llama(V, seed=0), random_llama(V, seed=1, noise_from=0, noise=0.3)
     dv = None if dv_ids is None else DraftVocab(drafter.lm_head_weight, dv_ids)
     prompt, first = ([1, 2], 2) if tree else ([1], 1)
@@ -171,9 +173,14 @@ def _pvalue(params, words=None, dv_ids=None, tree=False, **cfg):
         counts[r.output_ids[first - 1], r.output_ids[first]] += 1
     assert eng.stats.num_drafts > 0 and (not tree or eng.stats.tree_rounds > 0)
     try:
-        return chi2_pvalue(counts, _joint(target, params, words or [], prompt, first))
+        return chi2_pvalue(counts, joint(target, prompt, first))
     except AssertionError:  # a zero-probability pair
         return 0.0
+
+
+def _pvalue(params, words=None, dv_ids=None, tree=False, **cfg):
+    return engine_pvalue(params, lambda target, prompt, first: _joint(target, params, words or [], prompt, first),
+                         dv_ids, tree, **cfg)
 
 
 def _likely_words():

@@ -47,9 +47,14 @@ def check_processors(fns) -> list | None:
     return list(fns) or None
 
 
-def _run(fns, prompt_ids: list[int], output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
-    for fn in fns:
-        out = fn(prompt_ids, output_ids, row) if _positional(fn) == 3 else fn(output_ids, row)
+def bind_processors(fns: list | None) -> list[tuple] | None:
+    """A request's checked processors as (function, whether it takes the prompt) pairs: each signature read once."""
+    return None if not fns else [(fn, _positional(fn) == 3) for fn in fns]
+
+
+def _run(bound: list[tuple], prompt_ids: list[int], output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+    for fn, takes_prompt in bound:
+        out = fn(prompt_ids, output_ids, row) if takes_prompt else fn(output_ids, row)
         if not isinstance(out, torch.Tensor) or out.shape != row.shape:
             raise TypeError(f"the logits processor {fn!r} returned {type(out).__name__}"
                             f"{'' if not isinstance(out, torch.Tensor) else ' of shape ' + str(tuple(out.shape))}: "
@@ -65,13 +70,13 @@ def apply_logits_processors_(logits: torch.Tensor, reqs, drafted: list[list[list
     ValueError where they leave a position no token with a finite logit (a law of nothing); what a processor raises
     is raised here (``LLM.generate`` then aborts its requests: the engine is left clean)."""
     for b, r in enumerate(reqs):
-        fns = r.params.logits_processors
-        if not fns:
+        if not r.logits_processors:
             continue
+        prompt = list(r.prompt_ids)
         for t, before in enumerate(drafted[b] if drafted is not None and logits.dim() == 3 else [[]]):
             row = logits[b] if logits.dim() == 2 else logits[b, t]
             output = r.output_ids + list(before)
-            new = _run(fns, list(r.prompt_ids), output, row)
+            new = _run(r.logits_processors, prompt, output, row)
             if not bool(torch.isfinite(new).any()):
                 raise ValueError(f"request {r.request_id}: its logits processors left no token with a finite logit "
                                  f"after {len(output)} output tokens: there is nothing to sample")

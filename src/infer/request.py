@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logits_processors import bind_processors
 from .sampling import SamplingParams
 from .token_bans import bad_words_ids
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -70,6 +71,8 @@ class Request:
         self.stops = self.eos | self.stop_ids  # the tokens that end it (masked before params.min_tokens)
         # the token sequences the output never completes (params.bad_words, tokenized: infer.token_bans)
         self.bad_words = bad_words_ids(params.bad_words, tokenizer) if params.bad_words else None
+        # params.logits_processors with their forms read once (infer.logits_processors)
+        self.logits_processors = bind_processors(params.logits_processors)
         self.output_ids: list[int] = []
         # log p of each output token and its top alternatives (params.logprobs; runner.emit appends), and of each prompt
         # token given those before it, with its rank in the target's law (1: the likeliest; params.prompt_logprobs; the
