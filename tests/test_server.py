@@ -16,6 +16,7 @@ import torch
 from infer.engine import EngineConfig
 from infer.engine.async_engine import AsyncEngine
 from infer.llm import LLM
+from infer.pooling import PoolingParams
 from infer.sampling import SamplingParams
 from infer.server import build_app
 from infer.server.thread import ServerThread
@@ -292,6 +293,46 @@ def test_model_card_and_vllms_tokenize_detokenize(server, client, llm):
                               ("/detokenize", {"model": "other", "tokens": [1]}, "model")):
         status, _, r = _raw(server, path, json.dumps(body).encode())
         assert status in (400, 404) and r["error"]["param"] == param, (path, r)
+
+
+def test_embeddings_with_the_openai_client(server, client, llm):
+    """OpenAI's embeddings.create (the client asks for base64 and decodes it): each input's vector is the library's
+    (LLM.embed, the last token's state normalized), as floats too; token ids in, usage counted, metrics kept; the
+    inputs it cannot embed are 400s naming the field, and nothing is left running."""
+    texts = ["def fib(n):", "hello there"]
+    want = [o.outputs.embedding for o in llm.embed(texts)]
+    r = client.embeddings.create(model=NAME, input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.model == NAME
+    for d, w in zip(r.data, want):
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(w), rtol=1e-6, atol=1e-6)
+    ids = llm.tokenizer.encode(texts[1])
+    assert r.usage.prompt_tokens == r.usage.total_tokens == len(llm.tokenizer.encode(texts[0])) + len(ids)
+    floats = client.embeddings.create(model=NAME, input=[ids], encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(r.data[1].embedding, abs=1e-6)
+    status, _, raw = _raw(server, "/v1/embeddings", json.dumps(
+        {"model": NAME, "input": texts[1], "normalize": False, "truncate_prompt_tokens": 2}).encode())
+    assert status == 200 and raw["usage"]["prompt_tokens"] == 2
+    assert abs(sum(x * x for x in raw["data"][0]["embedding"]) - 1) > 1e-3  # not normalized
+    width = llm.model.config.hidden_size
+    assert len(client.embeddings.create(model=NAME, input="x", dimensions=width).data[0].embedding) == width
+    for body, param in (({"input": "x", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
+                        ({"input": ""}, "input"), ({"input": [[1, 10 ** 9]]}, "input"),
+                        ({"input": [1] * 300}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"input": "x", "model": "other"}, "model")):
+        status, _, raw = _raw(server, "/v1/embeddings", json.dumps({"model": NAME, **body}).encode())
+        assert status in (400, 404) and raw["error"]["param"] == param, (body, raw)
+    req = urllib.request.Request(server.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})
+    metrics = urllib.request.urlopen(req).read().decode()
+    assert re.search(r"^infer_embedded_inputs_total 5\.0$", metrics, re.M), metrics
+    with pytest.raises(ValueError, match="pooling must be one of last, mean"):
+        build_app(server.engine, NAME, pooling="cls")
+    with ServerThread(build_app(server.engine, NAME, pooling="mean")) as means:  # `infer serve --pooling mean`
+        r = openai.OpenAI(base_url=means.base_url, api_key="-", max_retries=0).embeddings.create(model=NAME,
+                                                                                               input=texts)
+    for d, w in zip(r.data, llm.embed(texts, PoolingParams("mean"))):
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(w.outputs.embedding), rtol=1e-6, atol=1e-6)
+    assert _wait_idle(server.engine)
 
 
 def test_chat_continues_a_prefilled_answer(server, client, llm):

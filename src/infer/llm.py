@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .engine import Engine, EngineConfig
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
 
@@ -180,6 +181,21 @@ class LLM:
                 if done == len(groups):
                     return
                 self.engine.step()
+
+    def embed(self, prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
+              pooling_params: PoolingParams | list[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one vector a prompt (``outputs.embedding``), its final states pooled (infer.pooling:
+        the last token's by default, L2-normalized). Every prompt is checked before any runs (ValueError)."""
+        prompts = _prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        params = [params] * len(prompts) if isinstance(params, PoolingParams) else params
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in params):
+            raise TypeError(f"pooling_params is a PoolingParams or a list of them, got {_kind(pooling_params)}")
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        ids = [self.engine.check_embedding(self._prompt_ids(p)[1], q) for p, q in zip(prompts, params)]
+        return [EmbeddingRequestOutput(f"embd-{k}", i, EmbeddingOutput(self.engine.embed(i, q).tolist()))
+                for k, (i, q) in enumerate(zip(ids, params))]
 
     def beam_search(self, prompts, params) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), ``params.beam_width`` hypotheses,

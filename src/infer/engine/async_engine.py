@@ -5,10 +5,11 @@
         ...
     engine.abort(request_id)                                            # from anywhere, at any time
 
-The model thread owns the Engine; other threads talk to it only through a command queue (add / abort), and it
-answers through each request's asyncio.Queue via ``loop.call_soon_threadsafe``. ``add_request`` awaits the
-engine's verdict, so a bad or refused request raises (ValueError, QueueFullError) before any streaming starts.
-A consumer that stops iterating (client disconnect, task cancellation) aborts its request and frees its KV.
+The model thread owns the Engine; other threads talk to it only through a command queue (add / abort, and an
+embedding's forward between two steps), and it answers through each request's asyncio.Queue via
+``loop.call_soon_threadsafe``. ``add_request`` awaits the engine's verdict, so a bad or refused request raises
+(ValueError, QueueFullError) before any streaming starts. A consumer that stops iterating (client disconnect, task
+cancellation) aborts its request and frees its KV.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import traceback
 from collections.abc import AsyncIterator
 
 from ..beam import BeamHypothesis, BeamSearchParams, engine_search, sparse_logprobs, step_params
+from ..pooling import PoolingParams
 from ..request import StepOutput
 from ..sampling import SamplingParams
 from .config import EngineConfig
@@ -126,6 +128,17 @@ class AsyncEngine:
             search.step(sparse_logprobs(alts))
         return search.finished
 
+    async def embed(self, prompt_ids: list[int], params: PoolingParams | None = None):
+        """``Engine.embed`` on the model thread, between two steps (the model is that thread's): the prompt's
+        embedding [hidden_size], or the ValueError that names why it cannot be embedded."""
+        if self.error is not None:
+            raise EngineStoppedError(f"the engine loop has stopped: {self.error}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._cmds.put(("call", lambda: self.engine.embed(prompt_ids, params), loop, done))
+        self._wake.set()
+        return await done
+
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
         self._wake.set()
@@ -166,6 +179,14 @@ class AsyncEngine:
                 return
             self._streams[rid] = (loop, q)
             loop.call_soon_threadsafe(_settle, accepted, None)
+        elif cmd[0] == "call":
+            _, fn, loop, done = cmd
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, done, e)
+                return
+            loop.call_soon_threadsafe(_resolve, done, result)
         else:
             out = self.engine.abort(cmd[1])
             if out is not None:
@@ -201,3 +222,8 @@ def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(err)
+
+
+def _resolve(fut: asyncio.Future, result) -> None:
+    if not fut.done():  # the caller may have gone (cancelled)
+        fut.set_result(result)

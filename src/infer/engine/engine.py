@@ -21,6 +21,7 @@ from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
 from ..model.quant import quantize_linears, quantize_model
+from ..pooling import PoolingParams, embed_prompt
 from ..request import Request, RequestStatus, StepOutput
 from ..sampling import SamplingParams, make_generator
 from ..token_bans import bad_words_ids
@@ -327,6 +328,30 @@ class Engine:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine serves requests "
                              "first come, first served)")
+
+    def check_embedding(self, prompt_ids: list[int], params: PoolingParams) -> list[int]:
+        """The prompt's tokens as its embedding reads them (``truncate_prompt_tokens``); ValueError naming the
+        problem where it cannot be embedded."""
+        if self.tp is not None:
+            raise ValueError("embeddings run in one process: this engine shards its model over "
+                             f"{self.config.tensor_parallel_size} (tensor_parallel_size)")
+        ids = params.read_prompt(list(prompt_ids), self.max_seq_len)
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        V = self.model.config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) exceeds the maximum sequence length {self.max_seq_len} "
+                             "(truncate_prompt_tokens keeps its last tokens)")
+        return ids
+
+    def embed(self, prompt_ids: list[int], params: PoolingParams | None = None) -> torch.Tensor:
+        """One prompt's embedding [hidden_size], float32 on the CPU (infer.pooling): a forward of its own, no KV
+        block taken, every request's state left as it was; call it between steps (AsyncEngine.embed does)."""
+        params = params or PoolingParams()
+        return embed_prompt(self.model, self.check_embedding(prompt_ids, params), params).cpu()
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this engine's tokenizer and logits width (infer.structured)."""

@@ -38,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a request's own chat_template (vLLM's flag); without it such a request is refused: "
                         "a template is code the server runs (sandboxed, but free to loop)")
+    p.add_argument("--pooling", default="last", choices=("last", "mean"),
+                   help="how /v1/embeddings pools an input's final states into one vector (llama.cpp's flag): the "
+                        "last token's (default, as vLLM embeds with a generative model) or their mean")
     p.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
                         "default: one engine in this process, no Ray")
@@ -115,7 +118,7 @@ def serve(a) -> int:
     try:
         app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes,
                         tool_parser=a.tool_call_parser, chat_template=chat_template(a),
-                        trust_request_chat_template=a.trust_request_chat_template)
+                        trust_request_chat_template=a.trust_request_chat_template, pooling=a.pooling)
         print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                                 timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events

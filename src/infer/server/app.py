@@ -2,7 +2,7 @@
 
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
-is full. The routes live in routers (meta, completions, responses, tokens) that read a ServerState from
+is full. The routes live in routers (meta, completions, responses, tokens, embeddings) that read a ServerState from
 ``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground (static/: chat or
 completion, streamed, each token coloured by how speculation produced it).
 """
@@ -18,7 +18,8 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
-from . import completions, meta, responses, tokens
+from ..pooling import PoolingParams
+from . import completions, embeddings, meta, responses, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -88,12 +89,15 @@ async def _lifespan(app: FastAPI):
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None,
-              chat_template: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              pooling: str = "last") -> FastAPI:
     """``tool_parser`` (tools.PARSERS): the model's call format, which tool_choice "auto" needs; ValueError if the
     chat template does not show the model its tools (it could not call them). ``chat_template``: a Jinja template
     the server renders chats with instead of the checkpoint's (vLLM's ``--chat-template``); ValueError if it cannot
     render a conversation. ``trust_request_chat_template``: a request's own ``chat_template`` is rendered, not
-    refused (vLLM's ``--trust-request-chat-template``)."""
+    refused (vLLM's ``--trust-request-chat-template``). ``pooling``: how ``/v1/embeddings`` pools an input's states
+    (infer.pooling: "last" or "mean", llama.cpp's ``--pooling``); ValueError for another."""
+    PoolingParams(pooling)  # a pooling it does not know, named before anything is served
     if chat_template is not None:
         engine.engine.tokenizer.use_chat_template(chat_template)
     if tool_parser is not None:
@@ -107,7 +111,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                              "without a parser")
     app = FastAPI(title="infer", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.openapi = lambda: openapi_schema(app)
-    app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser, trust_request_chat_template)
+    app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser, trust_request_chat_template,
+                                                pooling)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
@@ -118,6 +123,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.include_router(completions.router)
     app.include_router(responses.router)
     app.include_router(tokens.router)
+    app.include_router(embeddings.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

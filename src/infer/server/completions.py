@@ -83,14 +83,14 @@ def _check_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt")
             raise ApiError(400, f"{param} token ids out of range [0, {vocab_size}): {bad[:5]}", param=param)
 
 
-def _prompt_ids(tok, prompt, vocab_size: int) -> list[list[int]]:
+def _prompt_ids(tok, prompt, vocab_size: int, param: str = "prompt") -> list[list[int]]:
     """Token ids of each prompt (text tokenised; ids range-checked before anything decodes them)."""
     if isinstance(prompt, str):
         return [tok.encode(prompt)]
     if prompt and isinstance(prompt[0], str):
         return [tok.encode(p) for p in prompt]
     prompts = [list(p) for p in prompt] if prompt and isinstance(prompt[0], list) else [list(prompt)]
-    _check_ids(prompts, vocab_size)
+    _check_ids(prompts, vocab_size, param)
     return prompts
 
 

@@ -53,7 +53,15 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("infer_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
                              registry=self.registry)
+        self.embedded_inputs = Counter("infer_embedded_inputs", "Inputs embedded (/v1/embeddings)",
+                                       registry=self.registry)
+        self.embedded_tokens = Counter("infer_embedded_tokens", "Tokens read by embeddings (/v1/embeddings; not in "
+                                       "infer_prompt_tokens)", registry=self.registry)
         self.registry.register(_EngineCollector(engine))
+
+    def embedded(self, inputs: int, tokens: int) -> None:
+        self.embedded_inputs.inc(inputs)
+        self.embedded_tokens.inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

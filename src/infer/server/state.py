@@ -26,14 +26,15 @@ class ServerState:
     tool_parser: str | None = None  # what reads tool_choice "auto"'s calls (tools.PARSERS); None: "auto" is refused
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored answers
     trust_request_chat_template: bool = False  # a request's chat_template is rendered (else refused: chat_render)
+    pooling: str = "last"  # how /v1/embeddings pools an input's states (infer.pooling.POOLINGS)
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, served_model_name: str, tool_parser: str | None = None,
-                    trust_request_chat_template: bool = False) -> ServerState:
+                    trust_request_chat_template: bool = False, pooling: str = "last") -> ServerState:
         eng = engine.engine
         return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
                    eng.max_seq_len, eng.model.config.vocab_size, tool_parser,
-                   trust_request_chat_template=trust_request_chat_template)
+                   trust_request_chat_template=trust_request_chat_template, pooling=pooling)
 
 
 async def server_state(request: Request) -> ServerState:  # async: FastAPI runs a sync dependency in a thread pool
