@@ -315,16 +315,24 @@ def test_embeddings_with_the_openai_client(server, client, llm):
     assert abs(sum(x * x for x in raw["data"][0]["embedding"]) - 1) > 1e-3  # not normalized
     width = llm.model.config.hidden_size
     assert len(client.embeddings.create(model=NAME, input="x", dimensions=width).data[0].embedding) == width
+    msgs = [{"role": "user", "content": "Hello there"}]  # vLLM's chat form: the conversation as the chat route renders
+    status, _, raw = _raw(server, "/v1/embeddings", json.dumps({"model": NAME, "messages": msgs}).encode())
+    chat_ids = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    assert status == 200 and raw["usage"]["prompt_tokens"] == len(chat_ids)
+    assert raw["data"][0]["embedding"] == pytest.approx(
+        llm.embed({"prompt_token_ids": chat_ids})[0].outputs.embedding, abs=1e-6)
     for body, param in (({"input": "x", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
                         ({"input": ""}, "input"), ({"input": [[1, 10 ** 9]]}, "input"),
                         ({"input": [1] * 300}, "input"), ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-                        ({"input": "x", "model": "other"}, "model")):
+                        ({"input": "x", "model": "other"}, "model"), ({}, "input"),
+                        ({"input": "x", "messages": msgs}, "input"),
+                        ({"messages": msgs, "chat_template": "{{ x }}"}, "chat_template")):
         status, _, raw = _raw(server, "/v1/embeddings", json.dumps({"model": NAME, **body}).encode())
         assert status in (400, 404) and raw["error"]["param"] == param, (body, raw)
     req = urllib.request.Request(server.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})
     metrics = urllib.request.urlopen(req).read().decode()
-    assert re.search(r"^infer_embedded_inputs_total 5\.0$", metrics, re.M), metrics
+    assert re.search(r"^infer_embedded_inputs_total 6\.0$", metrics, re.M), metrics
     with pytest.raises(ValueError, match="pooling must be one of last, mean"):
         build_app(server.engine, NAME, pooling="cls")
     with ServerThread(build_app(server.engine, NAME, pooling="mean")) as means:  # `infer serve --pooling mean`

@@ -1,20 +1,22 @@
 """OpenAI's ``/v1/embeddings`` (vLLM's, llama.cpp's ``--embeddings``): each input's final states pooled into one
 vector by the served model itself (infer.pooling: the server's ``--pooling``, the last token's by default), as
-floats or as OpenAI's base64 of little-endian float32 (the ``openai`` client asks for that by default). Every input
-is tokenised and checked before any is embedded; each runs on the engine's thread between two steps, taking no KV
-block from the requests generating beside it."""
+floats or as OpenAI's base64 of little-endian float32 (the ``openai`` client asks for that by default); or vLLM's
+chat form, one conversation's ``messages`` rendered as the chat route renders them. Every input is tokenised and
+checked before any is embedded; each runs on the engine's thread between two steps, taking no KV block from the
+requests generating beside it."""
 
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..pooling import PoolingParams
 from . import protocol as P
+from .chat_render import check_readable, check_template, render_chat
 from .completions import _check_model, _prompt_ids
 from .errors import ApiError
 from .state import CurrentState
@@ -26,7 +28,14 @@ class EmbeddingRequest(BaseModel):
     model_config = P.STRICT
 
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's chat form: one conversation, rendered as the chat route renders it (no assistant turn opened unless
+    # asked), embedded as one input
+    messages: list[P.ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka models' shortened vectors: this model has one length (refused else)
     # vLLM's
@@ -45,16 +54,28 @@ async def embeddings(body: EmbeddingRequest, state: CurrentState):
     if body.dimensions is not None and body.dimensions != width:
         raise ApiError(400, f"this model's embeddings have {width} values; dimensions shortens only a "
                        "Matryoshka-trained model's, which this is not", param="dimensions")
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    if not texts or "" in texts:  # as OpenAI's: an empty text has nothing to embed (but its tokenizer's BOS)
-        raise ApiError(400, "input is empty: give a text, a list of texts or token ids, none of them empty",
-                       param="input")
     params = PoolingParams(state.pooling, body.normalize is not False, body.truncate_prompt_tokens)
-    prompts = await run_in_threadpool(_prompt_ids, state.tokenizer, body.input, state.vocab_size, "input")
+    if (body.input is None) == (body.messages is None):
+        raise ApiError(400, "give input (texts or token ids) or messages (a chat), one of them", param="input")
+    if body.messages is not None:
+        check_template(state, body.chat_template, "give input")
+        check_readable(body.messages)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise ApiError(400, "continue_final_message continues the last message: add_generation_prompt must be "
+                           "false", param="continue_final_message")
+        prompts = [await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                     None, body.chat_template, body.chat_template_kwargs)]
+    else:
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or "" in texts:  # as OpenAI's: an empty text has nothing to embed (but its tokenizer's BOS)
+            raise ApiError(400, "input is empty: give a text, a list of texts or token ids, none of them empty",
+                           param="input")
+        prompts = await run_in_threadpool(_prompt_ids, state.tokenizer, body.input, state.vocab_size, "input")
     try:  # every input checked before any runs
         prompts = [state.engine.engine.check_embedding(p, params) for p in prompts]
     except ValueError as e:
-        raise ApiError(400, f"input: {e}", param="input") from None
+        where = "input" if body.messages is None else "messages"
+        raise ApiError(400, f"{where}: {e}", param=where) from None
     data, tokens = [], 0
     for i, ids in enumerate(prompts):
         vector = await state.engine.embed(ids, params)  # [hidden_size] float32
