@@ -100,6 +100,7 @@ def test_bad_input_is_refused_before_any_prompt_runs(llm, monkeypatch):
             (["ok", [1, V]], None, "out of range"),
             (["ok", [1] * (limit + 1)], None, "truncate_prompt_tokens"),
             ("ok", [PoolingParams(), PoolingParams()], "2 PoolingParams for 1 prompts"),
+            ("ok", [], "0 PoolingParams for 1 prompts"),
             ("ok", SamplingParams(), "PoolingParams or a list of them")):
         with pytest.raises((ValueError, TypeError), match=words):
             llm.embed(prompts, params)

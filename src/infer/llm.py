@@ -187,7 +187,7 @@ class LLM:
         """vLLM's ``LLM.embed``: one vector a prompt (``outputs.embedding``), its final states pooled (infer.pooling:
         the last token's by default, L2-normalized). Every prompt is checked before any runs (ValueError)."""
         prompts = _prompt_list(prompts)
-        params = pooling_params or PoolingParams()
+        params = PoolingParams() if pooling_params is None else pooling_params
         params = [params] * len(prompts) if isinstance(params, PoolingParams) else params
         if not isinstance(params, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in params):
             raise TypeError(f"pooling_params is a PoolingParams or a list of them, got {_kind(pooling_params)}")

@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.async_engine import EngineStoppedError
 from ..pooling import PoolingParams
 from . import protocol as P
 from .chat_render import check_readable, check_template, render_chat
@@ -78,7 +79,10 @@ async def embeddings(body: EmbeddingRequest, state: CurrentState):
         raise ApiError(400, f"{where}: {e}", param=where) from None
     data, tokens = [], 0
     for i, ids in enumerate(prompts):
-        vector = await state.engine.embed(ids, params)  # [hidden_size] float32
+        try:
+            vector = await state.engine.embed(ids, params)  # [hidden_size] float32
+        except EngineStoppedError as e:  # e.g. the model thread died: nothing can run now
+            raise ApiError(503, str(e), "server_error") from e
         tokens += len(ids)
         data.append({"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)})
     state.metrics.embedded(len(prompts), tokens)
