@@ -290,9 +290,7 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is needed")
         V = self.model.config.vocab_size
         for what, ids in (("prompt", prompt_ids), ("prediction", prediction or ())):
-            bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
-            if bad:
-                raise ValueError(f"{what} token ids out of range [0, {V}): {bad[:5]}")
+            _check_token_ids(what, ids, V)
         if n + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"exceeds the maximum sequence length {self.max_seq_len} (max_seq_len, capped by the model's "
@@ -338,10 +336,7 @@ class Engine:
         ids = params.read_prompt(list(prompt_ids), self.max_seq_len)
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        V = self.model.config.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V)]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        _check_token_ids("prompt", ids, self.model.config.vocab_size)
         if len(ids) > self.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) exceeds the maximum sequence length {self.max_seq_len} "
                              "(truncate_prompt_tokens keeps its last tokens)")
@@ -459,3 +454,10 @@ class Engine:
     @property
     def initial_free_kv_tokens(self) -> int:
         return self._initial_free_kv
+
+
+def _check_token_ids(what: str, ids, vocab_size: int) -> None:
+    """ValueError naming the first few of ``ids`` that are not token ids of [0, vocab_size)."""
+    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"{what} token ids out of range [0, {vocab_size}): {bad[:5]}")

@@ -58,3 +58,16 @@ async def render_chat(state: ServerState, messages: list[P.ChatMessage], add_gen
         # among them), a template's operation on the wrong type, transformers' checks of the messages
         raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                        param="chat_template" if template is not None else param) from None
+
+
+async def render_request_chat(state: ServerState, body, instead: str, tools: list[dict] | None = None) -> list[int]:
+    """The prompt tokens of a request body's ``messages`` where a route renders them as ``/tokenize`` does
+    (``add_generation_prompt``, ``continue_final_message``, ``chat_template`` and its kwargs as the body gives them):
+    the template checked (``instead``: what to use without one), the messages readable, the two flags consistent."""
+    check_template(state, body.chat_template, instead)
+    check_readable(body.messages)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message continues the last message: add_generation_prompt must be "
+                       "false", param="continue_final_message")
+    return await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message, tools,
+                             body.chat_template, body.chat_template_kwargs)

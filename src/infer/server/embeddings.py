@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from ..engine.async_engine import EngineStoppedError
 from ..pooling import PoolingParams
 from . import protocol as P
-from .chat_render import check_readable, check_template, render_chat
+from .chat_render import render_request_chat
 from .completions import _check_model, _prompt_ids
 from .errors import ApiError
 from .state import CurrentState
@@ -59,13 +59,7 @@ async def embeddings(body: EmbeddingRequest, state: CurrentState):
     if (body.input is None) == (body.messages is None):
         raise ApiError(400, "give input (texts or token ids) or messages (a chat), one of them", param="input")
     if body.messages is not None:
-        check_template(state, body.chat_template, "give input")
-        check_readable(body.messages)
-        if body.continue_final_message and body.add_generation_prompt:
-            raise ApiError(400, "continue_final_message continues the last message: add_generation_prompt must be "
-                           "false", param="continue_final_message")
-        prompts = [await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                                     None, body.chat_template, body.chat_template_kwargs)]
+        prompts = [await render_request_chat(state, body, "give input")]
     else:
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or "" in texts:  # as OpenAI's: an empty text has nothing to embed (but its tokenizer's BOS)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from . import protocol as P
-from .chat_render import check_readable, check_template, render_chat
+from .chat_render import render_request_chat
 from .completions import _check_ids, _check_model
 from .errors import ApiError
 from .state import CurrentState
@@ -50,13 +50,7 @@ async def tokenize(body: TokenizeRequest, state: CurrentState):
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give prompt (a text) or messages (a chat), one of them", param="prompt")
     if body.messages is not None:
-        check_template(state, body.chat_template, "tokenize a prompt")
-        check_readable(body.messages)
-        if body.continue_final_message and body.add_generation_prompt:
-            raise ApiError(400, "continue_final_message continues the last message: add_generation_prompt must be "
-                           "false", param="continue_final_message")
-        ids = await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                                P.tool_dicts(body.tools), body.chat_template, body.chat_template_kwargs)
+        ids = await render_request_chat(state, body, "tokenize a prompt", P.tool_dicts(body.tools))
     else:
         ids = await run_in_threadpool(state.tokenizer.encode, body.prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
