@@ -343,6 +343,62 @@ def test_embeddings_with_the_openai_client(server, client, llm):
     assert _wait_idle(server.engine)
 
 
+def _embedded_inputs(server) -> float:
+    req = urllib.request.Request(server.url + "/metrics", headers={"authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req).read().decode()
+    return float(re.search(r"^infer_embedded_inputs_total (\S+)$", text, re.M).group(1))
+
+
+def test_score_and_rerank_read_the_library_scores(server, llm):
+    """vLLM's /score (one text_1 against each text_2, or pairwise) and /rerank (Jina's and Cohere's shape): the
+    scores are LLM.score's, the documents best first, top_n of them; each distinct text embedded once (usage and
+    the metric count them); bad input is a 400 naming the field, and nothing is left running."""
+    query, docs = "def fib(n):", ["def fib(n): return n", "hello there", "a"]
+    want = [o.outputs.score for o in llm.score(query, docs)]
+    before = _embedded_inputs(server)
+    for path in ("/score", "/v1/score"):
+        status, _, raw = _raw(server, path, json.dumps({"model": NAME, "text_1": query, "text_2": docs}).encode())
+        assert status == 200 and raw["object"] == "list" and raw["model"] == NAME, raw
+        assert [d["index"] for d in raw["data"]] == [0, 1, 2] and {d["object"] for d in raw["data"]} == {"score"}
+        assert [d["score"] for d in raw["data"]] == pytest.approx(want, abs=1e-6)
+        tokens = sum(len(llm.tokenizer.encode(t)) for t in [query] + docs)
+        assert raw["usage"]["prompt_tokens"] == raw["usage"]["total_tokens"] == tokens
+    assert _embedded_inputs(server) - before == 8  # 4 distinct texts a call
+    status, _, raw = _raw(server, "/v1/score", json.dumps(
+        {"model": NAME, "text_1": [query, docs[1]], "text_2": docs[:2]}).encode())
+    pairwise = [o.outputs.score for o in llm.score([query, docs[1]], docs[:2])]
+    assert status == 200 and [d["score"] for d in raw["data"]] == pytest.approx(pairwise, abs=1e-6)
+    best = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        status, _, raw = _raw(server, path, json.dumps(
+            {"model": NAME, "query": query, "documents": [docs[0], {"text": docs[1]}, docs[2]], "top_n": 2}).encode())
+        assert status == 200 and raw["model"] == NAME and raw["usage"]["total_tokens"] == tokens, raw
+        assert [r["index"] for r in raw["results"]] == best[:2]
+        assert [r["relevance_score"] for r in raw["results"]] == pytest.approx([want[i] for i in best[:2]], abs=1e-6)
+        assert [r["document"]["text"] for r in raw["results"]] == [docs[i] for i in best[:2]]
+    status, _, raw = _raw(server, "/v1/rerank", json.dumps(
+        {"model": NAME, "query": query, "documents": docs, "return_documents": False}).encode())
+    assert status == 200 and [r["index"] for r in raw["results"]] == best and "document" not in raw["results"][0]
+    long = " ".join(["hello"] * 400)
+    for path, body, param in (("/v1/score", {"text_1": [query, query], "text_2": docs}, "text_1"),
+                              ("/v1/score", {"text_1": query, "text_2": []}, "text_2"),
+                              ("/v1/score", {"text_1": query, "text_2": ["x", ""]}, "text_2"),
+                              ("/v1/score", {"text_1": long, "text_2": "x"}, "text_1"),
+                              ("/v1/score", {"text_1": query, "text_2": "x", "truncate_prompt_tokens": 0},
+                               "truncate_prompt_tokens"),
+                              ("/v1/score", {"text_1": query}, "text_2"),
+                              ("/v1/rerank", {"query": query, "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
+                              ("/v1/rerank", {"query": query, "documents": [long]}, "documents"),
+                              ("/v1/rerank", {"query": query, "documents": docs, "model": "other"}, "model")):
+        status, _, raw = _raw(server, path, json.dumps({"model": NAME, **body}).encode())
+        assert status in (400, 404) and raw["error"]["param"] == param, (body, raw)
+    status, _, raw = _raw(server, "/v1/score", json.dumps({"model": NAME, "text_1": query, "text_2": "x",
+                                                           "truncate_prompt_tokens": 2}).encode())
+    assert status == 200 and raw["usage"]["prompt_tokens"] == 2 + min(2, len(llm.tokenizer.encode("x")))
+    assert _wait_idle(server.engine)
+
+
 def test_chat_continues_a_prefilled_answer(server, client, llm):
     """vLLM's continue_final_message (add_generation_prompt false): the reply continues the last message, an
     assistant's begun, as the library's LLM.chat does; asked of a user's message it is a 400 naming the field."""

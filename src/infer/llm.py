@@ -11,6 +11,7 @@ from .engine import Engine, EngineConfig
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
+from .scoring import ScoringOutput, ScoringRequestOutput, cosine, pair_up
 
 
 class LLM:
@@ -196,6 +197,26 @@ class LLM:
         ids = [self.engine.check_embedding(self._prompt_ids(p)[1], q) for p, q in zip(prompts, params)]
         return [EmbeddingRequestOutput(f"embd-{k}", i, EmbeddingOutput(self.engine.embed(i, q).tolist()))
                 for k, (i, q) in enumerate(zip(ids, params))]
+
+    def score(self, text_1: str | dict | list, text_2: str | dict | list,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for a bi-encoder: the cosine of two texts' embeddings (``LLM.embed``'s, each text
+        alone), one first text against each second one or the i-th against the i-th; ``outputs.score`` a pair, in
+        the second texts' order. Each distinct text is embedded once; all are checked before any runs."""
+        firsts, seconds = _prompt_list(text_1), _prompt_list(text_2)
+        pairs = pair_up(len(firsts), len(seconds))
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params is a PoolingParams, got {_kind(pooling_params)}")
+        ids = [self.engine.check_embedding(self._prompt_ids(p)[1], params) for p in firsts + seconds]
+        vectors: dict[tuple[int, ...], torch.Tensor] = {}
+        for i in ids:
+            if tuple(i) not in vectors:
+                vectors[tuple(i)] = self.engine.embed(i, params)
+        a, b = ids[:len(firsts)], ids[len(firsts):]
+        return [ScoringRequestOutput(f"score-{k}", a[i] + b[j], ScoringOutput(cosine(vectors[tuple(a[i])],
+                                                                                   vectors[tuple(b[j])])))
+                for k, (i, j) in enumerate(pairs)]
 
     def beam_search(self, prompts, params) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), ``params.beam_width`` hypotheses,
