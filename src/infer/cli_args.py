@@ -64,6 +64,9 @@ HELP = {
                              "eagerly, same tokens); --no-compile-in-background builds every graph first",
     "tensor_parallel_size": "shard the target over N processes on this machine (rank 0 runs the engine; gloo on "
                             "CPU, NCCL on N GPUs)",
+    "lora": "a LoRA adapter on the target: a PEFT directory (adapter_config.json, adapter_model.safetensors), applied "
+            "at run time over the weights as loaded (default: none)",
+    "lora_scale": "the adapter's scale (llama.cpp's --lora-scaled; 1: as trained)",
     "kv_cache_backend": "paged | contiguous",
     "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
     "enable_prefix_caching": "share the K/V of common prompt prefixes (paged backend)",
@@ -87,7 +90,7 @@ ALIASES = {"max_seq_len": ("--max-model-len",), "max_batch_size": ("--max-num-se
            "tensor_parallel_size": ("-tp",)}
 
 MODEL_FIELDS = ("model", "dtype", "device", "quantization", "compile", "compile_in_background",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "lora", "lora_scale")
 SPEC_FIELDS = ("draft_model", "use_speculative_decoding", "proposer", "spec_length", "spec_length_min",
                "spec_length_max", "spec_tree", "prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth",
                "suffix_max_tokens", "suffix_min_prob", "suffix_length_factor", "suffix_min_match",

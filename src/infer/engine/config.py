@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -109,6 +110,10 @@ class EngineConfig:
     # Shard the target over this many processes (engine.tp_executor, model/tp.py): rank 0 is this process and runs
     # the engine, the others hold the other shards. Eager, unquantized weights; a draft model or n-gram drafts.
     tensor_parallel_size: int = 1
+    # A LoRA adapter on the target (model.lora: a PEFT directory, applied at run time over the loaded weights; vLLM's
+    # --lora-modules, llama.cpp's --lora) and its scale (llama.cpp's --lora-scaled; 1: as trained)
+    lora: str | os.PathLike | None = None
+    lora_scale: float = 1.0
 
     def __post_init__(self):
         def bad(msg):
@@ -238,6 +243,14 @@ class EngineConfig:
             if self.compile:
                 bad("tensor_parallel_size > 1 runs eager (the collectives are not compiled): drop compile")
             self.compile = False
+        if self.lora is not None:
+            if not isinstance(self.lora, (str, os.PathLike)) or not os.path.isdir(self.lora):
+                bad(f"lora must be a PEFT adapter's directory, got {self.lora!r}")
+            if tp > 1:
+                bad("lora runs in one process: tensor_parallel_size > 1 shards the target without it")
+        scale = self.lora_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            bad(f"lora_scale must be a finite number, got {scale!r}")
         if self.max_seq_len is not None and self.use_speculative_decoding and self.max_seq_len < 2:
             bad("max_seq_len must be >= 2 with speculative decoding")
         self._check_device(bad)

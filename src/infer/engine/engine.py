@@ -20,6 +20,7 @@ from ..model.draft_heads import DraftHead, load_heads
 from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
+from ..model.lora import apply_lora, load_lora
 from ..model.quant import quantize_linears, quantize_model
 from ..pooling import PoolingParams, embed_prompt
 from ..request import Request, RequestStatus, StepOutput
@@ -69,6 +70,8 @@ class Engine:
             self.model_path, self.model, self.dtype = str(cfg.model), model, model.dtype
         if cfg.quantization and self.model.quantization != cfg.quantization:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
+        if cfg.lora is not None:  # over the weights as loaded (quantized or not): model.lora
+            apply_lora(self.model, load_lora(cfg.lora), cfg.lora_scale)
         if self.device.type == "cpu":
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         self.compiled = self._maybe_compile(self.model)

@@ -166,7 +166,8 @@ class CostStore:
                                drafter=identity(cfg.draft_model), proposer=cfg.proposer, spec_tree=cfg.spec_tree,
                                draft_vocab_size=cfg.draft_vocab_size, pool=type(kv.pool).__name__,
                                block_size=cfg.block_size, max_batch=max_batch, widest=widest,
-                               **({"cross_tokenizer": cfg.cross_tokenizer} if cross else {}))
+                               **({"cross_tokenizer": cfg.cross_tokenizer} if cross else {}),
+                               **({"lora": file_identity(cfg.lora), "lora_scale": cfg.lora_scale} if cfg.lora else {}))
         # a target passed in loaded (no checkpoint path) has no identity to key a file by: kept in memory only
         self.enabled = self.key["model"] is not None
         self.loaded = False  # whether the cost model in use came from the file

@@ -1,0 +1,148 @@
+"""LoRA adapters (PEFT's saved format, as vLLM's ``--lora-modules`` and llama.cpp's ``--lora`` read them) applied to
+the target at run time: y = W x + s * B (A x), W as loaded (float or llama.cpp's quantized blocks, never re-rounded)
+and s = lora_alpha / r (PEFT's ``use_rslora``: / sqrt(r)) times the user's scale (llama.cpp's ``--lora-scaled``).
+
+Why at run time and not merged: a quantized W cannot take B A without being rounded again, which changes the
+model; the two products are r-wide (r ~8-64 against 576-1536), a few percent of a step. The adapter's modules
+(q, k, v, o, gate, up, down projections) are fused as our layers are: q/k/v's A matrices stacked into one
+[r_q + r_k + r_v, in] product and their B's into one block-diagonal [q + k + v, r_q + r_k + r_v] (a module the
+adapter leaves out has no rows there), gate/up's the same, s folded into B. The products go through ``linear``
+like every float product: a row's result does not depend on the rows beside it, so decode and verify stay
+bit-identical and speculation stays lossless with an adapter on. A model carrying one leaves the one-call forward
+(its stack is llama.cpp blocks only) for the compiled or eager steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .layers import linear
+
+# PEFT's module names -> (our fused module, part index within it)
+_PARTS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+          "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0), "gate_proj": ("mlp.gate_up_proj", 0),
+          "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter as read: per (layer, PEFT module) its A [r, in] and B [out, r] (float32) and its scaling."""
+
+    path: str
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def load_lora(path: str | os.PathLike) -> LoRAAdapter:
+    """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors); ValueError naming what this
+    runtime cannot apply (DoRA, biases, modules saved whole, targets other than the attention and MLP projections)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    cfg_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
+    for f in (cfg_file, weights_file):
+        if not f.is_file():
+            raise ValueError(f"LoRA adapter {root}: no {f.name} (a PEFT LoRA directory holds adapter_config.json and "
+                             "adapter_model.safetensors)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {root}: adapter_config.json is not JSON ({e})") from None
+    refusals = [(cfg.get("peft_type", "LORA") != "LORA", f"peft_type {cfg.get('peft_type')!r} (only LORA)"),
+                (bool(cfg.get("use_dora")), "use_dora (DoRA's magnitude vectors)"),
+                (cfg.get("bias", "none") != "none", f"bias {cfg.get('bias')!r} (only 'none')"),
+                (bool(cfg.get("modules_to_save")), f"modules_to_save {cfg.get('modules_to_save')}"),
+                (bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D weights, not a Llama's)"),
+                (bool(cfg.get("alpha_pattern")), "alpha_pattern (a per-module lora_alpha)")]
+    bad = [why for refused, why in refusals if refused]
+    if bad:
+        raise ValueError(f"LoRA adapter {root}: cannot apply {', '.join(bad)}")
+    alpha = cfg.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"LoRA adapter {root}: adapter_config.json has no numeric lora_alpha")
+    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            m = _KEY.match(name)
+            if m is None or m.group(2) not in _PARTS:
+                raise ValueError(f"LoRA adapter {root}: tensor {name!r} adapts a module this runtime does not (only "
+                                 f"the layers' {', '.join(_PARTS)})")
+            pieces.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(name).float()
+    if not pieces:
+        raise ValueError(f"LoRA adapter {root}: adapter_model.safetensors holds no LoRA weights")
+    weights = {}
+    for (layer, module), ab in sorted(pieces.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {root}: layer {layer}'s {module} has lora_{'A' if 'A' not in ab else 'B'} "
+                             "missing")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA adapter {root}: layer {layer}'s {module} has lora_A {tuple(a.shape)} and lora_B "
+                             f"{tuple(b.shape)}: not [r, in] and [out, r]")
+        r = a.shape[0]
+        weights[layer, module] = (a, b, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r))
+    return LoRAAdapter(str(root), weights)
+
+
+class LoRALinear(nn.Module):
+    """A projection plus its adapter: base(x) + B_s (A x), A [R, in] and B_s [out, R] in the model's dtype."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_a", a)
+        self.register_buffer("lora_b", b)
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_b.shape[0]
+
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens), self.lora_b, None, lens)
+
+
+def apply_lora(model, adapter: LoRAAdapter, scale: float = 1.0) -> None:
+    """Wrap the target's projections that ``adapter`` adapts (in place); ValueError where its shapes or layers do
+    not fit this model, before anything is changed."""
+    cfg = model.config
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("this model carries a LoRA adapter already")
+    sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim]
+             * 2, "self_attn.o_proj": [cfg.hidden_size],
+             "mlp.gate_up_proj": [cfg.intermediate_size] * 2, "mlp.down_proj": [cfg.hidden_size]}
+    ins = {"self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
+           "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size}
+    fused: dict[tuple[int, str], list] = {}
+    for (layer, module), (a, b, s) in adapter.weights.items():
+        target, part = _PARTS[module]
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise ValueError(f"LoRA adapter {adapter.path}: adapts layer {layer}, the model has "
+                             f"{cfg.num_hidden_layers}")
+        if a.shape[1] != ins[target] or b.shape[0] != sizes[target][part]:
+            raise ValueError(f"LoRA adapter {adapter.path}: layer {layer}'s {module} maps {a.shape[1]} -> "
+                             f"{b.shape[0]}, the model's {ins[target]} -> {sizes[target][part]}")
+        fused.setdefault((layer, target), []).append((part, a, b * (s * scale)))
+    for (layer, target), parts in fused.items():
+        parent_name, attr = target.split(".")
+        parent = getattr(model.layers[layer], parent_name)
+        base = getattr(parent, attr)
+        offsets = [0]
+        for n in sizes[target]:
+            offsets.append(offsets[-1] + n)
+        a_all = torch.cat([a for _, a, _ in parts])  # [R, in]
+        b_all = torch.zeros(offsets[-1], a_all.shape[0])  # [out, R]: block-diagonal, one block per adapted part
+        col = 0
+        for part, a, b in parts:
+            b_all[offsets[part]:offsets[part + 1], col:col + a.shape[0]] = b
+            col += a.shape[0]
+        w = dict(dtype=model.dtype, device=model.device)
+        setattr(parent, attr, LoRALinear(base, a_all.to(**w), b_all.to(**w)))
+    model._native_key = None  # the one-call forward's check reads the module types again (LlamaForCausalLM)
