@@ -107,6 +107,7 @@ def test_greedy_speculation_with_an_adapter_is_plain_decoding(gqa_dir, tmp_path,
     spec = LLM(gqa_dir, lora=str(adapter), draft_model=gqa_dir, spec_length=3, max_batch_size=2, block_size=4,
                **setting)
     assert not spec.model.runs_natively(spec.engine.kv.pool)
+    assert f"lora: {adapter.name}, speculating" in spec.describe()  # `infer chat`'s banner
     for prompts in (PROMPTS, PROMPTS[:1]):  # a batch, and a lone row (the one-call path's case)
         got = [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)]
         assert got == want[:len(prompts)]

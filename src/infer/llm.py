@@ -45,7 +45,9 @@ class LLM:
         """What runs, as a person reads it (``infer chat``'s banner): "model.gguf (bfloat16, q4_1, speculating:
         suffix-hybrid + smollm2-eagle3)"."""
         name, dtype, quant, spec = self._settings()
-        parts = [dtype] + ([quant] if quant else []) + ([f"speculating: {spec}"] if spec else [])
+        lora = self.config.lora and f"lora: {os.path.basename(str(self.config.lora).rstrip('/'))}"
+        parts = [dtype] + ([quant] if quant else []) + ([lora] if lora else []) + (
+            [f"speculating: {spec}"] if spec else [])
         return f"{name} ({', '.join(parts)})"
 
     def __repr__(self) -> str:
