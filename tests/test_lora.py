@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from infer import LLM, SamplingParams
 from infer.engine import EngineConfig
+from infer.model.llama import LlamaForCausalLM
 from infer.model.lora import LoRALinear, apply_lora, load_lora
 
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
@@ -95,10 +96,10 @@ def test_logits_are_hugging_faces_with_the_adapter_merged(gqa_dir, adapter, tmp_
 
 @pytest.mark.parametrize("setting", [dict(dtype="float32"), dict(dtype="bfloat16"),
                                      dict(dtype="bfloat16", quantization="q4_1")])
-def test_greedy_speculation_with_an_adapter_is_plain_decoding(gqa_dir, tmp_path, setting):
+def test_greedy_speculation_with_an_adapter_is_plain_decoding(gqa_dir, tmp_path, setting, monkeypatch):
     """The adapted target verifies; its drafter (the base model) knows nothing of the adapter, so it is rejected
     more, and the tokens are plain decoding's all the same. Quantized bfloat16: the base's llama.cpp blocks stay as
-    stored, and the adapted model leaves the one-call forward (it would skip the adapter)."""
+    stored, and a lone row's steps go through the one-call forward, which adds the adapter's products itself."""
     adapter = write_adapter(tmp_path / "mild", gqa_dir, b_std=0.05)  # the drafter still agrees now and then
     plain = LLM(gqa_dir, lora=str(adapter), max_batch_size=2, block_size=4, **setting)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
@@ -106,11 +107,16 @@ def test_greedy_speculation_with_an_adapter_is_plain_decoding(gqa_dir, tmp_path,
     assert want != [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY)]
     spec = LLM(gqa_dir, lora=str(adapter), draft_model=gqa_dir, spec_length=3, max_batch_size=2, block_size=4,
                **setting)
-    assert not spec.model.runs_natively(spec.engine.kv.pool)
+    # Q4_1 blocks in bfloat16: a lone row's steps run as one C++ call, the adapter's products in it
+    assert spec.model.runs_natively(spec.engine.kv.pool) == ("quantization" in setting)
     assert f"lora: {adapter.name}, speculating" in spec.describe()  # `infer chat`'s banner
+    native = []
+    orig = LlamaForCausalLM._native_forward
+    monkeypatch.setattr(LlamaForCausalLM, "_native_forward", lambda *a: native.append(1) or orig(*a))
     for prompts in (PROMPTS, PROMPTS[:1]):  # a batch, and a lone row (the one-call path's case)
         got = [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)]
         assert got == want[:len(prompts)]
+    assert bool(native) == ("quantization" in setting)
     stats = spec.engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 

@@ -44,14 +44,33 @@ def _steps(model, pool, slots, widths, native, seed=0):
     return outs
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def _with_lora(model, seed=0):
+    """A random LoRA adapter on some products of every kind (model.lora), ranks 2-5, some layers left bare."""
+    from infer.model.lora import LoRAAdapter, apply_lora
+
+    c, g = model.config, torch.Generator().manual_seed(seed)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"q_proj": (q, c.hidden_size), "v_proj": (kv, c.hidden_size), "o_proj": (c.hidden_size, q),
+              "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
+    weights = {(layer, m): (torch.randn(2 + i % 4, n_in, generator=g) * 0.2,
+                            torch.randn(n_out, 2 + i % 4, generator=g) * 0.2, 0.5)
+               for layer in range(c.num_hidden_layers) for i, (m, (n_out, n_in)) in enumerate(shapes.items())
+               if (layer + i) % 3}
+    apply_lora(model, LoRAAdapter("random", weights))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1+lora"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("aux", [(), (0, 2)])
 def test_the_one_call_forward_gives_the_modules_bits(fmt, interleaved, aux, counted):
     """Decode, verify and short-chunk widths after a prompt (fed by the module: 20 > kernels.MAX_ROWS): the same
     outputs (the final norm, then the captured layers) and the same keys and values in every layer as the module's
-    eager steps, on consecutive blocks (slices) and on blocks interleaved with another row's (storage rows)."""
-    model = _model(fmt)
+    eager steps, on consecutive blocks (slices) and on blocks interleaved with another row's (storage rows). With a
+    LoRA adapter the op adds each product's delta as LoRALinear does."""
+    model = _model(fmt.split("+")[0])
+    if fmt.endswith("+lora"):
+        _with_lora(model)
     model.capture_layers(aux)
     widths = [20, 1, 4, 1, 1, 16, 3]
     results = []

@@ -22,7 +22,8 @@
 // ~2.3 of its ~10 ms (Intel Xeon, 2026-12-03) outside the kernels, in the graph's entry, the dispatcher's ~12 calls a
 // layer and the graph's own pointwise code; the same kernels chained here over pointers leave only their work. It
 // returns what the module's forward returns: the final norm of every entry, then the outputs of the layers asked for
-// (an EAGLE-3 drafter's features), [1, T, (1 + n) H].
+// (an EAGLE-3 drafter's features), [1, T, (1 + n) H]. A target carrying a LoRA adapter (model.lora) passes each
+// product's A and B: its delta is added as the module adds it.
 #include <cstring>
 #include <vector>
 
@@ -38,14 +39,14 @@ using infer_kernels::draft_round::draw;
 
 // the calling thread's working rows (no allocation after its first call)
 struct Scratch {
-  std::vector<BF> x, normed, qkv, qk, o, a, gu, act, extra;
+  std::vector<BF> x, normed, qkv, qk, o, a, gu, act, extra, lora_t, lora_u;
   std::vector<float> logits;
   std::vector<int64_t> rows;
 };
 
 // A Llama stack's weights, caches and shapes, checked once a call (`stack`)
 struct Stack {
-  at::TensorList packed, norms, k_caches, v_caches;
+  at::TensorList packed, norms, k_caches, v_caches, lora;
   at::IntArrayRef formats, outs;
   double eps;
   const BF* cos;
@@ -57,7 +58,8 @@ struct Stack {
 // final one; k_caches, v_caches: each layer's paged storage [R, Hkv, D] (written in place)
 Stack stack(const char* op, at::TensorList packed, at::IntArrayRef formats, at::IntArrayRef outs, at::TensorList norms,
             double eps, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin,
-            at::TensorList k_caches, at::TensorList v_caches, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+            at::TensorList k_caches, at::TensorList v_caches, int64_t heads, int64_t kv_heads, int64_t head_dim,
+            at::TensorList lora = {}) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers &&
               static_cast<int64_t>(packed.size()) == 4 * layers && static_cast<int64_t>(formats.size()) == 4 * layers &&
@@ -85,7 +87,18 @@ Stack stack(const char* op, at::TensorList packed, at::IntArrayRef formats, at::
     outs_ok &= outs[4 * l] == q_size + 2 * kv_size && outs[4 * l + 1] == H && outs[4 * l + 2] == outs[2] &&
                outs[4 * l + 3] == H;
   TORCH_CHECK(outs_ok, op, ": each layer's products must be [", q_size + 2 * kv_size, ", ", H, ", 2 I, ", H, "]");
-  return {packed, norms, k_caches, v_caches, formats, outs, eps, cos.data_ptr<BF>(), sin.data_ptr<BF>(), layers,
+  // LoRA (model.lora): none, or per product an A [R, in] and a B [out, R] (both empty: no adapter on it)
+  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == 8 * layers, op,
+              ": lora holds an A and a B for each of the 4 products a layer (", 8 * layers, " tensors), or nothing");
+  for (int64_t p = 0; p < static_cast<int64_t>(lora.size()) / 2; ++p) {
+    const at::Tensor &a = lora[2 * p], &b = lora[2 * p + 1];
+    if (a.numel() == 0 && b.numel() == 0) continue;
+    const int64_t in = p % 4 == 0 || p % 4 == 2 ? H : p % 4 == 1 ? q_size : outs[2] / 2;
+    TORCH_CHECK(bf16(a) && bf16(b) && a.is_contiguous() && b.is_contiguous() && a.dim() == 2 && b.dim() == 2 &&
+                a.size(1) == in && b.size(0) == outs[p] && b.size(1) == a.size(0) && a.size(0) >= 1,
+                op, ": product ", p, "'s LoRA must be contiguous bfloat16 A [R, ", in, "] and B [", outs[p], ", R]");
+  }
+  return {packed, norms, k_caches, v_caches, lora, formats, outs, eps, cos.data_ptr<BF>(), sin.data_ptr<BF>(), layers,
           H, heads, kv_heads, head_dim, outs[2] / 2, q_size, kv_size, q_size + 2 * kv_size, q_size + kv_size};
 }
 
@@ -106,6 +119,15 @@ void reserve(Scratch& sc, const Stack& s, int64_t n) {
 void layer(const Stack& s, int64_t l, BF* x, int64_t n, int64_t pos0, const int64_t* rp, Scratch& sc) {
   auto linear = [&](int64_t i, const BF* in, int64_t K, BF* y) {
     infer_kernels::qlinear_into(in, n, K, s.packed[i], s.formats[i], s.outs[i], y, false);
+    if (!s.lora.empty() && s.lora[2 * i].numel()) {  // + B (A x), as LoRALinear: two infer::linear, ATen's add
+      const at::Tensor &a = s.lora[2 * i], &b = s.lora[2 * i + 1];
+      const int64_t R = a.size(0), N = s.outs[i];
+      sc.lora_t.resize(n * R);
+      sc.lora_u.resize(n * N);
+      infer_kernels::linear_into(in, n, K, a.data_ptr<BF>(), R, sc.lora_t.data());
+      infer_kernels::linear_into(sc.lora_t.data(), n, R, b.data_ptr<BF>(), N, sc.lora_u.data());
+      add_into(y, sc.lora_u.data(), n * N);
+    }
   };
   const int64_t H = s.H, D = s.D;
   BF* kc = s.k_caches[l].data_ptr<BF>();
@@ -217,15 +239,16 @@ std::tuple<at::Tensor, at::Tensor> infer_kernels::draft_lm_round(
 // advanced the row's length: PagedKVCachePool.prepare), each entry attending the keys up to its own position, through
 // the stack -> [1, T, (1 + len(aux)) H] bfloat16: the final norm of each entry, then the outputs of layers aux (in the
 // order given), as LlamaForCausalLM.forward returns them. rows: the storage row of each position 0 .. start + T - 1.
+// lora: empty, or each product's LoRA A and B (both empty where it has none).
 at::Tensor infer_kernels::llama_forward(const at::Tensor& tokens, at::TensorList packed, at::IntArrayRef formats,
                                         at::IntArrayRef outs, at::TensorList norms, double eps,
                                         const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin,
                                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& rows,
                                         int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                        at::IntArrayRef aux) {
+                                        at::IntArrayRef aux, at::TensorList lora) {
   const char* op = "infer::llama_forward";
   const Stack st = stack(op, packed, formats, outs, norms, eps, embed, cos, sin, k_caches, v_caches, heads, kv_heads,
-                         head_dim);
+                         head_dim, lora);
   const int64_t H = st.H, T = tokens.numel(), A = static_cast<int64_t>(aux.size()), W = (1 + A) * H;
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && T >= 1 && rows.scalar_type() == at::kLong &&
               rows.dim() == 1 && start >= 0 && rows.numel() >= start + T && start + T <= cos.size(0),

@@ -59,7 +59,8 @@ at::Tensor llama_forward(const at::Tensor& tokens, at::TensorList packed, at::In
                          at::IntArrayRef outs, at::TensorList norms, double eps, const at::Tensor& embed,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& rows, int64_t start, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, at::IntArrayRef aux);  // lm_round.cpp
+                         int64_t kv_heads, int64_t head_dim, at::IntArrayRef aux,
+                         at::TensorList lora);  // lm_round.cpp
 
 // Over bfloat16 rows the caller holds: no tensor made, nothing allocated after a thread's first call (a round that
 // starts cold after every verify paid ~4 us for each tensor its steps made). The caller checks its shapes; each

@@ -30,7 +30,7 @@ TORCH_LIBRARY_FRAGMENT(infer, m) {
         "int kv_heads, int head_dim, Tensor temperature, Tensor u) -> (Tensor, Tensor)");
   m.def("llama_forward(Tensor tokens, Tensor[] packed, int[] formats, int[] outs, Tensor[] norms, float eps, "
         "Tensor embed, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, int start, "
-        "int heads, int kv_heads, int head_dim, int[] aux) -> Tensor");
+        "int heads, int kv_heads, int head_dim, int[] aux, Tensor[] lora) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer, CPU, m) {

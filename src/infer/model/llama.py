@@ -20,6 +20,7 @@ from ..cache.base import AttnMeta, KVCachePool
 from ..cache.paged import PagedKVCachePool
 from ..config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, kernels_take, linear, rope_heads, sdpa
+from .lora import LoRALinear
 from .quant import BlockLinear
 
 if TYPE_CHECKING:
@@ -172,24 +173,30 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_stack(self, kv: PagedKVCachePool) -> bool:
         """Whether infer::llama_forward runs this model over ``kv``: on the CPU with infer's kernels, bfloat16 weights
-        and cache, every layer's four products llama.cpp blocks without a bias (BlockLinear), one norm epsilon.
+        and cache, every layer's four products llama.cpp blocks without a bias (BlockLinear; under a LoRA adapter's
+        LoRALinear, whose A and B the op takes beside them), one norm epsilon.
         Checked again only when what it depends on changes: quantization, dtype, device, the embedding module, and
         the move onto huge pages (model.hugepages replaces every buffer, then sets ``_on_hugepages``). Walking the
         layers to check their buffers every step cost ~0.65 ms of Python a step (30 layers)."""
         key = (self.quantization, self.dtype, self.device, id(self.embed_tokens),
                getattr(self, "_on_hugepages", False))
         if key != self._native_key:
-            lins = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            adapted = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            lins = [x.base if isinstance(x, LoRALinear) else x for x in adapted]  # a LoRA's delta: passed apart
             norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] \
                 + [self.norm]
             ok = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.available()
                   and isinstance(self.embed_tokens, nn.Embedding)
                   and all(isinstance(x, BlockLinear) and x.bias is None for x in lins)
                   and all(isinstance(n, RMSNorm) for n in norms) and len({n.eps for n in norms}) == 1)
+            none = torch.empty(0, dtype=self.dtype)
+            lora = tuple(t for x in adapted for t in ((x.lora_a, x.lora_b) if isinstance(x, LoRALinear) else
+                                                      (none, none))) if any(x is not y for x, y in zip(adapted, lins)) \
+                else ()
             self._native_args = ((tuple(x.packed for x in lins), [x.format_id for x in lins],
-                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps),) \
-                if ok else ()
+                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps,
+                                  lora),) if ok else ()
             self._native_key = key
         return bool(self._native_args) and kv.k[0].dtype == torch.bfloat16
 
@@ -197,12 +204,12 @@ class LlamaForCausalLM(nn.Module):
         """``_forward``'s result for a lone chain row through infer::llama_forward: input_ids [1, T] at positions
         start .. start + T - 1, every key read from its storage row (rows [start + T]: consecutive blocks' range, else
         the block table's rows)."""
-        (packed, formats, outs, norms, eps), = self._native_args
+        (packed, formats, outs, norms, eps, lora), = self._native_args
         c = self.config
         return torch.ops.infer.llama_forward(
             input_ids[0], packed, formats, outs, norms, eps, self.embed_tokens.weight, self.rotary._cos,
             self.rotary._sin, kv.k, kv.v, rows, start, c.num_attention_heads, c.num_key_value_heads,
-            c.head_dim, list(self.aux_layers))
+            c.head_dim, list(self.aux_layers), lora)
 
     def native_step(self, tokens: list[int], kv: PagedKVCachePool, slot: int) -> torch.Tensor:
         """``forward`` of one chain row, ``tokens`` appended to ``slot`` of ``kv`` (where ``runs_natively(kv)``, at most

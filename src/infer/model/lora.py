@@ -8,8 +8,8 @@ model; the two products are r-wide (r ~8-64 against 576-1536), a few percent of 
 [r_q + r_k + r_v, in] product and their B's into one block-diagonal [q + k + v, r_q + r_k + r_v] (a module the
 adapter leaves out has no rows there), gate/up's the same, s folded into B. The products go through ``linear``
 like every float product: a row's result does not depend on the rows beside it, so decode and verify stay
-bit-identical and speculation stays lossless with an adapter on. A model carrying one leaves the one-call forward
-(its stack is llama.cpp blocks only) for the compiled or eager steps.
+bit-identical and speculation stays lossless with an adapter on. The one-call forward (kernels/lm_round.cpp) takes
+each product's A and B beside its blocks and adds the delta with the same two kernels and the same bfloat16 add.
 """
 
 from __future__ import annotations
