@@ -44,8 +44,7 @@ class EmbeddingRequest(BaseModel):
     normalize: bool | None = None  # None: L2-normalized, as vLLM's default
 
     _valid_input = field_validator("input")(P.valid_text)
-    _truncate = field_validator("truncate_prompt_tokens")(
-        lambda v: v if v is None or v >= 1 or v == -1 else P._keep(v))
+    _truncate = field_validator("truncate_prompt_tokens")(P.valid_truncation)
 
 
 @router.post("/v1/embeddings")

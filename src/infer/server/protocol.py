@@ -33,7 +33,10 @@ def _neg(ids):
     raise ValueError(f"token ids must be >= 0, got {[t for t in ids if t < 0][:5]}")
 
 
-def _keep(value):
+def valid_truncation(value):
+    """``truncate_prompt_tokens`` (vLLM's): None, >= 1 (the prompt's last tokens kept) or -1 (as many as fit)."""
+    if value is None or value >= 1 or value == -1:
+        return value
     raise ValueError(f"must be >= 1 (the prompt's last tokens kept), or -1 (as many as the context holds), got {value}")
 
 
@@ -137,7 +140,7 @@ class Sampling(BaseModel):
     _valid_stop = field_validator("stop")(valid_text)
     _allowed = field_validator("allowed_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
     _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None or all(t >= 0 for t in v) else _neg(v))
-    _truncate = field_validator("truncate_prompt_tokens")(lambda v: v if v is None or v >= 1 or v == -1 else _keep(v))
+    _truncate = field_validator("truncate_prompt_tokens")(valid_truncation)
 
     def read_prompt(self, ids: list[int], max_seq_len: int) -> list[int]:
         """The prompt's tokens as the request reads them (``truncate_prompt_tokens``)."""

@@ -15,7 +15,7 @@ from ..engine.async_engine import EngineStoppedError
 from ..pooling import PoolingParams
 from ..scoring import cosine, pair_up, rank
 from . import protocol as P
-from .completions import _check_model
+from .completions import _check_model, _prompt_ids
 from .errors import ApiError
 from .state import CurrentState
 
@@ -28,8 +28,7 @@ class _Pooled(BaseModel):
     model: str
     truncate_prompt_tokens: int | None = None  # vLLM's: each text's last n tokens (-1: as many as the context holds)
 
-    _truncate = field_validator("truncate_prompt_tokens")(
-        lambda v: v if v is None or v >= 1 or v == -1 else P._keep(v))
+    _truncate = field_validator("truncate_prompt_tokens")(P.valid_truncation)
 
 
 class ScoreRequest(_Pooled):
@@ -74,7 +73,7 @@ async def _scores(state, firsts: list[str], seconds: list[str], params: PoolingP
         if "" in texts:
             raise ApiError(400, f"{name} holds an empty text: nothing to embed", param=name)
     unique = list(dict.fromkeys(firsts + seconds))
-    ids = await run_in_threadpool(lambda: [state.tokenizer.encode(t) for t in unique])
+    ids = await run_in_threadpool(_prompt_ids, state.tokenizer, unique, state.vocab_size)
     checked = {}
     for text, i in zip(unique, ids):  # every text checked before any runs
         try:
