@@ -177,6 +177,30 @@ def add_sampling_args(p: argparse.ArgumentParser, **overrides) -> None:
                    help="the output follows this grammar: Lark (start: ...) or GBNF (root ::= ...), inline or a file")
 
 
+def add_lora_modules_arg(p: argparse.ArgumentParser) -> None:
+    """vLLM's ``--lora-modules name=path ...``: adapters each request picks by name (EngineConfig.lora_modules)."""
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, dest="lora_modules", metavar="NAME=PATH",
+                   default=argparse.SUPPRESS,
+                   help="LoRA adapters each request picks by name (a request's model field; vLLM's flag): PEFT "
+                        "directories, all loaded at start, every request with its own or none in one batch")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return name.strip(), path
+
+
+def lora_modules(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """--lora-modules' pairs -> EngineConfig.lora_modules; ValueError for a name given twice."""
+    names = [n for n, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--lora-modules names {', '.join(map(repr, twice))} more than once")
+    return dict(pairs)
+
+
 def _text_or_file(value: str) -> str:
     """A flag's value, or the contents of the file it names (a schema or grammar is often long)."""
     path = Path(value)

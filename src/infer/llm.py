@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .engine import Engine, EngineConfig
+from .model.lora import LoRARequest
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from .request import Request, RequestOutput
 from .sampling import SamplingParams
@@ -45,7 +46,8 @@ class LLM:
         """What runs, as a person reads it (``infer chat``'s banner): "model.gguf (bfloat16, q4_1, speculating:
         suffix-hybrid + smollm2-eagle3)"."""
         name, dtype, quant, spec = self._settings()
-        lora = self.config.lora and f"lora: {os.path.basename(str(self.config.lora).rstrip('/'))}"
+        lora = self.config.lora and f"lora: {os.path.basename(str(self.config.lora).rstrip('/'))}" or \
+            self.config.lora_modules and f"loras: {' | '.join(self.config.lora_modules)}"
         parts = [dtype] + ([quant] if quant else []) + ([lora] if lora else []) + (
             [f"speculating: {spec}"] if spec else [])
         return f"{name} ({', '.join(parts)})"
@@ -101,9 +103,12 @@ class LLM:
         suffix proposers copy drafts from it; the output is the same without it)."""
         return [r for group in self._request_groups(prompts, sampling_params, predictions) for r in group]
 
-    def _request_groups(self, prompts, sampling_params=None, predictions=None, priority=None) -> list[list[Request]]:
-        """make_requests' requests, one list a prompt (its n sequences); ``priority``: one a prompt (vLLM's)."""
+    def _request_groups(self, prompts, sampling_params=None, predictions=None, priority=None,
+                        lora_request=None) -> list[list[Request]]:
+        """make_requests' requests, one list a prompt (its n sequences); ``priority``: one a prompt (vLLM's);
+        ``lora_request``: one for all prompts or one a prompt (``generate``)."""
         prompts = _prompt_list(prompts)
+        loras = _lora_names(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -121,22 +126,26 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         inputs = [self._prompt_ids(p) for p in prompts]
         params = [_sequences(p) for p in params]  # n SamplingParams of n = 1 a prompt
-        for (_, ids), ps, x, rank in zip(inputs, params, predictions, priority):  # every request checked, then added
+        for (_, ids), ps, x, rank, lora in zip(inputs, params, predictions, priority, loras):  # all checked, then added
             self.engine.check_request(ids, ps[0], x)
             self.engine.check_priority(rank)
-        return [[self.engine.add_request(ids, p, prompt=text, prediction=x, priority=rank) for p in ps]
-                for (text, ids), ps, x, rank in zip(inputs, params, predictions, priority)]
+            self.engine.lora_index(lora)
+        return [[self.engine.add_request(ids, p, prompt=text, prediction=x, priority=rank, lora=lora) for p in ps]
+                for (text, ids), ps, x, rank, lora in zip(inputs, params, predictions, priority, loras)]
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  debug: bool | callable = False, predictions: list | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None,
+                 lora_request: str | LoRARequest | list | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are strings, lists of token ids, or vLLM's prompt dicts
         ({"prompt": text} / {"prompt_token_ids": ids}). ``predictions``: one a prompt, the text its output is expected
         to repeat (OpenAI's predicted outputs; ``make_requests``). ``use_tqdm`` (vLLM's name; off by default, as the
         library is silent): a progress bar of the prompts finished, on stderr. ``priority`` (vLLM's): one integer a
-        prompt, lower first, for an engine with ``scheduling_policy="priority"``.
+        prompt, lower first, for an engine with ``scheduling_policy="priority"``. ``lora_request`` (vLLM's): the LoRA
+        adapter the target applies, by name among the engine's ``lora_modules`` (a name or a LoRARequest), for every
+        prompt or a list of them, one a prompt (None: the base model).
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """
@@ -148,7 +157,7 @@ class LLM:
         if debug:
             decoder.on_round = debug if callable(debug) else RoundPrinter(self.tokenizer)
         try:
-            groups = self._request_groups(prompts, sampling_params, predictions, priority)
+            groups = self._request_groups(prompts, sampling_params, predictions, priority, lora_request)
             self._run(groups, use_tqdm)
             if debug and isinstance(decoder.on_round, RoundPrinter):
                 decoder.on_round.finish()  # says so where no round ran
@@ -262,15 +271,16 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, use_tqdm: bool = False,
-             chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: str | LoRARequest | list | None = None) -> RequestOutput | list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (a list of {"role", "content"} messages) and
         generate the assistant's reply; given a list of conversations, reply to each, batched (as vLLM's
         ``LLM.chat``), one output a conversation. ``continue_final_message`` (with ``add_generation_prompt`` False):
         the reply continues the last message, an assistant's begun (a prefilled answer). ``tools``: OpenAI's function
         definitions, given to the template as vLLM's ``LLM.chat`` gives them (a call constrained to a schema: the
         server's ``tool_choice``, or ``SamplingParams(structured=...)``). ``chat_template``: a Jinja template used
-        instead of the checkpoint's, ``chat_template_kwargs`` the template's extra variables (both vLLM's)."""
+        instead of the checkpoint's, ``chat_template_kwargs`` the template's extra variables (both vLLM's);
+        ``lora_request``: as ``generate``'s."""
         if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("LLM.chat takes a conversation, a non-empty list of {'role': ..., 'content': ...} messages "
                             f"(or a list of conversations), got {_kind(messages)}; for plain text, LLM.generate")
@@ -284,8 +294,24 @@ class LLM:
         outs = self.generate([self.tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message,
                                                                  tools, chat_template, chat_template_kwargs)
                               for c in convs],
-                             sampling_params, use_tqdm=use_tqdm)
+                             sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs if batch else outs[0]
+
+
+def _lora_names(lora_request, n: int) -> list[str | None]:
+    """``generate``'s lora_request -> one adapter name (or None) for each of ``n`` prompts."""
+    def name(x):
+        if x is None or isinstance(x, str):
+            return x
+        if isinstance(x, LoRARequest):
+            return x.lora_name
+        raise TypeError(f"lora_request is an adapter's name or a LoRARequest, got {_kind(x)}")
+
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
+        return [name(x) for x in lora_request]
+    return [name(lora_request)] * n
 
 
 def _prompt_list(prompts) -> list:

@@ -57,6 +57,9 @@ class AttnMeta:
     # a real token does (~0.2 of a decode step on a 2-core CPU), so rows drafting unequal K paid for the longest.
     lens: torch.Tensor | None = None
     tree: bool = False  # the rows are token trees (TreeAttn): positioned and masked as trees, not chains
+    # [B] long: each row's LoRA adapter (1, 2, ...; 0: the base model) where the target carries per-request adapters
+    # (model.lora.apply_loras) and a row of the batch has one; None: no row has (set by the caller after prepare)
+    adapters: torch.Tensor | None = None
 
     # a fresh prefill's causal mask, built by kernel_mask for the first layer and shared by the others
     _causal: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -147,11 +150,12 @@ class KVCachePool(ABC):
         getattr(self, op)(*args)
 
     @abstractmethod
-    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None, salt: int = 0) -> int:
         """Reserve a slot for a sequence of up to ``num_tokens`` positions; returns the slot id. Raises if none is free.
 
         With ``prefix_ids`` a pool with a prefix cache may start the slot at ``seq_len(slot) > 0``: the K/V of a
-        cached prefix of those ids (never all of them: the last token is always recomputed for its logits).
+        cached prefix of those ids (never all of them: the last token is always recomputed for its logits) offered
+        under the same ``salt`` (what else the K/V depends on: a request's LoRA adapter).
         """
 
     @abstractmethod
@@ -183,8 +187,9 @@ class KVCachePool(ABC):
     def free_token_capacity(self) -> int:
         """Positions that can still be written across the pool (a fresh pool returns its total capacity)."""
 
-    def cache_prefix(self, slot: int, token_ids: list[int]) -> None:
-        """Offer the computed K/V of ``token_ids`` (the prompt in ``slot``) to the prefix cache. Default: none."""
+    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0) -> None:
+        """Offer the computed K/V of ``token_ids`` (the prompt in ``slot``) to the prefix cache, found again only by
+        an ``allocate`` with the same ``salt``. Default: none."""
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix: later prompts compute theirs again (slots in use keep what they hold).

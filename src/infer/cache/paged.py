@@ -101,8 +101,8 @@ class PagedKVCachePool(KVCachePool):
             else:
                 heapq.heappush(self._free_blocks, b)
 
-    def _prefix_hashes(self, token_ids: list[int], n_blocks: int) -> list[int]:
-        hashes, h, bs = [], 0, self.block_size
+    def _prefix_hashes(self, token_ids: list[int], n_blocks: int, salt: int = 0) -> list[int]:
+        hashes, h, bs = [], salt, self.block_size
         for i in range(n_blocks):
             h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
             hashes.append(h)
@@ -117,7 +117,7 @@ class PagedKVCachePool(KVCachePool):
         return max(0, _cdiv(new_len, self.block_size) - have)
 
     # -- KVCachePool -------------------------------------------------------------------------------------------
-    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None, salt: int = 0) -> int:
         if num_tokens > self.max_seq_len:
             raise ValueError(f"{num_tokens} tokens exceed the cache's max_seq_len {self.max_seq_len}")
         if not self._free_slots:
@@ -126,7 +126,7 @@ class PagedKVCachePool(KVCachePool):
         table: list[int] = []
         if self.enable_prefix_caching and prefix_ids:
             # never the whole prompt: its last token must run through the model to produce logits
-            for h in self._prefix_hashes(prefix_ids, (len(prefix_ids) - 1) // self.block_size):
+            for h in self._prefix_hashes(prefix_ids, (len(prefix_ids) - 1) // self.block_size, salt):
                 b = self._block_of.get(h)
                 if b is None:
                     break
@@ -139,11 +139,11 @@ class PagedKVCachePool(KVCachePool):
         self.prefix_hits += self._lens[slot]
         return slot
 
-    def cache_prefix(self, slot: int, token_ids: list[int]) -> None:
+    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0) -> None:
         if not self.enable_prefix_caching:
             return
         table, n_full = self._tables[slot], min(len(token_ids), self._lens[slot]) // self.block_size
-        for i, h in enumerate(self._prefix_hashes(token_ids, n_full)):
+        for i, h in enumerate(self._prefix_hashes(token_ids, n_full, salt)):
             b = table[i]
             if h not in self._block_of and b not in self._hash_of:
                 self._block_of[h], self._hash_of[b] = b, h

@@ -46,7 +46,7 @@ class SlottedKVCache(KVCachePool):
                    dtype=p.dtype, device=p.device, lazy=lazy)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
-    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None) -> int:
+    def allocate(self, num_tokens: int = 0, prefix_ids: list[int] | None = None, salt: int = 0) -> int:
         if num_tokens > self.max_seq_len:
             raise ValueError(f"{num_tokens} tokens exceed the cache's max_seq_len {self.max_seq_len}")
         if not self._free:

@@ -74,7 +74,7 @@ class AsyncEngine:
     async def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                           request_id: str | None = None, prompt: str | None = None,
                           speculate: bool = True, prediction: list[int] | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora: str | None = None) -> RequestStream:
         if self.error is not None:
             raise EngineStoppedError(f"the engine loop has stopped: {self.error}")
         if request_id is None:
@@ -82,7 +82,8 @@ class AsyncEngine:
             request_id = f"areq-{self._ids}"
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         accepted = loop.create_future()
-        args = (list(prompt_ids), params or SamplingParams(), request_id, prompt, speculate, prediction, priority)
+        args = (list(prompt_ids), params or SamplingParams(), request_id, prompt, speculate, prediction, priority,
+                lora)
         self._cmds.put(("add", args, loop, q, accepted))
         self._wake.set()
         await accepted  # raises what Engine.add_request raised
@@ -98,7 +99,7 @@ class AsyncEngine:
             stream.close()  # consumer went away early: abort and free its KV
 
     async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams,
-                          request_id: str | None = None) -> list[BeamHypothesis]:
+                          request_id: str | None = None, lora: str | None = None) -> list[BeamHypothesis]:
         """vLLM's ``EngineClient.beam_search``: ``params.beam_width`` hypotheses, best first, as ``LLM.beam_search``
         finds them (``infer.beam``). Each step asks the engine for every running beam's next-token law: a request of
         one token whose logprobs are the search's ``keep`` likeliest (all a step reads), decoded plainly, batched
@@ -112,7 +113,8 @@ class AsyncEngine:
         while not search.done:
             # added together, so that one engine step takes them all
             adds = [asyncio.ensure_future(self.add_request(list(prompt_ids) + beam, step,
-                                                           f"{request_id}-{search.cur}-{i}", speculate=False))
+                                                           f"{request_id}-{search.cur}-{i}", speculate=False,
+                                                           lora=lora))
                     for i, beam in enumerate(search.beams())]
             try:
                 streams = await asyncio.gather(*adds)
@@ -170,10 +172,10 @@ class AsyncEngine:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, (ids, params, rid, prompt, speculate, prediction, priority), loop, q, accepted = cmd
+            _, (ids, params, rid, prompt, speculate, prediction, priority, lora), loop, q, accepted = cmd
             try:
                 self.engine.add_request(ids, params, rid, prompt, speculate=speculate, prediction=prediction,
-                                        priority=priority)
+                                        priority=priority, lora=lora)
             except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
                 loop.call_soon_threadsafe(_settle, accepted, e)
                 return

@@ -114,6 +114,10 @@ class EngineConfig:
     # --lora-modules, llama.cpp's --lora) and its scale (llama.cpp's --lora-scaled; 1: as trained)
     lora: str | os.PathLike | None = None
     lora_scale: float = 1.0
+    # Adapters that each request picks by name (vLLM's --lora-modules name=path; Engine.add_request's ``lora``, the
+    # server's ``model`` field), all loaded at start, every row of a batch with its own or none (model.lora); each at
+    # lora_scale. Not beside ``lora`` (one adapter on every request).
+    lora_modules: dict[str, str | os.PathLike] | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -248,6 +252,20 @@ class EngineConfig:
                 bad(f"lora must be a PEFT adapter's directory, got {self.lora!r}")
             if tp > 1:
                 bad("lora runs in one process: tensor_parallel_size > 1 shards the target without it")
+        if self.lora_modules is not None:
+            mods = self.lora_modules
+            if not isinstance(mods, dict) or not mods:
+                bad(f"lora_modules must be a non-empty dict of adapter name -> PEFT directory, got {mods!r}")
+            for name, path in mods.items():
+                if not isinstance(name, str) or not name.strip() or name != name.strip():
+                    bad(f"lora_modules: adapter names must be non-empty strings without outer spaces, got {name!r}")
+                if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+                    bad(f"lora_modules[{name!r}] must be a PEFT adapter's directory, got {path!r}")
+            if self.lora is not None:
+                bad("lora (one adapter on every request) and lora_modules (each request picks one) exclude each "
+                    "other: name the adapter in lora_modules instead")
+            if tp > 1:
+                bad("lora_modules run in one process: tensor_parallel_size > 1 shards the target without them")
         scale = self.lora_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             bad(f"lora_scale must be a finite number, got {scale!r}")

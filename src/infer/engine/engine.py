@@ -20,7 +20,7 @@ from ..model.draft_heads import DraftHead, load_heads
 from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
-from ..model.lora import apply_lora, load_lora
+from ..model.lora import apply_lora, apply_loras, load_lora
 from ..model.quant import quantize_linears, quantize_model
 from ..pooling import PoolingParams, embed_prompt
 from ..request import Request, RequestStatus, StepOutput
@@ -72,6 +72,10 @@ class Engine:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         if cfg.lora is not None:  # over the weights as loaded (quantized or not): model.lora
             apply_lora(self.model, load_lora(cfg.lora), cfg.lora_scale)
+        # per-request adapters, numbered 1, 2, ... in the order given (Request.lora); all loaded before one is applied
+        self.lora_names = list(cfg.lora_modules or ())
+        if cfg.lora_modules:
+            apply_loras(self.model, [(load_lora(path), cfg.lora_scale) for path in cfg.lora_modules.values()])
         if self.device.type == "cpu":
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         self.compiled = self._maybe_compile(self.model)
@@ -360,15 +364,18 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prompt: str | None = None,
                     generator: torch.Generator | None = None, eos_token_ids: list[int] | None = None,
-                    speculate: bool = True, prediction: list[int] | None = None, priority: int = 0) -> Request:
+                    speculate: bool = True, prediction: list[int] | None = None, priority: int = 0,
+                    lora: str | None = None) -> Request:
         """Queue one request. ``generator`` / ``eos_token_ids`` override the request's own RNG (from params.seed)
         and the engine's EOS ids (library calls on loaded models use them); ``speculate=False`` decodes it plainly
         on a speculating engine (its output is the same either way: only its speed differs). ``prediction``: token
         ids the output is expected to repeat (OpenAI's predicted outputs), which the suffix proposers copy drafts
         from; other proposers ignore it, and the output is the same either way. ``priority`` (vLLM's; lower is
-        sooner): the request's rank under ``scheduling_policy="priority"``, 0 under "fcfs"."""
+        sooner): the request's rank under ``scheduling_policy="priority"``, 0 under "fcfs". ``lora``: the name of
+        the adapter (EngineConfig.lora_modules) the target applies to this request; None: the base model."""
         params = params or SamplingParams()
         self.check_priority(priority)
+        adapter = self.lora_index(lora)
         prompt_ids = params.truncated(prompt_ids, self.max_seq_len)  # vLLM's truncate_prompt_tokens
         self.check_request(prompt_ids, params, prediction)
         if request_id is not None and request_id in self.requests:
@@ -383,9 +390,21 @@ class Engine:
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
                       grammar=grammar, prediction=prediction)
         req.speculate, req.priority = speculate, priority
+        req.lora, req.lora_name = adapter, lora
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
+
+    def lora_index(self, name: str | None) -> int:
+        """The number of the adapter called ``name`` (1, 2, ...; None: 0, the base model); ValueError naming the
+        adapters there are."""
+        if name is None:
+            return 0
+        if name not in self.lora_names:
+            there = f"this engine's adapters are {self.lora_names}" if self.lora_names else \
+                "this engine loads none (EngineConfig.lora_modules)"
+            raise ValueError(f"no LoRA adapter named {name!r}: {there}")
+        return self.lora_names.index(name) + 1
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

@@ -49,17 +49,23 @@ class ModelRunner:
 
     # -- forward helpers ---------------------------------------------------------------------------------------
     def forward(self, model: LlamaForCausalLM, pool: KVCachePool, slots: list[int], rows: list[list[int]],
-                tree: TreeAttn | None = None):
+                tree: TreeAttn | None = None, reqs: list[Request] | None = None):
         """Append ``rows[i]`` to ``slots[i]`` in one padded forward -> hidden [B, T, H] (``tree``: the rows are token
-        trees, cache.base.TreeAttn)."""
+        trees, cache.base.TreeAttn). ``reqs``: the rows' requests, whose LoRA adapters the target applies (where it
+        carries per-request ones: Request.lora)."""
+        adapters = [r.lora for r in reqs] if reqs is not None and model is self.model and any(r.lora for r in reqs) \
+            else None
         if len(rows) == 1 and len(rows[0]) <= kernels.MAX_ROWS and tree is None \
                 and isinstance(model, LlamaForCausalLM) and model.runs_natively(pool):
-            return model.native_step(rows[0], pool, slots[0])  # a lone row's decode or verify: one C++ call
+            # a lone row's decode or verify: one C++ call
+            return model.native_step(rows[0], pool, slots[0], adapters[0] if adapters else 0)
         T = max(len(r) for r in rows)
         x = torch.zeros(len(rows), T, dtype=torch.long)
         for i, r in enumerate(rows):
             x[i, :len(r)] = torch.as_tensor(r)
         meta = pool.prepare(slots, [len(r) for r in rows], self.device, tree)
+        if adapters is not None:
+            meta.adapters = torch.tensor(adapters, device=self.device)
         return model(x.to(self.device), meta.positions, pool, meta)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
@@ -117,7 +123,7 @@ class ModelRunner:
         # (docs/design.md, numerics): plain and speculating engines, whose requests finish at other steps, would
         # then prefill the same prompt with other neighbours and part.
         hidden = [self.forward(self.model, self.kv.pool, [r.slot],
-                               [r.token_slice(r.num_computed, r.num_computed + n)])[0]
+                               [r.token_slice(r.num_computed, r.num_computed + n)], reqs=[r])[0]
                   for r, n in prefill]  # [n, H] each
         done_idx, done_reqs = [], []
         for i, (r, n) in enumerate(prefill):
@@ -168,7 +174,8 @@ class ModelRunner:
 
     def decode_forward(self, decode: list[Request]) -> tuple[list[int], torch.Tensor]:
         """The forward and sampling half of a decode step -> (one token per request, logits [B, V])."""
-        hidden = self.forward(self.model, self.kv.pool, [r.slot for r in decode], [[r.last_token] for r in decode])
+        hidden = self.forward(self.model, self.kv.pool, [r.slot for r in decode], [[r.last_token] for r in decode],
+                              reqs=decode)
         if self.feature_sink is not None:
             for i, r in enumerate(decode):
                 self.feature_sink(r, r.num_computed, hidden[i, :1])

@@ -93,6 +93,13 @@ class _Stopped(BaseException):
     """Raised inside the warm-up thread by ``Warmup.stop``."""
 
 
+class _AdapterRow:
+    """A warm-up row standing for a request of LoRA adapter ``lora`` (what ModelRunner.forward reads of one)."""
+
+    def __init__(self, lora: int):
+        self.lora = lora
+
+
 @torch.inference_mode()
 def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, tree: bool = False) -> None:
     """Run decode/verify steps of ``rows`` rows x each of ``widths`` tokens on scratch slots of ``pool``, at two
@@ -100,6 +107,9 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
     exists afterwards with its sizes dynamic. ``tree``: star-shaped tree verifies of each width too (their plan
     differs: positions apart from the columns written). Stops early where the pool cannot hold the slots."""
     model, widest, held = runner.model, max(widths), []
+    # rows of LoRA adapter 1 (Request.lora), where the target carries per-request adapters: their steps read the rows'
+    # adapters (AttnMeta.adapters), a graph of their own
+    adapted = [_AdapterRow(1)] * rows if getattr(model, "lora_adapters", 0) else None
     try:
         for ctx in (PROFILE_CONTEXT, PROFILE_CONTEXT + widest + 1):
             # a batch's rows at contexts of different lengths, as a served batch's are: their steps then carry a
@@ -117,6 +127,10 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
             held += slots
             runner.forward(model, pool, slots, [[1] * n for n in lens])  # the prompts: eager
             for t in widths:
+                if adapted:  # a target with per-request adapters: its steps with an adapter's rows too
+                    runner.forward(model, pool, slots, [[1] * t] * rows, reqs=adapted)
+                    for s, n in zip(slots, lens):
+                        pool.truncate_to(s, n)
                 hidden = runner.forward(model, pool, slots, [[1] * t] * rows)
                 # verify (its pads' lengths, as a round passes them), decode
                 model.compute_logits(hidden, torch.tensor([t] * rows) if t > 1 else None)
@@ -131,8 +145,9 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
                     pool.truncate_to(slots[0], ctx)
             if rows > 1:  # one row alone on blocks interleaved with the others' (a request after a batch: gathers)
                 for t in widths:
-                    runner.forward(model, pool, slots[:1], [[1] * t])
-                    pool.truncate_to(slots[0], lens[0])
+                    for reqs in ([None, adapted[:1]] if adapted else [None]):
+                        runner.forward(model, pool, slots[:1], [[1] * t], **({"reqs": reqs} if reqs else {}))
+                        pool.truncate_to(slots[0], lens[0])
     finally:
         for s in held:
             pool.free(s)

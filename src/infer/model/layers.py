@@ -184,6 +184,14 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, lens)
 
 
+def project(proj: nn.Module, x: torch.Tensor, lens: torch.Tensor | None, adapters: torch.Tensor | None):
+    """``proj(x, lens)``, given each row's adapter (``adapters`` [B]) where ``proj`` carries per-request LoRA
+    adapters (model.lora.LoRALinear)."""
+    if adapters is not None and getattr(proj, "per_request", False):
+        return proj(x, lens, adapters)
+    return proj(x, lens)
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up are one fused matmul."""
 
@@ -193,11 +201,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
-        """``lens``: the pads to skip (``linear``)"""
-        gate_up = self.gate_up_proj(x, lens)
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None,
+                adapters: torch.Tensor | None = None) -> torch.Tensor:
+        """``lens``: the pads to skip (``linear``); ``adapters``: each row's LoRA adapter (``project``)"""
+        gate_up = project(self.gate_up_proj, x, lens, adapters)
         if gate_up.dtype == torch.bfloat16 and kernels_take(gate_up):  # one rounding, eager = compiled (rope_heads)
             h = torch.ops.infer.silu_mul(gate_up.reshape(-1, 2 * self.intermediate), lens)
-            return self.down_proj(h.view(*x.shape[:-1], self.intermediate), lens)
+            return project(self.down_proj, h.view(*x.shape[:-1], self.intermediate), lens, adapters)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lens)
+        return project(self.down_proj, F.silu(gate) * up, lens, adapters)

@@ -19,7 +19,7 @@ from .. import kernels
 from ..cache.base import AttnMeta, KVCachePool
 from ..cache.paged import PagedKVCachePool
 from ..config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, kernels_take, linear, rope_heads, sdpa
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, kernels_take, linear, project, rope_heads, sdpa
 from .lora import LoRALinear
 from .quant import BlockLinear
 
@@ -42,7 +42,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv: KVCachePool | None, meta: AttnMeta | None):
         B, T, _ = x.shape
         lens = meta.lens if meta is not None else None  # [B] real tokens a row: the pads past them are skipped
-        qkv = self.qkv_proj(x, lens)
+        adapters = meta.adapters if meta is not None else None  # [B] each row's LoRA adapter (per-request ones)
+        qkv = project(self.qkv_proj, x, lens, adapters)
         # Rotate q and k together: they share cos/sin per position. [B, T, H + Hkv, D]
         qk = rope_heads(qkv, cos, sin, self.n_heads + self.n_kv, self.head_dim, lens)
         q = qk[:, :, : self.n_heads].transpose(1, 2)  # [B, H, T, D]
@@ -67,7 +68,7 @@ class Attention(nn.Module):
             o = torch.ops.infer.attention(q, k, v, mask, rows, lens)
         else:
             o = sdpa(q, k, v, mask, causal, self.n_kv != self.n_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.q_size), lens)
+        return project(self.o_proj, o.transpose(1, 2).reshape(B, T, self.q_size), lens, adapters)
 
 
 class DecoderLayer(nn.Module):
@@ -81,7 +82,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, meta):
         lens = meta.lens if meta is not None else None  # [B] real tokens a row: the kernels skip the pads past them
         x = x + self.self_attn(self.input_layernorm(x, lens), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x, lens), lens)
+        return x + self.mlp(self.post_attention_layernorm(x, lens), lens, meta.adapters if meta is not None else None)
 
 
 def _zero_pads(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         # drafter reads a low, a middle and a high layer of the target
         self.aux_layers: tuple[int, ...] = ()
         self.source_blocks = None  # GGUF loads: module name -> the file's quantized rows (loader.load_model)
+        self.lora_adapters = 0  # how many LoRA adapters each request picks from (model.lora.apply_loras)
         # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
         self.compiled: CompiledSteps | None = None
         self._native_key: tuple | None = None  # what _native_stack's answer was checked for
@@ -157,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
                 and not attn_meta.tree and isinstance(kv, PagedKVCachePool) and self._native_stack(kv):
             rows = torch.arange(attn_meta.row0, attn_meta.row0 + attn_meta.kv_len) if attn_meta.row0 is not None \
                 else attn_meta.read_pos[0]
-            return self._native_forward(input_ids, kv, rows, attn_meta.start[0])
+            adapter = int(attn_meta.adapters[0]) if attn_meta.adapters is not None else 0
+            return self._native_forward(input_ids, kv, rows, attn_meta.start[0], adapter)
         c = self.compiled
         # decode and verify steps (appending to a cache) run compiled; a prompt's prefill, however short, stays eager
         if c is not None and kv is not None and input_ids.shape[1] <= c.max_tokens and not attn_meta.is_causal:
@@ -190,28 +193,42 @@ class LlamaForCausalLM(nn.Module):
                   and isinstance(self.embed_tokens, nn.Embedding)
                   and all(isinstance(x, BlockLinear) and x.bias is None for x in lins)
                   and all(isinstance(n, RMSNorm) for n in norms) and len({n.eps for n in norms}) == 1)
-            none = torch.empty(0, dtype=self.dtype)
-            lora = tuple(t for x in adapted for t in ((x.lora_a, x.lora_b) if isinstance(x, LoRALinear) else
-                                                      (none, none))) if any(x is not y for x, y in zip(adapted, lins)) \
-                else ()
             self._native_args = ((tuple(x.packed for x in lins), [x.format_id for x in lins],
-                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps,
-                                  lora),) if ok else ()
+                                  [x.out_features for x in lins], tuple(n.weight for n in norms), norms[0].eps),) \
+                if ok else ()
+            self._native_lora = {}
             self._native_key = key
         return bool(self._native_args) and kv.k[0].dtype == torch.bfloat16
 
-    def _native_forward(self, input_ids, kv: PagedKVCachePool, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def _lora_args(self, adapter: int) -> tuple[torch.Tensor, ...]:
+        """infer::llama_forward's ``lora`` for a row of ``adapter`` (0: none): each product's A and B (both empty
+        where it has no adapter), B with the other adapters' columns zero where each request picks its own
+        (LoRALinear.b_for), or nothing where no product has one for this row."""
+        if adapter not in self._native_lora:
+            adapted = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            mine = [x for x in adapted if isinstance(x, LoRALinear) and (
+                not x.per_request or (adapter and bool((x.owner == adapter).any())))]
+            none = torch.empty(0, dtype=self.dtype)
+            self._native_lora[adapter] = tuple(
+                t for x in adapted for t in (((x.lora_a, x.b_for(adapter) if x.per_request else x.lora_b)
+                                              if x in mine else (none, none)))) if mine else ()
+        return self._native_lora[adapter]
+
+    def _native_forward(self, input_ids, kv: PagedKVCachePool, rows: torch.Tensor, start: int,
+                        adapter: int = 0) -> torch.Tensor:
         """``_forward``'s result for a lone chain row through infer::llama_forward: input_ids [1, T] at positions
         start .. start + T - 1, every key read from its storage row (rows [start + T]: consecutive blocks' range, else
-        the block table's rows)."""
-        (packed, formats, outs, norms, eps, lora), = self._native_args
+        the block table's rows); ``adapter``: the row's LoRA adapter where each request picks its own."""
+        (packed, formats, outs, norms, eps), = self._native_args
+        lora = self._lora_args(adapter)
         c = self.config
         return torch.ops.infer.llama_forward(
             input_ids[0], packed, formats, outs, norms, eps, self.embed_tokens.weight, self.rotary._cos,
             self.rotary._sin, kv.k, kv.v, rows, start, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, list(self.aux_layers), lora)
 
-    def native_step(self, tokens: list[int], kv: PagedKVCachePool, slot: int) -> torch.Tensor:
+    def native_step(self, tokens: list[int], kv: PagedKVCachePool, slot: int, adapter: int = 0) -> torch.Tensor:
         """``forward`` of one chain row, ``tokens`` appended to ``slot`` of ``kv`` (where ``runs_natively(kv)``, at most
         kernels.MAX_ROWS tokens) -> hidden [1, T, H'], through infer::llama_forward as ``forward`` takes it, without
         the plan ``kv.prepare`` builds for the other paths (rotary positions, a [T, keys] mask, the pads' lengths),
@@ -219,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         start = kv.extend(slot, len(tokens))
         end = start + len(tokens)
         self.rotary.reserve(end - 1, self.device, self.dtype)
-        return self._native_forward(torch.tensor([tokens]), kv, kv.storage_rows(slot, end), start)
+        return self._native_forward(torch.tensor([tokens]), kv, kv.storage_rows(slot, end), start, adapter)
 
     def _forward(self, input_ids, positions, kv, attn_meta) -> torch.Tensor:
         """The network itself (checked inputs, rotary tables reserved): what torch.compile traces."""

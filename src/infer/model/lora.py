@@ -10,6 +10,10 @@ adapter leaves out has no rows there), gate/up's the same, s folded into B. The 
 like every float product: a row's result does not depend on the rows beside it, so decode and verify stay
 bit-identical and speculation stays lossless with an adapter on. The one-call forward (kernels/lm_round.cpp) takes
 each product's A and B beside its blocks and adds the delta with the same two kernels and the same bfloat16 add.
+
+Several adapters, each request picking one by name (vLLM's ``--lora-modules`` and ``LoRARequest``: ``apply_loras``):
+their A's stacked and B's side by side in one pair a product, each row masking the other adapters' columns
+(``LoRALinear``), so requests of different adapters and of none share a batch.
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ class LoRAAdapter:
 
     path: str
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's name for a request's adapter: here one of the engine's ``lora_modules`` by ``lora_name`` (loaded at
+    start; the id and path are vLLM's fields, kept for its callers' code and not read)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | None = None
 
 
 def load_lora(path: str | os.PathLike) -> LoRAAdapter:
@@ -93,35 +107,52 @@ def load_lora(path: str | os.PathLike) -> LoRAAdapter:
 
 
 class LoRALinear(nn.Module):
-    """A projection plus its adapter: base(x) + B_s (A x), A [R, in] and B_s [out, R] in the model's dtype."""
+    """A projection plus its adapters: base(x) + B_s (A x), A [R, in] and B_s [out, R] in the model's dtype.
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor):
+    One adapter on every row (``owner`` None: EngineConfig.lora), or several that each request picks from
+    (EngineConfig.lora_modules): their A's stacked into one A and their B's side by side into one B, ``owner`` [R]
+    naming the adapter (1, 2, ...) each of the R columns belongs to. A batch's rows then pick theirs by a 0/1 mask
+    on A x's columns (``adapters`` [B]: each row's adapter, 0 for the base model alone): one pair of products for a
+    batch of mixed adapters, whose shapes do not depend on the mix (punica's SGMV does the same on GPUs without the
+    wasted columns; at r ~8-64 and a few adapters the waste is a few columns). A row's sum runs over all R columns
+    whichever path computes it, the other adapters' terms exactly 0, so a row's result does not depend on its
+    neighbours: the one-call forward's lone row passes A whole and a B whose other adapters' columns are zero
+    (``b_for``), the same terms added in the same order."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor | None = None):
         super().__init__()
         self.base = base
         self.register_buffer("lora_a", a)
         self.register_buffer("lora_b", b)
+        self.register_buffer("owner", owner)
 
     @property
     def out_features(self) -> int:
         return self.lora_b.shape[0]
 
-    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens), self.lora_b, None, lens)
+    @property
+    def per_request(self) -> bool:
+        """Whether each row picks its adapter (``forward``'s ``adapters``)."""
+        return self.owner is not None
+
+    def b_for(self, adapter: int) -> torch.Tensor:
+        """B [out, R] with every column but ``adapter``'s zero: a lone row's delta without a mask (the one-call
+        forward's, which keeps it per adapter: LlamaForCausalLM._lora_args)."""
+        return self.lora_b * (self.owner == adapter).to(self.lora_b.dtype)
+
+    def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None,
+                adapters: torch.Tensor | None = None) -> torch.Tensor:
+        if self.owner is None:
+            return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens), self.lora_b, None, lens)
+        if adapters is None:  # no row of the batch has an adapter
+            return self.base(x, lens)
+        pick = (self.owner == adapters.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)  # [B, 1, R]: 1 where row's own
+        return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens) * pick, self.lora_b, None, lens)
 
 
-def apply_lora(model, adapter: LoRAAdapter, scale: float = 1.0) -> None:
-    """Wrap the target's projections that ``adapter`` adapts (in place); ValueError where its shapes or layers do
-    not fit this model, before anything is changed."""
+def _check_fits(model, adapter: LoRAAdapter, sizes: dict, ins: dict) -> None:
     cfg = model.config
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise ValueError("this model carries a LoRA adapter already")
-    sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim]
-             * 2, "self_attn.o_proj": [cfg.hidden_size],
-             "mlp.gate_up_proj": [cfg.intermediate_size] * 2, "mlp.down_proj": [cfg.hidden_size]}
-    ins = {"self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
-           "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size}
-    fused: dict[tuple[int, str], list] = {}
-    for (layer, module), (a, b, s) in adapter.weights.items():
+    for (layer, module), (a, b, _) in adapter.weights.items():
         target, part = _PARTS[module]
         if not 0 <= layer < cfg.num_hidden_layers:
             raise ValueError(f"LoRA adapter {adapter.path}: adapts layer {layer}, the model has "
@@ -129,11 +160,17 @@ def apply_lora(model, adapter: LoRAAdapter, scale: float = 1.0) -> None:
         if a.shape[1] != ins[target] or b.shape[0] != sizes[target][part]:
             raise ValueError(f"LoRA adapter {adapter.path}: layer {layer}'s {module} maps {a.shape[1]} -> "
                              f"{b.shape[0]}, the model's {ins[target]} -> {sizes[target][part]}")
-        fused.setdefault((layer, target), []).append((part, a, b * (s * scale)))
-    for (layer, target), parts in fused.items():
-        parent_name, attr = target.split(".")
-        parent = getattr(model.layers[layer], parent_name)
-        base = getattr(parent, attr)
+
+
+def _fused(adapter: LoRAAdapter, scale: float, sizes: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per (layer, our fused module): the adapter's A [R, in] (its parts' stacked) and block-diagonal B [out, R]
+    (one block per adapted part, its scaling folded in)."""
+    parts_of: dict[tuple[int, str], list] = {}
+    for (layer, module), (a, b, s) in adapter.weights.items():
+        target, part = _PARTS[module]
+        parts_of.setdefault((layer, target), []).append((part, a, b * (s * scale)))
+    fused = {}
+    for (layer, target), parts in parts_of.items():
         offsets = [0]
         for n in sizes[target]:
             offsets.append(offsets[-1] + n)
@@ -143,6 +180,43 @@ def apply_lora(model, adapter: LoRAAdapter, scale: float = 1.0) -> None:
         for part, a, b in parts:
             b_all[offsets[part]:offsets[part + 1], col:col + a.shape[0]] = b
             col += a.shape[0]
-        w = dict(dtype=model.dtype, device=model.device)
-        setattr(parent, attr, LoRALinear(base, a_all.to(**w), b_all.to(**w)))
+        fused[layer, target] = (a_all, b_all)
+    return fused
+
+
+def apply_lora(model, adapter: LoRAAdapter, scale: float = 1.0) -> None:
+    """Wrap the target's projections that ``adapter`` adapts, for every row (in place); ValueError where its shapes
+    or layers do not fit this model, before anything is changed."""
+    _wrap(model, [(adapter, scale)], per_request=False)
+
+
+def apply_loras(model, adapters: list[tuple[LoRAAdapter, float]]) -> None:
+    """Wrap the target's projections that any of ``adapters`` adapts, each row picking its own by number (1, 2, ...
+    in this order; 0: none) through ``AttnMeta.adapters``; ValueError as ``apply_lora``'s."""
+    _wrap(model, adapters, per_request=True)
+
+
+def _wrap(model, adapters: list[tuple[LoRAAdapter, float]], per_request: bool) -> None:
+    cfg = model.config
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("this model carries a LoRA adapter already")
+    sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim]
+             * 2, "self_attn.o_proj": [cfg.hidden_size],
+             "mlp.gate_up_proj": [cfg.intermediate_size] * 2, "mlp.down_proj": [cfg.hidden_size]}
+    ins = {"self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
+           "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size}
+    for adapter, _ in adapters:
+        _check_fits(model, adapter, sizes, ins)
+    fused = [_fused(adapter, scale, sizes) for adapter, scale in adapters]
+    w = dict(dtype=model.dtype, device=model.device)
+    for layer, target in sorted({key for f in fused for key in f}):
+        mine = [(j + 1, f[layer, target]) for j, f in enumerate(fused) if (layer, target) in f]
+        a_all = torch.cat([a for _, (a, _) in mine])  # [R, in]: the adapters' A's stacked
+        b_all = torch.cat([b for _, (_, b) in mine], 1)  # [out, R]: their B's side by side
+        owner = torch.cat([torch.full((a.shape[0],), j) for j, (a, _) in mine]).to(model.device) if per_request \
+            else None
+        parent_name, attr = target.split(".")
+        parent = getattr(model.layers[layer], parent_name)
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), a_all.to(**w), b_all.to(**w), owner))
+    model.lora_adapters = len(adapters) if per_request else 0
     model._native_key = None  # the one-call forward's check reads the module types again (LlamaForCausalLM)

@@ -8,7 +8,8 @@ import threading
 
 import uvicorn
 
-from ..cli_args import _text_or_file, add_dataclass_args, add_model_args, add_spec_args, config_kwargs
+from ..cli_args import (_text_or_file, add_dataclass_args, add_lora_modules_arg, add_model_args, add_spec_args,
+                        config_kwargs, lora_modules)
 from ..engine.config import EngineConfig
 
 ENGINE_FIELDS = ("kv_cache_backend", "block_size", "num_kv_blocks", "enable_prefix_caching", "max_batch_size",
@@ -18,6 +19,7 @@ ENGINE_FIELDS = ("kv_cache_backend", "block_size", "num_kv_blocks", "enable_pref
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
+    add_lora_modules_arg(p)
     add_spec_args(p)
     # a server bounds its queue by default (the library's engine does not): more waiting requests get 503
     add_dataclass_args(p, EngineConfig, ENGINE_FIELDS, max_waiting_requests=256)
@@ -64,7 +66,10 @@ def engine_config(a) -> EngineConfig:
     from ..demo import with_serve_defaults
 
     # SmolLM2's shipped GGUF: its Q4_1 blocks on the integer kernel and its best drafter, unless asked otherwise
-    return EngineConfig(**with_serve_defaults(config_kwargs(a, EngineConfig)))
+    kw = config_kwargs(a, EngineConfig)
+    if "lora_modules" in kw:
+        kw["lora_modules"] = lora_modules(kw["lora_modules"])
+    return EngineConfig(**with_serve_defaults(kw))
 
 
 def chat_template(a) -> str | None:

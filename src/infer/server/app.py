@@ -39,11 +39,11 @@ def openapi_schema(app: FastAPI) -> dict:
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
-        name = app.state.server.served_model_name  # the one model id this server answers to (else 404)
+        names = app.state.server.model_ids()  # the model ids this server answers to (else 404)
         for body in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
             props = schema["components"]["schemas"].get(body, {}).get("properties", {})
             if "model" in props:
-                props["model"] = {"type": "string", "enum": [name], "title": "Model"}
+                props["model"] = {"type": "string", "enum": names, "title": "Model"}
         ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
         for path, ops in schema["paths"].items():
             for op in ops.values():

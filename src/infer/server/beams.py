@@ -41,7 +41,7 @@ def check(body) -> None:
 
 
 async def serve(state: ServerState, body, prompts: list[list[int]], max_tokens: int, chat: bool, echo: list[str],
-                request: Request):
+                request: Request, lora: str | None = None):
     """The beams of every prompt as one JSON body: ``n`` choices a prompt (prompt i's j-th beam at index i * n + j),
     or a 499 if the client left first (the search's requests are aborted)."""
     try:
@@ -52,7 +52,7 @@ async def serve(state: ServerState, body, prompts: list[list[int]], max_tokens: 
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt" if "prompt" in str(e) else "n")
     rid = P.new_id("chatcmpl" if chat else "cmpl")
-    searches = [asyncio.ensure_future(state.engine.beam_search(ids, params, f"{rid}-{i}"))
+    searches = [asyncio.ensure_future(state.engine.beam_search(ids, params, f"{rid}-{i}", lora))
                 for i, ids in enumerate(prompts)]
     work = asyncio.gather(*searches)
     from .completions import watched  # the client watch of every route (imported here: completions imports us)

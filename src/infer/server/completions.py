@@ -32,7 +32,7 @@ ANSWERS = {200: {"content": {"application/json": {}, "text/event-stream": {}},
 
 @router.post("/v1/completions", responses=ANSWERS)
 async def completions(body: P.CompletionRequest, state: CurrentState, request: Request):
-    _check_model(state, body.model)
+    lora = _check_model(state, body.model)
     beams.check(body)
     tok = state.tokenizer
     prompts = await run_in_threadpool(_prompt_ids, tok, body.prompt, state.vocab_size)
@@ -40,13 +40,13 @@ async def completions(body: P.CompletionRequest, state: CurrentState, request: R
     echo = [await run_in_threadpool(tok.decode, p, skip_special_tokens=body.skip_special_tokens is not False)
             if body.echo else "" for p in prompts]
     if body.use_beam_search:
-        return await beams.serve(state, body, prompts, body.max_tokens or 16, False, echo, request)
-    return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request)
+        return await beams.serve(state, body, prompts, body.max_tokens or 16, False, echo, request, lora)
+    return await _serve(state, body, prompts, body.max_tokens or 16, body.logprobs, False, echo, request, lora=lora)
 
 
 @router.post("/v1/chat/completions", responses=ANSWERS)
 async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, request: Request):
-    _check_model(state, body.model)
+    lora = _check_model(state, body.model)
     beams.check(body)
     check_template(state, body.chat_template, "use /v1/completions")
     check_readable(body.messages)
@@ -65,15 +65,23 @@ async def chat_completions(body: P.ChatCompletionRequest, state: CurrentState, r
         if calls[0] is not None:
             raise ApiError(400, "tool calls are constrained answers, which a beam search does not take: ask with "
                            "tool_choice none or without use_beam_search", param="tool_choice")
-        return await beams.serve(state, body, [ids], max_tokens, True, [""], request)
+        return await beams.serve(state, body, [ids], max_tokens, True, [""], request, lora)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(state, body, [ids], max_tokens, top, True, [""], request, calls)
+    return await _serve(state, body, [ids], max_tokens, top, True, [""], request, calls, lora)
 
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.served_model_name:
-        raise ApiError(404, f"model {name!r} does not exist; this server serves {state.served_model_name!r}",
-                       "not_found_error", "model")
+def _check_model(state: ServerState, name: str, base_only: str | None = None) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model), or a 404 naming the ids there are.
+    ``base_only``: the route runs the base model alone (its name, for the 400 an adapter's id gets)."""
+    if name == state.served_model_name:
+        return None
+    if name in state.lora_modules:
+        if base_only is not None:
+            raise ApiError(400, f"{base_only} runs the base model, without LoRA adapters: ask with model "
+                           f"{state.served_model_name!r}", param="model")
+        return name
+    ids = ", ".join(map(repr, state.model_ids()))
+    raise ApiError(404, f"model {name!r} does not exist; this server serves {ids}", "not_found_error", "model")
 
 
 def _check_ids(prompts: list[list[int]], vocab_size: int, param: str = "prompt") -> None:
@@ -95,8 +103,9 @@ def _prompt_ids(tok, prompt, vocab_size: int, param: str = "prompt") -> list[lis
 
 
 async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, echo, request: Request,
-                 calls: tuple = (None, None)):
-    """``calls``: tools.plan's (mode, constraint) of a chat request; a mode answers with tool calls."""
+                 calls: tuple = (None, None), lora: str | None = None):
+    """``calls``: tools.plan's (mode, constraint) of a chat request; a mode answers with tool calls. ``lora``: the
+    adapter the request's model id names (None: the base model)."""
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     # echo with logprobs scores the prompt too (OpenAI's legacy completions: its tokens lead the logprobs, the first
     # with none), as lm-evaluation-harness's loglikelihood requests read it
@@ -126,6 +135,8 @@ async def _serve(state: ServerState, body, prompts, max_tokens, logprobs, chat, 
         kw["priority"] = body.priority
     if prediction:
         kw["prediction"] = prediction
+    if lora is not None:
+        kw["lora"] = lora
     try:
         for i, ids in enumerate(prompts):
             for j in range(body.n):

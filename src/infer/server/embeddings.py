@@ -49,7 +49,7 @@ class EmbeddingRequest(BaseModel):
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, state: CurrentState):
-    _check_model(state, body.model)
+    _check_model(state, body.model, "embedding")
     width = state.engine.engine.model.config.hidden_size
     if body.dimensions is not None and body.dimensions != width:
         raise ApiError(400, f"this model's embeddings have {width} values; dimensions shortens only a "

@@ -28,23 +28,29 @@ async def version():
     return {"version": __version__}
 
 
-def _card(state) -> dict:
-    return {"id": state.served_model_name, "object": "model", "created": P.now(), "owned_by": "infer",
-            "max_model_len": state.max_seq_len}
+def _card(state, name: str) -> dict:
+    """A model id's card; an adapter's names the base model as its parent and its directory as its root (vLLM's)."""
+    card = {"id": name, "object": "model", "created": P.now(), "owned_by": "infer", "max_model_len": state.max_seq_len}
+    if name in state.lora_modules:
+        card.update(root=state.lora_modules[name], parent=state.served_model_name)
+    return card
 
 
 @router.get("/v1/models")
 async def models(state: CurrentState):
-    return {"object": "list", "data": [_card(state)]}
+    """The base model's card, then each LoRA adapter's (EngineConfig.lora_modules), which requests name as their
+    model."""
+    return {"object": "list", "data": [_card(state, name) for name in state.model_ids()]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, state: CurrentState):
     """OpenAI's retrieve (``client.models.retrieve``): the served model's card, else a 404 naming it."""
-    if model != state.served_model_name:
-        return error_response(404, f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
-                              "not_found_error", "model")
-    return _card(state)
+    if model not in state.model_ids():
+        ids = ", ".join(map(repr, state.model_ids()))
+        return error_response(404, f"model {model!r} does not exist; this server serves {ids}", "not_found_error",
+                              "model")
+    return _card(state, model)
 
 
 @router.get("/metrics", response_class=Response,

@@ -206,7 +206,7 @@ async def _fitted(body: ResponsesRequest, state, messages: list[P.ChatMessage], 
 
 @router.post("/v1/responses", responses=ANSWERS)
 async def responses(body: ResponsesRequest, state: CurrentState, request: Request):
-    _check_model(state, body.model)
+    lora = _check_model(state, body.model)
     tok = state.tokenizer
     if not tok.has_chat_template:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
@@ -247,7 +247,8 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
                                     structured=structured)
 
     rid = f"resp_{uuid.uuid4().hex}"
-    kw = ({} if body.speculation else {"speculate": False}) | ({"priority": body.priority} if body.priority else {})
+    kw = ({} if body.speculation else {"speculate": False}) | ({"priority": body.priority} if body.priority else {}) \
+        | ({"lora": lora} if lora is not None else {})
     stream = await add_stream(state, ids, params, rid, field, **kw)
     name = choice.function.name if mode == "named" else None
     c = _Choice(0, stream, ids, "", reader=None if mode is None else tools.ToolCallReader(mode, name,

@@ -99,7 +99,7 @@ def _params(state, body: _Pooled) -> PoolingParams:
 @router.post("/score")
 @router.post("/v1/score")
 async def score(body: ScoreRequest, state: CurrentState):
-    _check_model(state, body.model)
+    _check_model(state, body.model, "scoring")
     firsts, seconds = ([t] if isinstance(t, str) else t for t in (body.text_1, body.text_2))
     scores, tokens = await _scores(state, firsts, seconds, _params(state, body), ("text_1", "text_2"))
     return {"id": P.new_id("score"), "object": "list", "created": P.now(), "model": state.served_model_name,
@@ -111,7 +111,7 @@ async def score(body: ScoreRequest, state: CurrentState):
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def rerank(body: RerankRequest, state: CurrentState):
-    _check_model(state, body.model)
+    _check_model(state, body.model, "reranking")
     docs = body.texts()
     if not docs:
         raise ApiError(400, "documents is empty: give at least one document to rank", param="documents")

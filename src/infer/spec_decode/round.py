@@ -199,7 +199,7 @@ class SpeculativeDecoder:
 
         # -- verify: [g, t_1 .. t_n] per row in one target forward -> p_0 .. p_K --------------------------------
         rows = [[r.last_token] + host[b][:nd[b]] for b, r in enumerate(reqs)]
-        hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows)  # [B, K+1, H]
+        hidden = runner.forward(runner.model, self.kv.pool, [r.slot for r in reqs], rows, reqs=reqs)  # [B, K+1, H]
         logits = runner.model.compute_logits(hidden, torch.tensor([len(x) for x in rows]))  # [B, K+1, V], pads 0
         if any(p.logits_processors for p in params):  # position j: the request's functions, after the j drafts
             apply_logits_processors_(logits, reqs, chain_drafted([host[b][:nd[b]] for b in range(len(reqs))]))

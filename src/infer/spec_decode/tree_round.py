@@ -70,7 +70,7 @@ def tree_round(dec, reqs, depths: list[int], shape: TreeShape, t_in: float):
     lens = [r.num_tokens for r in reqs]
     base = [n - 1 for n in lens]  # the root's column and position
     attn = TreeAttn(torch.tensor(base, device=dev)[:, None] + depth, base, ancestor_mask(parents))
-    hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn)
+    hidden = runner.forward(runner.model, kv.pool, [r.slot for r in reqs], [t.tokens for t in trees], attn, reqs)
     logits = runner.model.compute_logits(hidden, torch.tensor([len(t.tokens) for t in trees]))  # [B, N, V], pads 0
     if any(p.logits_processors for p in params):  # node i: the request's functions, after the drafts on its path
         apply_logits_processors_(logits, reqs, tree_drafted(trees))
