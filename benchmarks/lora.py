@@ -1,13 +1,16 @@
 """What a LoRA adapter costs a decode step (model.lora), on SmolLM2 as `infer chat` runs it.
 
-    python benchmarks/lora.py [--prompts 4] [--ranks 8 64] [--tag zen3]
+    python benchmarks/lora.py [--prompts 4] [--ranks 8 64] [--modules 4] [--tag zen3]
 
 Engines in one process, SmolLM2-135M-Instruct in bfloat16 over its Q4_1 blocks, one request, plain decoding (the
 adapter's cost is the target's; speculation with it verifies with the same steps): the base model, and the same with
 a random PEFT adapter of each rank over all seven projections of the 30 layers (A ~ N(0, 1 / in), B ~ N(0, 0.02^2):
 a text still in English). A lone request's steps are one C++ call (kernels/lm_round.cpp) that adds each product's
 delta B (A x) beside the llama.cpp blocks; no graph is compiled; the first rank's engine again with every step
-through the module's eager ops ("eager": what the one-call path replaces). Held-out prompts, chat and code, each once per
+through the module's eager ops ("eager": what the one-call path replaces); and an engine loading ``--modules`` adapters
+of the first rank that each request picks from (EngineConfig.lora_modules), asked with the first adapter ("picked":
+its lone row's products span every adapter's columns, the others' B columns zero) and with none ("none picked": the
+base model's steps on an engine that carries adapters). Held-out prompts, chat and code, each once per
 engine, the engines in rotating order prompt by prompt, after one warm-up request each. Per engine the decode speed
 (tokens after the first over the time after it): median and quartiles, and the ratio to the base in pairs (prompt
 by prompt). Writes benchmarks/results/lora[-tag].json and the "lora[-tag]" section of docs/benchmarks.md.
@@ -55,7 +58,7 @@ def write_adapter(out: Path, llm: LLM, r: int, seed: int = 0) -> Path:
     return out
 
 
-def run(prompts: list[str], ranks: list[int], scratch: Path) -> dict:
+def run(prompts: list[str], ranks: list[int], scratch: Path, modules: int) -> dict:
     base = LLM(real_model_path(), max_batch_size=1, compile=False, **REAL_MODEL_SETTINGS)
     llms = {"base": base}
     for r in ranks:
@@ -65,15 +68,24 @@ def run(prompts: list[str], ranks: list[int], scratch: Path) -> dict:
     eager = llms[f"lora r={ranks[0]} eager"] = LLM(real_model_path(), max_batch_size=1, compile=False,
                                                    **REAL_MODEL_SETTINGS, lora=str(scratch / f"r{ranks[0]}"))
     eager.model.native = False
+    picks = {name: None for name in llms}
+    if modules:
+        dirs = {f"a{j}": str(write_adapter(scratch / f"m{j}", base, ranks[0], seed=j)) for j in range(modules)}
+        per = LLM(real_model_path(), max_batch_size=1, compile=False, **REAL_MODEL_SETTINGS, lora_modules=dirs)
+        llms[f"{modules} adapters r={ranks[0]}, picked"] = llms[f"{modules} adapters, none picked"] = per
+        picks[f"{modules} adapters r={ranks[0]}, picked"] = "a0"
+        picks[f"{modules} adapters, none picked"] = None
     native = {name: llm.model.native and llm.model.runs_natively(llm.engine.kv.pool) for name, llm in llms.items()}
-    for llm in llms.values():
-        llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=16, temperature=0))
+    for name, llm in llms.items():
+        llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=16, temperature=0),
+                 lora_request=picks[name])
     speed = {name: [] for name in llms}
     order = list(llms)
     for i, prompt in enumerate(prompts):
         for name in order[i % len(order):] + order[:i % len(order)]:
             out = llms[name].chat([{"role": "user", "content": prompt}],
-                                  SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+                                  SamplingParams(max_tokens=128, temperature=0, ignore_eos=True),
+                                  lora_request=picks[name])
             m = out.metrics
             speed[name].append((len(out.token_ids) - 1) / (m["finish_time"] - m["first_token_time"]))
     return {"speed": {k: quartiles(v) for k, v in speed.items()},
@@ -88,7 +100,10 @@ def render(data: dict) -> str:
              f"{data['date']}): SmolLM2-135M-Instruct, bfloat16 over its Q4_1 blocks, one request, plain greedy "
              f"decoding, {data['prompts']} held-out prompts (half chat, half code) x 128 tokens, each once per "
              "engine, the engines in rotating order; a random PEFT adapter of each rank on all seven projections "
-             "of the 30 layers. Decode tok/s, median (quartiles); over base: prompt by prompt, the median.", "",
+             "of the 30 layers" + (f"; an engine loading {data['modules']} such adapters of rank {data['ranks'][0]} "
+                                   "that each request picks from (lora_modules), asked with the first and with none"
+                                   if data.get("modules") else "") +
+             ". Decode tok/s, median (quartiles); over base: prompt by prompt, the median.", "",
              "| engine | decode tok/s | over base | steps in one C++ call |", "|---|---|---|---|"]
     for name, q in r["speed"].items():
         over = f"{r['over base'][name]:.3f}x" if name in r["over base"] else "-"
@@ -100,13 +115,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts of each kind (chat, code)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--modules", type=int, default=4, help="adapters of the first rank each request picks from (0: "
+                    "no such engine)")
     ap.add_argument("--tag", default="", help="a suffix for the results and the section (a host)")
     a = ap.parse_args()
     ep = eval_prompts()
     prompts = [p["prompt"] for kind in ("chat", "code") for p in ep[kind][:a.prompts]]
     with tempfile.TemporaryDirectory() as scratch:
         data = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "prompts": len(prompts),
-                "ranks": a.ranks, "run": run(prompts, a.ranks, Path(scratch))}
+                "ranks": a.ranks, "modules": a.modules, "run": run(prompts, a.ranks, Path(scratch), a.modules)}
     name = "lora" + (f"-{a.tag}" if a.tag else "")
     write_json(name, data)
     update_doc_section(name, f"## What a LoRA adapter costs a decode step: {name}\n\n" + render(data))

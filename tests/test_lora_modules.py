@@ -144,6 +144,12 @@ def test_the_server_answers_to_each_adapters_name(gqa_dir, adapters):
                 got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                                 extra_body={"ignore_eos": True})
                 assert got.choices[0].text == want[0].outputs[0].text and got.model == name
+            from infer.beam import BeamSearchParams
+
+            beams = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4), lora_request="chat")
+            got = client.completions.create(model="chat", prompt=PROMPTS[0], max_tokens=4, n=2,
+                                            extra_body={"use_beam_search": True})
+            assert [c.text for c in got.choices] == [s.text for s in beams[0].sequences]
             with pytest.raises(openai.BadRequestError, match="runs the base model"):
                 client.embeddings.create(model="sql", input="hello")
             with pytest.raises(openai.NotFoundError, match="this server serves 'tiny', 'sql', 'chat'"):
@@ -171,3 +177,18 @@ def test_a_compiled_engine_builds_the_adapter_steps_at_start_up(gqa_dir, adapter
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=picks)) == eager
         assert _tokens(llm.generate(PROMPTS[2:], GREEDY, lora_request="chat")) == eager[2:]
+
+
+def test_a_beam_search_takes_an_adapter(gqa_dir, adapters):
+    """LLM.beam_search's steps are engine requests: with lora_request they are the adapter's, the beams those of an
+    engine with that adapter on every request."""
+    from infer.beam import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    llm = LLM(gqa_dir, dtype="float32", lora_modules={k: str(v) for k, v in adapters.items()})
+    got = [s.token_ids for s in llm.beam_search(PROMPTS[0], params, lora_request="sql")[0].sequences]
+    one = LLM(gqa_dir, dtype="float32", lora=str(adapters["sql"]))
+    assert got == [s.token_ids for s in one.beam_search(PROMPTS[0], params)[0].sequences]
+    assert got != [s.token_ids for s in llm.beam_search(PROMPTS[0], params)[0].sequences]
+    with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
+        llm.beam_search(PROMPTS[0], params, lora_request="x")

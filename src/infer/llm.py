@@ -229,22 +229,27 @@ class LLM:
                                                                                    vectors[tuple(b[j])])))
                 for k, (i, j) in enumerate(pairs)]
 
-    def beam_search(self, prompts, params) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params, lora_request: str | LoRARequest | list | None = None
+                    ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), ``params.beam_width`` hypotheses,
         best first (``infer.beam.BeamSearchParams``; Hugging Face's beam semantics, on the target alone). As vLLM's,
         each step scores every prompt's running beams as engine requests of one token (their logprobs), batched
-        (``enable_prefix_caching`` serves the beams' common past); a compiled engine runs them on its own graphs."""
+        (``enable_prefix_caching`` serves the beams' common past); a compiled engine runs them on its own graphs.
+        ``lora_request``: as ``generate``'s."""
         from .beam import BeamSearchParams, engine_search, sparse_logprobs, step_params
 
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"LLM.beam_search takes infer.beam.BeamSearchParams, got {type(params).__name__}")
         inputs = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
+        loras = _lora_names(lora_request, len(inputs))
+        for lora in loras:
+            self.engine.lora_index(lora)
         searches = [engine_search(self.engine, ids, params) for ids in inputs]  # all checked before any runs
-        while live := [(s, ids) for s, ids in zip(searches, inputs) if not s.done]:
-            steps = [[self.engine.add_request(ids + beam, step_params(s), speculate=False) for beam in s.beams()]
-                     for s, ids in live]
+        while live := [(s, ids, lora) for s, ids, lora in zip(searches, inputs, loras) if not s.done]:
+            steps = [[self.engine.add_request(ids + beam, step_params(s), speculate=False, lora=lora)
+                      for beam in s.beams()] for s, ids, lora in live]
             self.engine.run([r for rs in steps for r in rs])
-            for (s, _), rs in zip(live, steps):
+            for (s, _, _), rs in zip(live, steps):
                 s.step(sparse_logprobs([r.logprobs[-1][1] for r in rs]))
         return [BeamSearchOutput([BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.score)
                                   for h in s.finished]) for s in searches]
