@@ -125,8 +125,12 @@ def test_the_server_answers_to_each_adapters_name(gqa_dir, adapters):
     with pytest.raises(ValueError, match="names 'sql' more than once"):
         engine_config(p.parse_args(["--model", str(gqa_dir), "--lora-modules", f"sql={adapters['sql']}",
                                     f"sql={adapters['chat']}"]))
-    with pytest.raises(SystemExit):
-        p.parse_args(["--model", str(gqa_dir), "--lora-modules", "sql"])
+    for bad in ("sql", '{"name": "sql"}'):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", str(gqa_dir), "--lora-modules", bad])
+    as_json = json.dumps({"name": "sql", "path": str(adapters["sql"]), "base_model_name": "x"})  # vLLM's JSON form
+    assert engine_config(p.parse_args(["--model", str(gqa_dir), "--lora-modules", as_json])).lora_modules == {
+        "sql": str(adapters["sql"])}
     engine = AsyncEngine(cfg)
     try:
         with pytest.raises(ValueError, match="also a LoRA adapter's"):

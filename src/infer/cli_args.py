@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -186,6 +187,15 @@ def add_lora_modules_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...} (its other keys, base_model_name, are not read)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            spec = None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}')
+        return spec["name"].strip(), spec["path"]
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")

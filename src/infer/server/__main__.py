@@ -102,6 +102,8 @@ def describe(cfg: EngineConfig) -> str:
     if cfg.use_speculative_decoding:
         cap = "" if cfg.spec_max_batch_size is None else f", while at most {cfg.spec_max_batch_size} requests decode"
         text += f", speculative ({cfg.proposer}, K={cfg.spec_length}{cap})"
+    if cfg.lora_modules:
+        text += f", LoRA adapters {', '.join(cfg.lora_modules)}"
     return text
 
 
