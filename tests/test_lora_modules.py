@@ -148,6 +148,13 @@ def test_the_server_answers_to_each_adapters_name(gqa_dir, adapters):
                 got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                                 extra_body={"ignore_eos": True})
                 assert got.choices[0].text == want[0].outputs[0].text and got.model == name
+            # the chat and Responses routes too: the library's chat answer with that adapter
+            talk = [{"role": "user", "content": "Say something."}]
+            ref = llm.chat(talk, SamplingParams(temperature=0, max_tokens=8), lora_request="sql").outputs[0].text
+            chat = client.chat.completions.create(model="sql", messages=talk, max_tokens=8, temperature=0)
+            assert chat.choices[0].message.content == ref and chat.model == "sql"
+            resp = client.responses.create(model="sql", input="Say something.", max_output_tokens=8, temperature=0)
+            assert resp.output_text == ref
             from infer.beam import BeamSearchParams
 
             beams = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4), lora_request="chat")
