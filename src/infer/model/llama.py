@@ -131,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.compiled: CompiledSteps | None = None
         self._native_key: tuple | None = None  # what _native_stack's answer was checked for
         self._native_args: tuple = ()  # infer::llama_forward's weight arguments; () where it cannot run the model
+        self._native_lora: dict[int, tuple] = {}  # its LoRA arguments per adapter a row picks (_lora_args)
 
     @property
     def device(self) -> torch.device:
