@@ -108,7 +108,7 @@ class LLM:
         """make_requests' requests, one list a prompt (its n sequences); ``priority``: one a prompt (vLLM's);
         ``lora_request``: one for all prompts or one a prompt (``generate``)."""
         prompts = _prompt_list(prompts)
-        loras = _lora_names(lora_request, len(prompts))
+        loras = _lora_names(lora_request, len(prompts), self.engine)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -129,7 +129,6 @@ class LLM:
         for (_, ids), ps, x, rank, lora in zip(inputs, params, predictions, priority, loras):  # all checked, then added
             self.engine.check_request(ids, ps[0], x)
             self.engine.check_priority(rank)
-            self.engine.lora_index(lora)
         return [[self.engine.add_request(ids, p, prompt=text, prediction=x, priority=rank, lora=lora) for p in ps]
                 for (text, ids), ps, x, rank, lora in zip(inputs, params, predictions, priority, loras)]
 
@@ -241,9 +240,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"LLM.beam_search takes infer.beam.BeamSearchParams, got {type(params).__name__}")
         inputs = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
-        loras = _lora_names(lora_request, len(inputs))
-        for lora in loras:
-            self.engine.lora_index(lora)
+        loras = _lora_names(lora_request, len(inputs), self.engine)
         searches = [engine_search(self.engine, ids, params) for ids in inputs]  # all checked before any runs
         while live := [(s, ids, lora) for s, ids, lora in zip(searches, inputs, loras) if not s.done]:
             steps = [[self.engine.add_request(ids + beam, step_params(s), speculate=False, lora=lora)
@@ -303,8 +300,9 @@ class LLM:
         return outs if batch else outs[0]
 
 
-def _lora_names(lora_request, n: int) -> list[str | None]:
-    """``generate``'s lora_request -> one adapter name (or None) for each of ``n`` prompts."""
+def _lora_names(lora_request, n: int, engine: Engine) -> list[str | None]:
+    """``generate``'s lora_request -> one adapter name (or None) for each of ``n`` prompts, each one ``engine`` loads
+    (else the ValueError of Engine.lora_index, before any request is added)."""
     def name(x):
         if x is None or isinstance(x, str):
             return x
@@ -315,8 +313,12 @@ def _lora_names(lora_request, n: int) -> list[str | None]:
     if isinstance(lora_request, (list, tuple)):
         if len(lora_request) != n:
             raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
-        return [name(x) for x in lora_request]
-    return [name(lora_request)] * n
+        names = [name(x) for x in lora_request]
+    else:
+        names = [name(lora_request)] * n
+    for x in dict.fromkeys(names):  # the first unknown name, in the order given
+        engine.lora_index(x)
+    return names
 
 
 def _prompt_list(prompts) -> list:

@@ -185,8 +185,7 @@ class LlamaForCausalLM(nn.Module):
         key = (self.quantization, self.dtype, self.device, id(self.embed_tokens),
                getattr(self, "_on_hugepages", False))
         if key != self._native_key:
-            adapted = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            adapted = self._products()
             lins = [x.base if isinstance(x, LoRALinear) else x for x in adapted]  # a LoRA's delta: passed apart
             norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] \
                 + [self.norm]
@@ -201,13 +200,17 @@ class LlamaForCausalLM(nn.Module):
             self._native_key = key
         return bool(self._native_args) and kv.k[0].dtype == torch.bfloat16
 
+    def _products(self) -> list[nn.Module]:
+        """Each layer's four products in the one-call forward's order (qkv, o, gate/up, down), LoRA-wrapped or not."""
+        return [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
     def _lora_args(self, adapter: int) -> tuple[torch.Tensor, ...]:
         """infer::llama_forward's ``lora`` for a row of ``adapter`` (0: none): each product's A and B (both empty
         where it has no adapter), B with the other adapters' columns zero where each request picks its own
         (LoRALinear.b_for), or nothing where no product has one for this row."""
         if adapter not in self._native_lora:
-            adapted = [x for layer in self.layers for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            adapted = self._products()
             mine = [x for x in adapted if isinstance(x, LoRALinear) and (
                 not x.per_request or (adapter and bool((x.owner == adapter).any())))]
             none = torch.empty(0, dtype=self.dtype)
