@@ -59,6 +59,7 @@ class FakeEngine:
         self.reply, self.capacity, self.finish = reply, capacity, finish
         self.error = None
         self.added: list[tuple[list[int], object, ScriptedStream]] = []
+        self.lora_modules, self.lora_loading = {}, False  # no LoRA adapters, none loaded while it runs
 
     async def add_request(self, prompt_ids, params, request_id, speculate=True):
         if len(self.added) >= self.capacity:

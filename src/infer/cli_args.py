@@ -68,6 +68,11 @@ HELP = {
     "lora": "a LoRA adapter on the target: a PEFT directory (adapter_config.json, adapter_model.safetensors), applied "
             "at run time over the weights as loaded (default: none)",
     "lora_scale": "the adapter's scale (llama.cpp's --lora-scaled; 1: as trained)",
+    "enable_lora": "make room for LoRA adapters loaded while the server runs (POST /v1/load_lora_adapter, "
+                   "/v1/unload_lora_adapter; vLLM's flag): any client with the API key can have it read an adapter "
+                   "directory on this machine",
+    "max_loras": "with --enable-lora: adapters loaded at once (--lora-modules fill the first slots)",
+    "max_lora_rank": "with --enable-lora: the highest rank a loaded adapter may have",
     "kv_cache_backend": "paged | contiguous",
     "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
     "enable_prefix_caching": "share the K/V of common prompt prefixes (paged backend)",

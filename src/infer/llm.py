@@ -34,6 +34,7 @@ class LLM:
         self.model_path, self.eos_token_ids = self.engine.model_path, self.engine.eos_token_ids
         self.dtype, self.device = self.engine.dtype, self.engine.device
         self.draft_vocab = self.engine.draft_vocab
+        self._auto_loras: dict[str, str] = {}  # adapters a LoRARequest's path loaded, least recently used first
 
     def _settings(self) -> tuple[str, str, str | None, str | None]:
         """(the checkpoint's file or directory name, dtype, quantization, drafting: proposer + drafter) or Nones."""
@@ -46,8 +47,10 @@ class LLM:
         """What runs, as a person reads it (``infer chat``'s banner): "model.gguf (bfloat16, q4_1, speculating:
         suffix-hybrid + smollm2-eagle3)"."""
         name, dtype, quant, spec = self._settings()
-        lora = self.config.lora and f"lora: {os.path.basename(str(self.config.lora).rstrip('/'))}" or \
-            self.config.lora_modules and f"loras: {' | '.join(self.config.lora_modules)}"
+        c = self.config
+        lora = c.lora and f"lora: {os.path.basename(str(c.lora).rstrip('/'))}" or \
+            (self.engine.lora_names or c.enable_lora) and f"loras: {' | '.join(self.engine.lora_names) or 'none'}" + (
+                f" of {c.max_loras} slots" if c.enable_lora else "")
         parts = [dtype] + ([quant] if quant else []) + ([lora] if lora else []) + (
             [f"speculating: {spec}"] if spec else [])
         return f"{name} ({', '.join(parts)})"
@@ -108,7 +111,7 @@ class LLM:
         """make_requests' requests, one list a prompt (its n sequences); ``priority``: one a prompt (vLLM's);
         ``lora_request``: one for all prompts or one a prompt (``generate``)."""
         prompts = _prompt_list(prompts)
-        loras = _lora_names(lora_request, len(prompts), self.engine)
+        loras = _lora_names(lora_request, len(prompts), self.engine, self._auto_loras)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -240,7 +243,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"LLM.beam_search takes infer.beam.BeamSearchParams, got {type(params).__name__}")
         inputs = [self._prompt_ids(p)[1] for p in _prompt_list(prompts)]
-        loras = _lora_names(lora_request, len(inputs), self.engine)
+        loras = _lora_names(lora_request, len(inputs), self.engine, self._auto_loras)
         searches = [engine_search(self.engine, ids, params) for ids in inputs]  # all checked before any runs
         while live := [(s, ids, lora) for s, ids, lora in zip(searches, inputs, loras) if not s.done]:
             steps = [[self.engine.add_request(ids + beam, step_params(s), speculate=False, lora=lora)
@@ -300,9 +303,11 @@ class LLM:
         return outs if batch else outs[0]
 
 
-def _lora_names(lora_request, n: int, engine: Engine) -> list[str | None]:
+def _lora_names(lora_request, n: int, engine: Engine, auto: dict | None = None) -> list[str | None]:
     """``generate``'s lora_request -> one adapter name (or None) for each of ``n`` prompts, each one ``engine`` loads
-    (else the ValueError of Engine.lora_index, before any request is added)."""
+    (else the ValueError of Engine.lora_index, before any request is added). A LoRARequest with a ``lora_path`` whose
+    name is not loaded is loaded (vLLM's: EngineConfig.enable_lora), into a free slot or the slot of the adapter
+    ``auto`` (those loaded this way, least recently used first) names first that no unfinished request picks."""
     def name(x):
         if x is None or isinstance(x, str):
             return x
@@ -310,14 +315,42 @@ def _lora_names(lora_request, n: int, engine: Engine) -> list[str | None]:
             return x.lora_name
         raise TypeError(f"lora_request is an adapter's name or a LoRARequest, got {_kind(x)}")
 
-    if isinstance(lora_request, (list, tuple)):
-        if len(lora_request) != n:
-            raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
-        names = [name(x) for x in lora_request]
-    else:
-        names = [name(lora_request)] * n
+    given = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+    if len(given) != n:
+        raise ValueError(f"got {len(given)} lora_requests for {n} prompts")
+    names = [name(x) for x in given]
+    paths = {x.lora_name: str(x.lora_path) for x in given if isinstance(x, LoRARequest) and x.lora_path is not None}
+    for x in given:
+        if isinstance(x, LoRARequest) and x.lora_path is not None and str(x.lora_path) != paths[x.lora_name]:
+            raise ValueError(f"lora_request names adapter {x.lora_name!r} with two directories: {paths[x.lora_name]!r}"
+                             f" and {str(x.lora_path)!r}")
+    loaded = engine.loras.loaded
+    for x, path in paths.items():
+        if x in loaded and os.path.realpath(loaded[x]) != os.path.realpath(path):
+            raise ValueError(f"LoRA adapter {x!r} is loaded from {loaded[x]!r}, this request names {path!r}: unload "
+                             "it first (Engine.unload_lora) or give the new one another name")
+    new = [x for x in dict.fromkeys(names) if x is not None and x not in loaded and x in paths]
+    if new and not engine.loras.dynamic:
+        raise ValueError(f"LoRA adapter {new[0]!r} is not loaded and this engine loads adapters at start only: "
+                         "LLM(..., enable_lora=True) loads a LoRARequest's lora_path on first use")
+    for x in new:
+        if None not in engine.loras.names and auto is not None:  # a slot: the least recently used auto-load idle
+            for old in [o for o in auto if o not in names and o in engine.loras.loaded]:
+                try:
+                    engine.unload_lora(old)
+                except ValueError:  # in use
+                    continue
+                del auto[old]
+                break
+        engine.load_lora(x, paths[x])
+        if auto is not None:
+            auto[x] = paths[x]
     for x in dict.fromkeys(names):  # the first unknown name, in the order given
         engine.lora_index(x)
+    if auto is not None:
+        for x in names:  # most recently used last
+            if x in auto:
+                auto[x] = auto.pop(x)
     return names
 
 

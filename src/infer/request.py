@@ -95,9 +95,9 @@ class Request:
         self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
         self.speculate = True  # False: this request never drafts (plain decoding beside speculating requests)
         self.priority = 0  # scheduling_policy "priority": lower is admitted first, preempted last
-        # the LoRA adapter the target applies to this request's rows (EngineConfig.lora_modules: 1, 2, ... in their
-        # order; 0: none) and its name
-        self.lora, self.lora_name = 0, None
+        # the LoRA adapter the target applies to this request's rows (its slot: engine.adapters; 0: none), its name,
+        # and the prefix cache's salt for its K/V (unique to the adapter's load)
+        self.lora, self.lora_name, self.lora_salt = 0, None, 0
         # engine state
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running

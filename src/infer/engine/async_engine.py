@@ -133,11 +133,33 @@ class AsyncEngine:
     async def embed(self, prompt_ids: list[int], params: PoolingParams | None = None):
         """``Engine.embed`` on the model thread, between two steps (the model is that thread's): the prompt's
         embedding [hidden_size], or the ValueError that names why it cannot be embedded."""
+        return await self._call(lambda: self.engine.embed(prompt_ids, params))
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The per-request LoRA adapters loaded now, name -> directory (Engine.loras; a snapshot, any thread)."""
+        return self.engine.loras.loaded
+
+    @property
+    def lora_loading(self) -> bool:
+        """Whether adapters can be loaded and unloaded while it runs (EngineConfig.enable_lora)."""
+        return self.engine.loras.dynamic
+
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """``Engine.load_lora`` on the model thread, between two steps (the ValueError that names why not)."""
+        await self._call(lambda: self.engine.load_lora(name, path, replace))
+
+    async def unload_lora(self, name: str) -> None:
+        """``Engine.unload_lora`` on the model thread, between two steps (the ValueError that names why not)."""
+        await self._call(lambda: self.engine.unload_lora(name))
+
+    async def _call(self, fn):
+        """``fn()`` on the model thread between two steps -> its result, or what it raised."""
         if self.error is not None:
             raise EngineStoppedError(f"the engine loop has stopped: {self.error}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._cmds.put(("call", lambda: self.engine.embed(prompt_ids, params), loop, done))
+        self._cmds.put(("call", fn, loop, done))
         self._wake.set()
         return await done
 

@@ -118,6 +118,12 @@ class EngineConfig:
     # server's ``model`` field), all loaded at start, every row of a batch with its own or none (model.lora); each at
     # lora_scale. Not beside ``lora`` (one adapter on every request).
     lora_modules: dict[str, str | os.PathLike] | None = None
+    # Adapters loaded while the engine runs (vLLM's enable_lora, max_loras, max_lora_rank): Engine.load_lora /
+    # unload_lora, a LoRARequest with a path (LLM.generate), the server's /v1/load_lora_adapter. Every product gets
+    # max_loras slots of max_lora_rank columns at start, so loading recompiles nothing; lora_modules fill the first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         def bad(msg):
@@ -266,6 +272,19 @@ class EngineConfig:
                     "other: name the adapter in lora_modules instead")
             if tp > 1:
                 bad("lora_modules run in one process: tensor_parallel_size > 1 shards the target without them")
+        for name in ("max_loras", "max_lora_rank"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                bad(f"{name} must be an integer >= 1, got {n!r}")
+        if self.enable_lora:
+            if self.lora is not None:
+                bad("lora (one adapter on every request) and enable_lora (adapters each request picks, loaded at run "
+                    "time) exclude each other")
+            if self.lora_modules and len(self.lora_modules) > self.max_loras:
+                bad(f"lora_modules names {len(self.lora_modules)} adapters, max_loras is {self.max_loras}: raise "
+                    "max_loras")
+            if tp > 1:
+                bad("enable_lora runs in one process: tensor_parallel_size > 1 shards the target without adapters")
         scale = self.lora_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             bad(f"lora_scale must be a finite number, got {scale!r}")

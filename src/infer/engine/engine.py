@@ -9,6 +9,7 @@ Not thread-safe: one thread drives it (AsyncEngine runs it in a background threa
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -20,7 +21,7 @@ from ..model.draft_heads import DraftHead, load_heads
 from ..model.hugepages import place_on_hugepages
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_dtype, load_model, resolve_model_path
-from ..model.lora import apply_lora, apply_loras, load_lora
+from ..model.lora import apply_lora, load_lora
 from ..model.quant import quantize_linears, quantize_model
 from ..pooling import PoolingParams, embed_prompt
 from ..request import Request, RequestStatus, StepOutput
@@ -31,6 +32,7 @@ from ..proposers.draft_vocab import DraftVocab
 from ..structured import GrammarCompiler
 from ..spec_decode.setup import build_decoder, check_compatible, draft_vocab_for
 from ..tokenizer import Tokenizer
+from .adapters import LoRASlots
 from .config import COMPILE_AUTO_MIN_PARAMS, MODEL_PROPOSERS, EngineConfig
 from .kv_manager import KVManager, make_pool
 from .runner import ModelRunner
@@ -72,10 +74,9 @@ class Engine:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         if cfg.lora is not None:  # over the weights as loaded (quantized or not): model.lora
             apply_lora(self.model, load_lora(cfg.lora), cfg.lora_scale)
-        # per-request adapters, numbered 1, 2, ... in the order given (Request.lora); all loaded before one is applied
-        self.lora_names = list(cfg.lora_modules or ())
-        if cfg.lora_modules:
-            apply_loras(self.model, [(load_lora(path), cfg.lora_scale) for path in cfg.lora_modules.values()])
+        # per-request adapters, numbered 1, 2, ... in the order given (Request.lora), and slots for more (enable_lora)
+        self.loras = LoRASlots(self.model, cfg.lora_modules, cfg.lora_scale, cfg.enable_lora, cfg.max_loras,
+                               cfg.max_lora_rank)
         if self.device.type == "cpu":
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         self.compiled = self._maybe_compile(self.model)
@@ -372,7 +373,7 @@ class Engine:
         ids the output is expected to repeat (OpenAI's predicted outputs), which the suffix proposers copy drafts
         from; other proposers ignore it, and the output is the same either way. ``priority`` (vLLM's; lower is
         sooner): the request's rank under ``scheduling_policy="priority"``, 0 under "fcfs". ``lora``: the name of
-        the adapter (EngineConfig.lora_modules) the target applies to this request; None: the base model."""
+        the adapter (EngineConfig.lora_modules, load_lora) the target applies to this request; None: the base model."""
         params = params or SamplingParams()
         self.check_priority(priority)
         adapter = self.lora_index(lora)
@@ -390,21 +391,39 @@ class Engine:
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
                       grammar=grammar, prediction=prediction)
         req.speculate, req.priority = speculate, priority
-        req.lora, req.lora_name = adapter, lora
+        req.lora, req.lora_name, req.lora_salt = adapter, lora, self.loras.salt(adapter)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The names of the adapters loaded now (EngineConfig.lora_modules, load_lora), in slot order."""
+        return list(self.loras.loaded)
+
     def lora_index(self, name: str | None) -> int:
         """The number of the adapter called ``name`` (1, 2, ...; None: 0, the base model); ValueError naming the
         adapters there are."""
-        if name is None:
+        return self.loras.index(name)
+
+    def load_lora(self, name: str, path: str | os.PathLike, replace: bool = False) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: the PEFT directory ``path`` into a free slot (EngineConfig.enable_lora),
+        for requests that name it from the next step on; ``replace`` (vLLM's ``load_inplace``): over the adapter
+        loaded as ``name``, which no unfinished request may pick. ValueError naming the problem, nothing changed.
+        Call it between steps (AsyncEngine.load_lora does)."""
+        self.loras.load(name, path, replace, self._lora_users(name))
+
+    def unload_lora(self, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``: empty the slot of ``name``; ValueError if no adapter has that name or
+        an unfinished request picks it (nothing already accepted loses its adapter)."""
+        self.loras.unload(name, self._lora_users(name))
+
+    def _lora_users(self, name: str) -> int:
+        """How many unfinished requests pick the adapter loaded as ``name`` (0 if none is)."""
+        if name not in self.loras.names:
             return 0
-        if name not in self.lora_names:
-            there = f"this engine's adapters are {self.lora_names}" if self.lora_names else \
-                "this engine loads none (EngineConfig.lora_modules)"
-            raise ValueError(f"no LoRA adapter named {name!r}: {there}")
-        return self.lora_names.index(name) + 1
+        slot = self.loras.index(name)
+        return sum(r.lora == slot for r in self.requests.values() if r.status != RequestStatus.FINISHED)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

@@ -85,7 +85,7 @@ class KVManager:
         # a prompt whose logprobs were asked for is computed whole: a cached prefix holds no states to score it by
         prefix = req.all_ids() if req.prompt_logprobs is None else None
         # a prefix's K/V depends on the adapter that computed it: each adapter's prompts share only among themselves
-        req.slot = self.pool.allocate(req.num_tokens, prefix_ids=prefix, salt=req.lora)
+        req.slot = self.pool.allocate(req.num_tokens, prefix_ids=prefix, salt=req.lora_salt)
         req.num_computed = self.pool.seq_len(req.slot)  # prefix-cache hit
         if req.num_cached_tokens is None:  # the prompt's hit (a preempted request's later one covers its outputs)
             req.num_cached_tokens = req.num_computed
@@ -115,7 +115,7 @@ class KVManager:
             self.draft_pool.truncate_to(slot, min(num_tokens, self.draft_pool.seq_len(slot)))
 
     def cache_prefix(self, req: Request) -> None:
-        self.pool.cache_prefix(req.slot, req.prompt_ids, req.lora)
+        self.pool.cache_prefix(req.slot, req.prompt_ids, req.lora_salt)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

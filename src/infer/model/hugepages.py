@@ -65,6 +65,12 @@ def zeroed_on_hugepages(nbytes: int) -> torch.Tensor | None:
 _PLACING = threading.Lock()
 
 
+def placement_lock() -> threading.Lock:
+    """Held while ``place_on_hugepages`` copies and swaps a model's tensors: an in-place write to a buffer
+    (model.lora.fill_lora) takes it, so that it is not made to a tensor being replaced."""
+    return _PLACING
+
+
 def place_on_hugepages(model: nn.Module) -> int:
     """Move ``model``'s CPU parameters and buffers onto huge pages, in place; returns the bytes moved (0: nothing).
 

@@ -127,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.source_blocks = None  # GGUF loads: module name -> the file's quantized rows (loader.load_model)
         self.lora_adapters = 0  # how many LoRA adapters each request picks from (model.lora.apply_loras)
+        self.lora_rank = 0  # columns per adapted part of a slot for adapters loaded at run time (lora.reserve_loras)
         # Set by infer.model.compile.compile_model: compiled twins of _forward / _logits for few-token steps.
         self.compiled: CompiledSteps | None = None
         self._native_key: tuple | None = None  # what _native_stack's answer was checked for
@@ -211,12 +212,15 @@ class LlamaForCausalLM(nn.Module):
         (LoRALinear.b_for), or nothing where no product has one for this row."""
         if adapter not in self._native_lora:
             adapted = self._products()
-            mine = [x for x in adapted if isinstance(x, LoRALinear) and (
-                not x.per_request or (adapter and bool((x.owner == adapter).any())))]
+            # a product whose B for this row is all zero adds exactly 0 in the batched path too: skipped (an
+            # adapter that leaves a module out, an empty slot of reserve_loras)
+            bs = {id(x): (x.b_for(adapter) if x.per_request else x.lora_b) for x in adapted
+                  if isinstance(x, LoRALinear) and (not x.per_request or adapter)}
+            mine = {i for i, b in bs.items() if bool(b.any())}
             none = torch.empty(0, dtype=self.dtype)
             self._native_lora[adapter] = tuple(
-                t for x in adapted for t in (((x.lora_a, x.b_for(adapter) if x.per_request else x.lora_b)
-                                              if x in mine else (none, none)))) if mine else ()
+                t for x in adapted for t in ((x.lora_a, bs[id(x)]) if id(x) in mine else (none, none))) \
+                if mine else ()
         return self._native_lora[adapter]
 
     def _native_forward(self, input_ids, kv: PagedKVCachePool, rows: torch.Tensor, start: int,

@@ -14,6 +14,12 @@ each product's A and B beside its blocks and adds the delta with the same two ke
 Several adapters, each request picking one by name (vLLM's ``--lora-modules`` and ``LoRARequest``: ``apply_loras``):
 their A's stacked and B's side by side in one pair a product, each row masking the other adapters' columns
 (``LoRALinear``), so requests of different adapters and of none share a batch.
+
+Adapters loaded after start (vLLM's ``enable_lora`` / ``max_loras`` / ``max_lora_rank``, its ``LoRARequest`` with a
+path and its ``/v1/load_lora_adapter``): ``reserve_loras`` wraps every product at start with ``max_loras`` empty
+slots of ``max_lora_rank`` columns per adapted part, and ``fill_lora`` / ``clear_lora`` write a slot in place. The
+shapes never change, so a compiled step's graphs (which hold the buffers themselves: model.compile) read the new
+adapter without a recompile; a smaller rank leaves zero columns, whose terms add exactly 0.
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ class LoRAAdapter:
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's name for a request's adapter: here one of the engine's ``lora_modules`` by ``lora_name`` (loaded at
-    start; the id and path are vLLM's fields, kept for its callers' code and not read)."""
+    """vLLM's name for a request's adapter, picked by ``lora_name``: one the engine loaded (``lora_modules``, or an
+    earlier request's), or, on an engine with ``enable_lora``, the PEFT directory ``lora_path`` loaded into a free
+    slot on first use (LLM.generate). ``lora_int_id`` is vLLM's field, kept for its callers' code and not read."""
 
     lora_name: str
     lora_int_id: int = 0
@@ -119,9 +126,11 @@ class LoRALinear(nn.Module):
     neighbours: the one-call forward's lone row passes A whole and a B whose other adapters' columns are zero
     (``b_for``), the same terms added in the same order."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor | None = None):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor | None = None,
+                 slot_width: int | None = None):
         super().__init__()
         self.base = base
+        self.slot_width = slot_width  # columns a slot holds (reserve_loras); None: adapters stacked as loaded
         self.register_buffer("lora_a", a)
         self.register_buffer("lora_b", b)
         self.register_buffer("owner", owner)
@@ -196,15 +205,21 @@ def apply_loras(model, adapters: list[tuple[LoRAAdapter, float]]) -> None:
     _wrap(model, adapters, per_request=True)
 
 
-def _wrap(model, adapters: list[tuple[LoRAAdapter, float]], per_request: bool) -> None:
+def _shapes(model) -> tuple[dict, dict]:
+    """Per fused module: its parts' output sizes, and its input size."""
     cfg = model.config
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise ValueError("this model carries a LoRA adapter already")
     sizes = {"self_attn.qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim]
              * 2, "self_attn.o_proj": [cfg.hidden_size],
              "mlp.gate_up_proj": [cfg.intermediate_size] * 2, "mlp.down_proj": [cfg.hidden_size]}
     ins = {"self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.num_attention_heads * cfg.head_dim,
            "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size}
+    return sizes, ins
+
+
+def _wrap(model, adapters: list[tuple[LoRAAdapter, float]], per_request: bool) -> None:
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("this model carries a LoRA adapter already")
+    sizes, ins = _shapes(model)
     for adapter, _ in adapters:
         _check_fits(model, adapter, sizes, ins)
     fused = [_fused(adapter, scale, sizes) for adapter, scale in adapters]
@@ -220,3 +235,70 @@ def _wrap(model, adapters: list[tuple[LoRAAdapter, float]], per_request: bool) -
         setattr(parent, attr, LoRALinear(getattr(parent, attr), a_all.to(**w), b_all.to(**w), owner))
     model.lora_adapters = len(adapters) if per_request else 0
     model._native_key = None  # the one-call forward's check reads the module types again (LlamaForCausalLM)
+
+
+def reserve_loras(model, slots: int, rank: int) -> None:
+    """Wrap every layer's four products with ``slots`` empty adapter slots (1 .. slots; Request.lora) of ``rank``
+    columns per part (q, k and v: 3 x rank in qkv's), all zero until ``fill_lora`` writes one."""
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("this model carries a LoRA adapter already")
+    sizes, ins = _shapes(model)
+    w = dict(dtype=model.dtype, device=model.device)
+    for layer in model.layers:
+        for target, parts in sizes.items():
+            width = len(parts) * rank
+            owner = torch.arange(1, slots + 1).repeat_interleave(width).to(model.device)
+            parent_name, attr = target.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), torch.zeros(slots * width, ins[target], **w),
+                                             torch.zeros(sum(parts), slots * width, **w), owner, width))
+    model.lora_adapters, model.lora_rank = slots, rank
+    model._native_key = None
+
+
+def _slots(model) -> dict[tuple[int, str], LoRALinear]:
+    found = {(i, f"{p}.{a}"): getattr(getattr(layer, p), a) for i, layer in enumerate(model.layers)
+             for p, a in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                          ("mlp", "down_proj"))}
+    if not all(isinstance(m, LoRALinear) and m.slot_width is not None for m in found.values()):
+        raise ValueError("this model has no adapter slots (reserve_loras)")
+    return found
+
+
+def fill_lora(model, slot: int, adapter: LoRAAdapter, scale: float = 1.0) -> None:
+    """Write ``adapter`` into ``slot`` (1 ..), in place: the modules and their buffers stay the ones a compiled graph
+    holds. ValueError, before anything is written, where it does not fit this model or a slot's rank."""
+    from .hugepages import placement_lock
+
+    mods = _slots(model)
+    sizes, ins = _shapes(model)
+    _check_fits(model, adapter, sizes, ins)
+    rank = model.lora_rank
+    big = sorted({(m, a.shape[0]) for (_, m), (a, _, _) in adapter.weights.items() if a.shape[0] > rank})
+    if big:
+        raise ValueError(f"LoRA adapter {adapter.path}: rank {big[0][1]} ({big[0][0]}) is above this engine's "
+                         f"max_lora_rank {rank}")
+    fused = _fused(adapter, scale, sizes)
+    with placement_lock(), torch.no_grad():  # not while huge pages swap the buffers (engine.warmup's thread)
+        for key, mod in mods.items():
+            cols = slice((slot - 1) * mod.slot_width, slot * mod.slot_width)
+            mod.lora_a[cols] = 0
+            mod.lora_b[:, cols] = 0
+            if key in fused:
+                a, b = fused[key]
+                mod.lora_a[cols.start:cols.start + a.shape[0]] = a.to(mod.lora_a.dtype)
+                mod.lora_b[:, cols.start:cols.start + a.shape[0]] = b.to(mod.lora_b.dtype)
+    model._native_lora = {}  # the one-call forward's per-adapter B's were copies (LlamaForCausalLM._lora_args)
+
+
+def clear_lora(model, slot: int) -> None:
+    """Zero ``slot``'s columns: a row picking it gets the base model's result."""
+    from .hugepages import placement_lock
+
+    mods = _slots(model)
+    with placement_lock(), torch.no_grad():
+        for mod in mods.values():
+            cols = slice((slot - 1) * mod.slot_width, slot * mod.slot_width)
+            mod.lora_a[cols] = 0
+            mod.lora_b[:, cols] = 0
+    model._native_lora = {}

@@ -2,7 +2,7 @@
 
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
-is full. The routes live in routers (meta, completions, responses, tokens, embeddings, scores) that read a
+is full. The routes live in routers (meta, completions, responses, tokens, embeddings, scores, adapters) that read a
 ServerState from ``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground
 (static/: chat or completion, streamed, each token coloured by how speculation produced it).
 """
@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
 from ..pooling import PoolingParams
-from . import completions, embeddings, meta, responses, scores, tokens
+from . import adapters, completions, embeddings, meta, responses, scores, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -42,7 +42,7 @@ def openapi_schema(app: FastAPI) -> dict:
         names = app.state.server.model_ids()  # the model ids this server answers to (else 404)
         for body in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
             props = schema["components"]["schemas"].get(body, {}).get("properties", {})
-            if "model" in props:
+            if "model" in props and not app.state.server.engine.lora_loading:  # else ids come and go
                 props["model"] = {"type": "string", "enum": names, "title": "Model"}
         ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
         for path, ops in schema["paths"].items():
@@ -125,6 +125,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.include_router(tokens.router)
     app.include_router(embeddings.router)
     app.include_router(scores.router)
+    app.include_router(adapters.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

@@ -27,20 +27,23 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored answers
     trust_request_chat_template: bool = False  # a request's chat_template is rendered (else refused: chat_render)
     pooling: str = "last"  # how /v1/embeddings pools an input's states (infer.pooling.POOLINGS)
-    # the engine's per-request LoRA adapters (EngineConfig.lora_modules): model ids too, each naming its adapter
-    lora_modules: dict = field(default_factory=dict)
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, served_model_name: str, tool_parser: str | None = None,
                     trust_request_chat_template: bool = False, pooling: str = "last") -> ServerState:
         eng = engine.engine
-        modules = {name: str(path) for name, path in (eng.config.lora_modules or {}).items()}
-        if served_model_name in modules:
+        if served_model_name in eng.lora_names:
             raise ValueError(f"the served model name {served_model_name!r} is also a LoRA adapter's: rename one "
                              "(--served-model-name, --lora-modules)")
         return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
                    eng.max_seq_len, eng.model.config.vocab_size, tool_parser,
-                   trust_request_chat_template=trust_request_chat_template, pooling=pooling, lora_modules=modules)
+                   trust_request_chat_template=trust_request_chat_template, pooling=pooling)
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The engine's per-request LoRA adapters loaded now, name -> directory (EngineConfig.lora_modules, then
+        /v1/load_lora_adapter's): model ids too, each naming its adapter."""
+        return self.engine.lora_modules
 
     def model_ids(self) -> list[str]:
         """Every model id this server answers to: the base model's, then its adapters'."""
