@@ -1,6 +1,6 @@
 """What a LoRA adapter costs a decode step (model.lora), on SmolLM2 as `infer chat` runs it.
 
-    python benchmarks/lora.py [--prompts 4] [--ranks 8 64] [--modules 4] [--tag zen3]
+    python benchmarks/lora.py [--prompts 4] [--ranks 8 64] [--modules 4] [--slots 2] [--slot-rank 16] [--tag zen3]
 
 Engines in one process, SmolLM2-135M-Instruct in bfloat16 over its Q4_1 blocks, one request, plain decoding (the
 adapter's cost is the target's; speculation with it verifies with the same steps): the base model, and the same with
@@ -10,7 +10,10 @@ delta B (A x) beside the llama.cpp blocks; no graph is compiled; the first rank'
 through the module's eager ops ("eager": what the one-call path replaces); and an engine loading ``--modules`` adapters
 of the first rank that each request picks from (EngineConfig.lora_modules), asked with the first adapter ("picked":
 its lone row's products span every adapter's columns, the others' B columns zero) and with none ("none picked": the
-base model's steps on an engine that carries adapters). Held-out prompts, chat and code, each once per
+base model's steps on an engine that carries adapters); and an engine with ``--slots`` slots of rank ``--slot-rank``
+for adapters loaded while it runs (EngineConfig.enable_lora), one of the first rank loaded after start, asked with it
+("slots, picked": its products span every slot's columns) and with none; the time a load and an unload take there
+(median of 5 each). Held-out prompts, chat and code, each once per
 engine, the engines in rotating order prompt by prompt, after one warm-up request each. Per engine the decode speed
 (tokens after the first over the time after it): median and quartiles, and the ratio to the base in pairs (prompt
 by prompt). Writes benchmarks/results/lora[-tag].json and the "lora[-tag]" section of docs/benchmarks.md.
@@ -58,7 +61,8 @@ def write_adapter(out: Path, llm: LLM, r: int, seed: int = 0) -> Path:
     return out
 
 
-def run(prompts: list[str], ranks: list[int], scratch: Path, modules: int) -> dict:
+def run(prompts: list[str], ranks: list[int], scratch: Path, modules: int, slots: int = 0, slot_rank: int = 16
+        ) -> dict:
     base = LLM(real_model_path(), max_batch_size=1, compile=False, **REAL_MODEL_SETTINGS)
     llms = {"base": base}
     for r in ranks:
@@ -75,6 +79,22 @@ def run(prompts: list[str], ranks: list[int], scratch: Path, modules: int) -> di
         llms[f"{modules} adapters r={ranks[0]}, picked"] = llms[f"{modules} adapters, none picked"] = per
         picks[f"{modules} adapters r={ranks[0]}, picked"] = "a0"
         picks[f"{modules} adapters, none picked"] = None
+    load_ms = None
+    if slots:
+        dyn = LLM(real_model_path(), max_batch_size=1, compile=False, **REAL_MODEL_SETTINGS, enable_lora=True,
+                  max_loras=slots, max_lora_rank=slot_rank)
+        times = {"load": [], "unload": []}
+        for _ in range(5):
+            for what, call in (("load", lambda: dyn.engine.load_lora("a", scratch / f"r{ranks[0]}")),
+                               ("unload", lambda: dyn.engine.unload_lora("a"))):
+                t0 = time.perf_counter()
+                call()
+                times[what].append((time.perf_counter() - t0) * 1e3)
+        dyn.engine.load_lora("a", scratch / f"r{ranks[0]}")
+        load_ms = {k: statistics.median(v) for k, v in times.items()}
+        llms[f"{slots} slots r={slot_rank}, r={ranks[0]} picked"] = llms[f"{slots} slots, none picked"] = dyn
+        picks[f"{slots} slots r={slot_rank}, r={ranks[0]} picked"] = "a"
+        picks[f"{slots} slots, none picked"] = None
     native = {name: llm.model.native and llm.model.runs_natively(llm.engine.kv.pool) for name, llm in llms.items()}
     for name, llm in llms.items():
         llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=16, temperature=0),
@@ -91,7 +111,7 @@ def run(prompts: list[str], ranks: list[int], scratch: Path, modules: int) -> di
     return {"speed": {k: quartiles(v) for k, v in speed.items()},
             "over base": {k: statistics.median([x / y for x, y in zip(speed[k], speed["base"])])
                           for k in llms if k != "base"},
-            "one call": native, "raw": speed}
+            "one call": native, "raw": speed, "load ms": load_ms}
 
 
 def render(data: dict) -> str:
@@ -103,11 +123,18 @@ def render(data: dict) -> str:
              "of the 30 layers" + (f"; an engine loading {data['modules']} such adapters of rank {data['ranks'][0]} "
                                    "that each request picks from (lora_modules), asked with the first and with none"
                                    if data.get("modules") else "") +
+             (f"; an engine with {data['slots']} slots of rank {data['slot_rank']} for adapters loaded while it runs "
+              f"(enable_lora), one of rank {data['ranks'][0]} loaded, asked with it and with none"
+              if data.get("slots") else "") +
              ". Decode tok/s, median (quartiles); over base: prompt by prompt, the median.", "",
              "| engine | decode tok/s | over base | steps in one C++ call |", "|---|---|---|---|"]
     for name, q in r["speed"].items():
         over = f"{r['over base'][name]:.3f}x" if name in r["over base"] else "-"
         lines.append(f"| {name} | {spread(q)} | {over} | {r['one call'][name]} |")
+    if r.get("load ms"):
+        lines += ["", f"Loading the rank-{data['ranks'][0]} adapter into a slot (Engine.load_lora: read, fuse, write "
+                      f"in place) {r['load ms']['load']:.0f} ms, unloading it {r['load ms']['unload']:.1f} ms "
+                      "(median of 5)."]
     return "\n".join(lines)
 
 
@@ -117,13 +144,17 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--modules", type=int, default=4, help="adapters of the first rank each request picks from (0: "
                     "no such engine)")
+    ap.add_argument("--slots", type=int, default=2, help="slots of an engine loading adapters while it runs (0: no "
+                    "such engine)")
+    ap.add_argument("--slot-rank", type=int, default=16, help="that engine's max_lora_rank")
     ap.add_argument("--tag", default="", help="a suffix for the results and the section (a host)")
     a = ap.parse_args()
     ep = eval_prompts()
     prompts = [p["prompt"] for kind in ("chat", "code") for p in ep[kind][:a.prompts]]
     with tempfile.TemporaryDirectory() as scratch:
         data = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "prompts": len(prompts),
-                "ranks": a.ranks, "modules": a.modules, "run": run(prompts, a.ranks, Path(scratch), a.modules)}
+                "ranks": a.ranks, "modules": a.modules, "slots": a.slots, "slot_rank": a.slot_rank,
+                "run": run(prompts, a.ranks, Path(scratch), a.modules, a.slots, a.slot_rank)}
     name = "lora" + (f"-{a.tag}" if a.tag else "")
     write_json(name, data)
     update_doc_section(name, f"## What a LoRA adapter costs a decode step: {name}\n\n" + render(data))

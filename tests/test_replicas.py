@@ -99,7 +99,8 @@ def test_replica_options_scale_on_requests_in_flight():
 
 @pytest.mark.parametrize("flags, message", [(["--replicas", "0"], "--replicas must be an integer >= 1"),
                                             (["--replicas", "2", "--max-replicas", "1"], "--max-replicas (1) must be >= "),
-                                            (["--replicas", "1", "--replica-cpus", "0"], "--replica-cpus must be > 0")])
+                                            (["--replicas", "1", "--replica-cpus", "0"], "--replica-cpus must be > 0"),
+                                            (["--replicas", "2", "--enable-lora"], "--enable-lora with --replicas")])
 def test_bad_replica_flags_are_named(flags, message, capsys, tmp_path):
     from infer.server.__main__ import main
 

@@ -121,6 +121,9 @@ def serve(a) -> int:
             raise ValueError(f"--replicas must be an integer >= 1, got {a.replicas}")
         if not a.replica_cpus > 0:
             raise ValueError(f"--replica-cpus must be > 0, got {a.replica_cpus}")
+        if cfg.enable_lora:
+            raise ValueError("--enable-lora with --replicas: a /v1/load_lora_adapter call would reach one replica "
+                             "only; name the adapters at start with --lora-modules")
         return serve_replicas(a, cfg)
     check_listen(a.host, a.port)  # before the model loads: uvicorn's own failure comes after it, without the address
     engine = AsyncEngine(cfg)
