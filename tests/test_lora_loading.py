@@ -51,8 +51,11 @@ def test_an_adapter_loaded_by_its_request_gives_the_tokens_of_one_loaded_at_star
     kw = dict(max_batch_size=3, block_size=4, **setting)
     llm = LLM(gqa_dir, enable_lora=True, max_loras=2, max_lora_rank=8, **kw)
     assert llm.engine.lora_names == [] and "loras: none of 2 slots" in llm.describe()
-    batched = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=[_req(adapters, x) for x in picks]))
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=[_req(adapters, x) for x in picks])
+    batched = _tokens(outs)
     assert llm.engine.lora_names == ["sql", "chat"]
+    assert [o.lora_request for o in outs] == [LoRARequest("sql", 1, str(adapters["sql"])),
+                                              LoRARequest("chat", 2, str(adapters["chat"])), None]
     native = []
     orig = LlamaForCausalLM._native_forward
     monkeypatch.setattr(LlamaForCausalLM, "_native_forward", lambda *a: native.append(a[-1]) or orig(*a))

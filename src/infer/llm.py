@@ -146,8 +146,9 @@ class LLM:
         to repeat (OpenAI's predicted outputs; ``make_requests``). ``use_tqdm`` (vLLM's name; off by default, as the
         library is silent): a progress bar of the prompts finished, on stderr. ``priority`` (vLLM's): one integer a
         prompt, lower first, for an engine with ``scheduling_policy="priority"``. ``lora_request`` (vLLM's): the LoRA
-        adapter the target applies, by name among the engine's ``lora_modules`` (a name or a LoRARequest), for every
-        prompt or a list of them, one a prompt (None: the base model).
+        adapter the target applies, by name among the engine's adapters (a name or a LoRARequest; one whose
+        ``lora_path`` is not loaded yet is loaded, on an engine with ``enable_lora``), for every prompt or a list of
+        them, one a prompt (None: the base model); each RequestOutput's ``lora_request`` names it.
 
         ``debug`` (speculative only): True prints every round; a callable receives (RoundRecord, Request).
         """

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .logits_processors import bind_processors
+from .model.lora import LoRARequest
 from .sampling import SamplingParams
 from .token_bans import bad_words_ids
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -95,9 +96,9 @@ class Request:
         self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
         self.speculate = True  # False: this request never drafts (plain decoding beside speculating requests)
         self.priority = 0  # scheduling_policy "priority": lower is admitted first, preempted last
-        # the LoRA adapter the target applies to this request's rows (its slot: engine.adapters; 0: none), its name,
-        # and the prefix cache's salt for its K/V (unique to the adapter's load)
-        self.lora, self.lora_name, self.lora_salt = 0, None, 0
+        # the LoRA adapter the target applies to this request's rows (its slot: engine.adapters; 0: none), its name
+        # and directory, and the prefix cache's salt for its K/V (unique to the adapter's load)
+        self.lora, self.lora_name, self.lora_path, self.lora_salt = 0, None, None, 0
         # engine state
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running
@@ -275,6 +276,7 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's): its name, slot and directory
 
     @classmethod
     def from_requests(cls, reqs: list[Request], speculative: bool = False) -> RequestOutput:
@@ -299,7 +301,8 @@ class RequestOutput:
                   req.stop_reason, req.num_cached_tokens or 0, metrics=metrics,
                   logprobs=None if req.logprobs is None else list(req.logprobs),
                   prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                  outputs=[CompletionOutput.from_request(req)])
+                  outputs=[CompletionOutput.from_request(req)],
+                  lora_request=LoRARequest(req.lora_name, req.lora, req.lora_path) if req.lora_name else None)
         if speculative:
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             out.acceptance_rate = req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else 0.0

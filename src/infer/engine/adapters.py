@@ -77,7 +77,9 @@ class LoRASlots:
         slot = (self.names.index(name) if name in self.names else self.names.index(None)) + 1
         fill_lora(self.model, slot, load_lora(path), self.scale)  # ValueError before a write
         self._loads += 1
-        self.names[slot - 1], self.paths[slot - 1], self.salts[slot - 1] = name, str(path), self._loads
+        # the name last: another thread's snapshot (``loaded``) never pairs it with the slot's former directory
+        self.paths[slot - 1], self.salts[slot - 1] = str(path), self._loads
+        self.names[slot - 1] = name
         return slot
 
     def unload(self, name: str, in_use: int) -> None:
@@ -89,5 +91,5 @@ class LoRASlots:
             raise ValueError(f"LoRA adapter {name!r} is in use by {in_use} unfinished request(s): unload it after "
                              "they finish")
         clear_lora(self.model, slot)
-        self.names[slot - 1] = self.paths[slot - 1] = None
-        self.salts[slot - 1] = 0
+        self.names[slot - 1] = None  # the name first (``load``'s order, reversed)
+        self.paths[slot - 1], self.salts[slot - 1] = None, 0

@@ -392,6 +392,7 @@ class Engine:
                       grammar=grammar, prediction=prediction)
         req.speculate, req.priority = speculate, priority
         req.lora, req.lora_name, req.lora_salt = adapter, lora, self.loras.salt(adapter)
+        req.lora_path = self.loras.paths[adapter - 1] if adapter else None
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req

@@ -207,20 +207,17 @@ class LlamaForCausalLM(nn.Module):
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
     def _lora_args(self, adapter: int) -> tuple[torch.Tensor, ...]:
-        """infer::llama_forward's ``lora`` for a row of ``adapter`` (0: none): each product's A and B (both empty
-        where it has no adapter), B with the other adapters' columns zero where each request picks its own
-        (LoRALinear.b_for), or nothing where no product has one for this row."""
+        """infer::llama_forward's ``lora`` for a row of ``adapter`` (0: none): each product's A and B for that row
+        (LoRALinear.pair: its own adapter's alone, as the batched path's other pairs add exactly 0), both empty where
+        it adds nothing, or nothing where no product adds anything for this row."""
         if adapter not in self._native_lora:
-            adapted = self._products()
-            # a product whose B for this row is all zero adds exactly 0 in the batched path too: skipped (an
-            # adapter that leaves a module out, an empty slot of reserve_loras)
-            bs = {id(x): (x.b_for(adapter) if x.per_request else x.lora_b) for x in adapted
-                  if isinstance(x, LoRALinear) and (not x.per_request or adapter)}
-            mine = {i for i, b in bs.items() if bool(b.any())}
             none = torch.empty(0, dtype=self.dtype)
-            self._native_lora[adapter] = tuple(
-                t for x in adapted for t in ((x.lora_a, bs[id(x)]) if id(x) in mine else (none, none))) \
-                if mine else ()
+            pairs = [x.pair(adapter) if isinstance(x, LoRALinear) and (adapter or not x.per_request) else None
+                     for x in self._products()]
+            # a pair whose B is all zero adds exactly 0 in the batched path too: skipped (an empty slot)
+            pairs = [p if p is not None and bool(p.b.any()) else None for p in pairs]
+            args = tuple(t for p in pairs for t in ((p.a, p.b) if p is not None else (none, none)))
+            self._native_lora[adapter] = args if any(p is not None for p in pairs) else ()
         return self._native_lora[adapter]
 
     def _native_forward(self, input_ids, kv: PagedKVCachePool, rows: torch.Tensor, start: int,

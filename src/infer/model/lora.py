@@ -12,8 +12,8 @@ bit-identical and speculation stays lossless with an adapter on. The one-call fo
 each product's A and B beside its blocks and adds the delta with the same two kernels and the same bfloat16 add.
 
 Several adapters, each request picking one by name (vLLM's ``--lora-modules`` and ``LoRARequest``: ``apply_loras``):
-their A's stacked and B's side by side in one pair a product, each row masking the other adapters' columns
-(``LoRALinear``), so requests of different adapters and of none share a batch.
+one pair of products per adapter, each row zeroing the pairs that are not its adapter's (``LoRALinear``), so requests
+of different adapters and of none share a batch, and a lone row computes its own adapter's pair alone.
 
 Adapters loaded after start (vLLM's ``enable_lora`` / ``max_loras`` / ``max_lora_rank``, its ``LoRARequest`` with a
 path and its ``/v1/load_lora_adapter``): ``reserve_loras`` wraps every product at start with ``max_loras`` empty
@@ -113,50 +113,61 @@ def load_lora(path: str | os.PathLike) -> LoRAAdapter:
     return LoRAAdapter(str(root), weights)
 
 
+class _LoRAPair(nn.Module):
+    """One adapter's A [r, in] and B [out, r] (its scaling folded into B) on one product, for the rows of adapter
+    ``adapter`` (1, 2, ...: Request.lora). Buffers of a module of their own, so that huge pages' move of every buffer
+    (model.hugepages) and a compiled graph see the same tensors as ``LoRALinear``."""
+
+    def __init__(self, adapter: int, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.adapter = adapter
+        self.register_buffer("a", a)
+        self.register_buffer("b", b)
+
+
 class LoRALinear(nn.Module):
-    """A projection plus its adapters: base(x) + B_s (A x), A [R, in] and B_s [out, R] in the model's dtype.
+    """A projection plus its adapters: base(x) + B_s (A x) in the model's dtype.
 
-    One adapter on every row (``owner`` None: EngineConfig.lora), or several that each request picks from
-    (EngineConfig.lora_modules): their A's stacked into one A and their B's side by side into one B, ``owner`` [R]
-    naming the adapter (1, 2, ...) each of the R columns belongs to. A batch's rows then pick theirs by a 0/1 mask
-    on A x's columns (``adapters`` [B]: each row's adapter, 0 for the base model alone): one pair of products for a
-    batch of mixed adapters, whose shapes do not depend on the mix (punica's SGMV does the same on GPUs without the
-    wasted columns; at r ~8-64 and a few adapters the waste is a few columns). A row's sum runs over all R columns
-    whichever path computes it, the other adapters' terms exactly 0, so a row's result does not depend on its
-    neighbours: the one-call forward's lone row passes A whole and a B whose other adapters' columns are zero
-    (``b_for``), the same terms added in the same order."""
+    One adapter on every row (``per_request`` False: EngineConfig.lora), or several that each request picks from
+    (EngineConfig.lora_modules, enable_lora's slots): one pair of thin products per adapter, each row's A x zeroed
+    where the pair is not its adapter's (``adapters`` [B]: each row's, 0 for the base model alone), the pairs' deltas
+    summed. A row's delta is then its own adapter's products plus exact zeros, whatever its neighbours pick: the same
+    bits as those two products alone, which is what the one-call forward computes for a lone row (its ``pair``), so
+    a row's tokens do not depend on its batch and a lone row pays for its own adapter's rank only. (punica's SGMV
+    groups the rows by adapter instead; the pairs' shapes here do not depend on the batch's mix, which a compiled
+    step needs.)"""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, owner: torch.Tensor | None = None,
-                 slot_width: int | None = None):
+    def __init__(self, base: nn.Module, pairs: list[_LoRAPair], per_request: bool, slotted: bool = False):
         super().__init__()
         self.base = base
-        self.slot_width = slot_width  # columns a slot holds (reserve_loras); None: adapters stacked as loaded
-        self.register_buffer("lora_a", a)
-        self.register_buffer("lora_b", b)
-        self.register_buffer("owner", owner)
+        self.pairs = nn.ModuleList(pairs)
+        self.per_request = per_request  # whether each row picks its adapter (``forward``'s ``adapters``)
+        self.slotted = slotted  # pairs reserved at start and written in place (reserve_loras)
 
     @property
     def out_features(self) -> int:
-        return self.lora_b.shape[0]
+        return self.pairs[0].b.shape[0]
 
-    @property
-    def per_request(self) -> bool:
-        """Whether each row picks its adapter (``forward``'s ``adapters``)."""
-        return self.owner is not None
-
-    def b_for(self, adapter: int) -> torch.Tensor:
-        """B [out, R] with every column but ``adapter``'s zero: a lone row's delta without a mask (the one-call
-        forward's, which keeps it per adapter: LlamaForCausalLM._lora_args)."""
-        return self.lora_b * (self.owner == adapter).to(self.lora_b.dtype)
+    def pair(self, adapter: int) -> _LoRAPair | None:
+        """The pair a row of ``adapter`` adds (None: it adds nothing here); the one adapter's where not per request."""
+        if not self.per_request:
+            return self.pairs[0]
+        return next((p for p in self.pairs if p.adapter == adapter), None)
 
     def forward(self, x: torch.Tensor, lens: torch.Tensor | None = None,
                 adapters: torch.Tensor | None = None) -> torch.Tensor:
-        if self.owner is None:
-            return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens), self.lora_b, None, lens)
+        y = self.base(x, lens)
+        if not self.per_request:
+            p = self.pairs[0]
+            return y + linear(linear(x, p.a, None, lens), p.b, None, lens)
         if adapters is None:  # no row of the batch has an adapter
-            return self.base(x, lens)
-        pick = (self.owner == adapters.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)  # [B, 1, R]: 1 where row's own
-        return self.base(x, lens) + linear(linear(x, self.lora_a, None, lens) * pick, self.lora_b, None, lens)
+            return y
+        rows = adapters.view(-1, *[1] * (x.dim() - 1))  # [B, 1, 1]
+        delta = None
+        for p in self.pairs:
+            d = linear(linear(x, p.a, None, lens) * (rows == p.adapter).to(x.dtype), p.b, None, lens)
+            delta = d if delta is None else delta + d  # the other pairs' terms: exactly 0 for this row
+        return y + delta
 
 
 def _check_fits(model, adapter: LoRAAdapter, sizes: dict, ins: dict) -> None:
@@ -225,14 +236,11 @@ def _wrap(model, adapters: list[tuple[LoRAAdapter, float]], per_request: bool) -
     fused = [_fused(adapter, scale, sizes) for adapter, scale in adapters]
     w = dict(dtype=model.dtype, device=model.device)
     for layer, target in sorted({key for f in fused for key in f}):
-        mine = [(j + 1, f[layer, target]) for j, f in enumerate(fused) if (layer, target) in f]
-        a_all = torch.cat([a for _, (a, _) in mine])  # [R, in]: the adapters' A's stacked
-        b_all = torch.cat([b for _, (_, b) in mine], 1)  # [out, R]: their B's side by side
-        owner = torch.cat([torch.full((a.shape[0],), j) for j, (a, _) in mine]).to(model.device) if per_request \
-            else None
+        pairs = [_LoRAPair(j + 1, a.to(**w), b.to(**w)) for j, f in enumerate(fused) if (layer, target) in f
+                 for a, b in [f[layer, target]]]
         parent_name, attr = target.split(".")
         parent = getattr(model.layers[layer], parent_name)
-        setattr(parent, attr, LoRALinear(getattr(parent, attr), a_all.to(**w), b_all.to(**w), owner))
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), pairs, per_request))
     model.lora_adapters = len(adapters) if per_request else 0
     model._native_key = None  # the one-call forward's check reads the module types again (LlamaForCausalLM)
 
@@ -247,11 +255,11 @@ def reserve_loras(model, slots: int, rank: int) -> None:
     for layer in model.layers:
         for target, parts in sizes.items():
             width = len(parts) * rank
-            owner = torch.arange(1, slots + 1).repeat_interleave(width).to(model.device)
+            pairs = [_LoRAPair(s, torch.zeros(width, ins[target], **w), torch.zeros(sum(parts), width, **w))
+                     for s in range(1, slots + 1)]
             parent_name, attr = target.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), torch.zeros(slots * width, ins[target], **w),
-                                             torch.zeros(sum(parts), slots * width, **w), owner, width))
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), pairs, True, slotted=True))
     model.lora_adapters, model.lora_rank = slots, rank
     model._native_key = None
 
@@ -260,7 +268,7 @@ def _slots(model) -> dict[tuple[int, str], LoRALinear]:
     found = {(i, f"{p}.{a}"): getattr(getattr(layer, p), a) for i, layer in enumerate(model.layers)
              for p, a in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
                           ("mlp", "down_proj"))}
-    if not all(isinstance(m, LoRALinear) and m.slot_width is not None for m in found.values()):
+    if not all(isinstance(m, LoRALinear) and m.slotted for m in found.values()):
         raise ValueError("this model has no adapter slots (reserve_loras)")
     return found
 
@@ -281,14 +289,14 @@ def fill_lora(model, slot: int, adapter: LoRAAdapter, scale: float = 1.0) -> Non
     fused = _fused(adapter, scale, sizes)
     with placement_lock(), torch.no_grad():  # not while huge pages swap the buffers (engine.warmup's thread)
         for key, mod in mods.items():
-            cols = slice((slot - 1) * mod.slot_width, slot * mod.slot_width)
-            mod.lora_a[cols] = 0
-            mod.lora_b[:, cols] = 0
+            p = mod.pair(slot)
+            p.a.zero_()
+            p.b.zero_()
             if key in fused:
                 a, b = fused[key]
-                mod.lora_a[cols.start:cols.start + a.shape[0]] = a.to(mod.lora_a.dtype)
-                mod.lora_b[:, cols.start:cols.start + a.shape[0]] = b.to(mod.lora_b.dtype)
-    model._native_lora = {}  # the one-call forward's per-adapter B's were copies (LlamaForCausalLM._lora_args)
+                p.a[:a.shape[0]] = a.to(p.a.dtype)
+                p.b[:, :a.shape[0]] = b.to(p.b.dtype)
+    model._native_lora = {}  # which products the one-call forward skips for this slot (LlamaForCausalLM._lora_args)
 
 
 def clear_lora(model, slot: int) -> None:
@@ -298,7 +306,7 @@ def clear_lora(model, slot: int) -> None:
     mods = _slots(model)
     with placement_lock(), torch.no_grad():
         for mod in mods.values():
-            cols = slice((slot - 1) * mod.slot_width, slot * mod.slot_width)
-            mod.lora_a[cols] = 0
-            mod.lora_b[:, cols] = 0
+            p = mod.pair(slot)
+            p.a.zero_()
+            p.b.zero_()
     model._native_lora = {}
