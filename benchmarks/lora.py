@@ -9,10 +9,10 @@ a text still in English). A lone request's steps are one C++ call (kernels/lm_ro
 delta B (A x) beside the llama.cpp blocks; no graph is compiled; the first rank's engine again with every step
 through the module's eager ops ("eager": what the one-call path replaces); and an engine loading ``--modules`` adapters
 of the first rank that each request picks from (EngineConfig.lora_modules), asked with the first adapter ("picked":
-its lone row's products span every adapter's columns, the others' B columns zero) and with none ("none picked": the
-base model's steps on an engine that carries adapters); and an engine with ``--slots`` slots of rank ``--slot-rank``
+a lone row computes its own adapter's pair of products alone) and with none ("none picked": the base model's steps
+on an engine that carries adapters); and an engine with ``--slots`` slots of rank ``--slot-rank``
 for adapters loaded while it runs (EngineConfig.enable_lora), one of the first rank loaded after start, asked with it
-("slots, picked": its products span every slot's columns) and with none; the time a load and an unload take there
+("slots, picked": its slot's max_lora_rank columns) and with none; the time a load and an unload take there
 (median of 5 each). Held-out prompts, chat and code, each once per
 engine, the engines in rotating order prompt by prompt, after one warm-up request each. Per engine the decode speed
 (tokens after the first over the time after it): median and quartiles, and the ratio to the base in pairs (prompt
