@@ -28,7 +28,7 @@ class LoRASlots:
             self.salts = [0] * slots
             for name, path in modules.items():
                 self.load(name, path)
-        else:  # all loaded at start, stacked as they are (no columns to spare)
+        else:  # all loaded at start, each pair as wide as its adapter's rank (no columns to spare)
             if modules:
                 apply_loras(model, [(load_lora(path), scale) for path in modules.values()])
             self.names, self.paths = list(modules), [str(p) for p in modules.values()]
