@@ -47,7 +47,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: CurrentState):
     if name in state.lora_modules and not body.load_inplace:
         raise ApiError(400, f"a LoRA adapter named {name!r} is loaded already (from {state.lora_modules[name]!r}); "
                        "load_inplace replaces it", param="lora_name")
-    await _engine_call(state.engine.load_lora(name, body.lora_path, body.load_inplace), "lora_path")
+    await _engine_call(state.engine.load_lora(name, body.lora_path, body.load_inplace))
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
@@ -62,10 +62,10 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: CurrentStat
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
-async def _engine_call(call, param: str = "lora_name") -> None:
-    """Await an AsyncEngine call; its ValueError (a name taken, no free slot, an adapter that does not fit, one in
-    use) is the client's 400, naming the problem."""
+async def _engine_call(call) -> None:
+    """Await an AsyncEngine call; its ValueError (no free slot, a directory that is not an adapter, one that does not
+    fit, one in use) is the client's 400, naming the problem."""
     try:
         await call
     except ValueError as e:
-        raise ApiError(400, str(e), param=param) from None
+        raise ApiError(400, str(e)) from None
