@@ -222,6 +222,7 @@ class StepOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0  # on the final output: prompt tokens served from the prefix cache (vLLM's)
+    stop_reason: int | str | None = None  # on the final output: the token id or stop string that ended it
     logprob: float | None = None  # log p(token) under the target's (processed) distribution
     top_logprobs: list[tuple[int, float]] | None = None
     # how the token came: "target" (a plain step: prefill or decode), "accepted" (a draft the target accepted),

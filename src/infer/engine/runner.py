@@ -105,7 +105,7 @@ class ModelRunner:
         if req.prompt_logprobs is not None and len(req.output_ids) == 1:
             out.prompt_logprobs = list(req.prompt_logprobs)
         if done:
-            out.num_cached_tokens = req.num_cached_tokens or 0
+            out.num_cached_tokens, out.stop_reason = req.num_cached_tokens or 0, req.stop_reason
         if done and req.num_draft_tokens:
             out.acceptance_rate = req.acceptance_rate
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens

@@ -2,8 +2,8 @@
 
 Errors are OpenAI-shaped JSON: 400 invalid parameter (names it) or a prompt that cannot fit (states the
 lengths), 401 wrong key, 404 unknown model or route, 413 oversized body, 503 + Retry-After when the waiting queue
-is full. The routes live in routers (meta, completions, responses, tokens, embeddings, scores, adapters) that read a
-ServerState from ``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground
+is full. The routes live in routers (meta, completions, responses, messages, tokens, embeddings, scores, adapters)
+that read a ServerState from ``app.state.server``; errors and middlewares are in errors.py. ``/`` serves the playground
 (static/: chat or completion, streamed, each token coloured by how speculation produced it).
 """
 
@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
 from ..pooling import PoolingParams
-from . import adapters, completions, embeddings, meta, responses, scores, tokens
+from . import adapters, completions, embeddings, messages, meta, responses, scores, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -126,6 +126,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.include_router(embeddings.router)
     app.include_router(scores.router)
     app.include_router(adapters.router)
+    app.include_router(messages.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

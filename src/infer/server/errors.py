@@ -65,16 +65,18 @@ def _open(path: str) -> bool:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: 401 unless the request carries ``Authorization: Bearer <api_key>``; /health and the
-    playground's static page stay open. Plain ASGI, not BaseHTTPMiddleware: that one wraps ``receive`` in a task
-    group, where a route's ``request.is_disconnected()`` poll never sees the client leave."""
+    """ASGI middleware: 401 unless the request carries ``Authorization: Bearer <api_key>`` (or Anthropic's
+    ``x-api-key: <api_key>``, as its SDK sends it); /health and the playground's static page stay open. Plain ASGI,
+    not BaseHTTPMiddleware: that one wraps ``receive`` in a task group, where a route's ``request.is_disconnected()``
+    poll never sees the client leave."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or _open(scope["path"]) or dict(scope.get("headers") or []).get(
-                b"authorization", b"") == self.expected:
+        headers = dict(scope.get("headers") or []) if scope["type"] == "http" else {}
+        if scope["type"] != "http" or _open(scope["path"]) or headers.get(b"authorization", b"") == self.expected \
+                or headers.get(b"x-api-key", b"") == self.key:
             return await self.app(scope, receive, send)
         body = json.dumps(P.error_body("invalid or missing API key (Authorization: Bearer ...)",
                                        "authentication_error", None, 401)).encode()
