@@ -55,6 +55,10 @@ def test_a_message_is_the_librarys_chat_answer(client, llm):
     assert got.usage.output_tokens == len(want.outputs[0].token_ids)
     count = client.messages.count_tokens(model=NAME, system=SYSTEM, messages=TALK)
     assert count.input_tokens == len(want.prompt_token_ids)
+    # a budget past the context (Anthropic's clients ask for thousands) stops where the context ends
+    assert llm.engine.max_seq_len < 4096
+    room = client.messages.create(model=NAME, max_tokens=4096, system=SYSTEM, messages=TALK, extra_body=GREEDY)
+    assert room.usage.input_tokens + room.usage.output_tokens <= llm.engine.max_seq_len
 
 
 def test_a_streamed_message_is_the_same_answer_in_anthropics_events(client, llm):

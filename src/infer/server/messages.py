@@ -96,11 +96,11 @@ def _chat(body: CountTokensRequest) -> list[P.ChatMessage]:
     return out
 
 
-def _params(body: MessagesRequest) -> SamplingParams:
+def _params(body: MessagesRequest, max_tokens: int) -> SamplingParams:
     # Anthropic's default temperature is 1.0
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                          max_tokens=body.max_tokens, stop=body.stop_sequences or None)
+                          max_tokens=max_tokens, stop=body.stop_sequences or None)
 
 
 def _stop(out) -> tuple[str, str | None]:
@@ -122,11 +122,15 @@ async def count_tokens(body: CountTokensRequest, state: CurrentState):
 async def messages(body: MessagesRequest, request: Request, state: CurrentState):
     lora = _check_model(state, body.model)
     ids = await render_chat(state, _chat(body))
-    if len(ids) + body.max_tokens > state.max_seq_len:
-        raise ApiError(400, f"the prompt ({len(ids)} tokens) and max_tokens ({body.max_tokens}) exceed the context "
-                       f"({state.max_seq_len} tokens)", param="max_tokens")
+    room = state.max_seq_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt ({len(ids)} tokens) fills the context ({state.max_seq_len} tokens)",
+                       param="messages")
+    # Anthropic's clients ask for budgets of thousands of tokens: the answer stops where the context ends
+    # (stop_reason max_tokens), as llama.cpp's server stops, instead of a refusal
     rid = P.new_id("msg")
-    stream = await add_stream(state, ids, lambda: _params(body), rid, **({"lora": lora} if lora else {}))
+    stream = await add_stream(state, ids, lambda: _params(body, min(body.max_tokens, room)), rid,
+                              **({"lora": lora} if lora else {}))
     head = {"id": rid, "type": "message", "role": "assistant", "model": body.model}
     if body.stream:
         return StreamingResponse(_events(state, stream, head, len(ids)), media_type="text/event-stream")
