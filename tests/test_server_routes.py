@@ -254,3 +254,43 @@ def test_auto_tool_choice_reads_the_models_calls_streamed_or_not(parser, reply, 
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in sent] == calls
     assert [c["index"] for c in sent] == list(range(len(calls))) and all(c["id"].startswith("call_") for c in sent)
     assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+@pytest.mark.parametrize("reply, blocks", [
+    (HERMES_REPLY, [{"type": "text", "text": "Checking."}, {"type": "tool_use", "name": "get_weather",
+                                                            "input": {"city": "Paris"}}]),
+    ("No tool needed.\n", [{"type": "text", "text": "No tool needed.\n"}]),
+])
+def test_anthropic_auto_tool_choice_answers_text_and_tool_use_blocks(reply, blocks):
+    """/v1/messages with tools and a parser: the model's text and calls as text and tool_use blocks in the order
+    written, stop_reason tool_use when it called; streamed, the same blocks from the block events."""
+    from infer.server import messages
+
+    state = fake_state(FakeEngine(reply, finish="stop"))
+    state.tokenizer, state.tool_parser, state.max_seq_len = ChatTokenizer(), "hermes", 512
+    client = mount(messages.router, state)
+    body = {"model": NAME, "max_tokens": 60, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [{k: v for k, v in b.items() if k != "id"} for b in got["content"]] == blocks
+    assert all(b["id"].startswith("toolu_") for b in got["content"] if b["type"] == "tool_use")
+    assert got["stop_reason"] == ("tool_use" if len(blocks) > 1 else "end_turn")
+    seen = json.loads(state.tokenizer.decode(state.engine.added[0][0]))[1]  # the template saw the tool
+    assert [t["function"]["name"] for t in seen] == ["get_weather"]
+    events = [json.loads(line[6:]) for line in client.post("/v1/messages", json={**body, "stream": True})
+              .text.splitlines() if line.startswith("data: ")]
+    built, args = [], {}
+    for e in events:
+        if e["type"] == "content_block_start":
+            built.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta":
+            built[e["index"]]["text"] += e["delta"]["text"]
+        elif e["type"] == "content_block_delta":
+            args[e["index"]] = args.get(e["index"], "") + e["delta"]["partial_json"]
+    for i, text in args.items():
+        built[i]["input"] = json.loads(text)
+    assert [{k: v for k, v in b.items() if k != "id"} for b in built] == blocks
+    assert [e["type"] for e in events].count("content_block_stop") == len(blocks)
+    assert events[-2]["delta"]["stop_reason"] == got["stop_reason"]
