@@ -138,7 +138,11 @@ class Tokenizer:
         self._raw_decode = raw.decode if isinstance(raw, tokenizers.Tokenizer) and \
             not getattr(self.hf, "clean_up_tokenization_spaces", True) else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """``split_special_tokens``: a special token's text in ``text`` is plain text (llama.cpp's parse_special
+        false), not that token."""
+        if split_special_tokens:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ..engine.async_engine import AsyncEngine
 from ..pooling import PoolingParams
-from . import adapters, completions, embeddings, messages, meta, responses, scores, tokens
+from . import adapters, completions, embeddings, llamacpp, messages, meta, responses, scores, tokens
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -127,6 +127,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.include_router(scores.router)
     app.include_router(adapters.router)
     app.include_router(messages.router)
+    app.include_router(llamacpp.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

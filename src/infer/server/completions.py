@@ -316,15 +316,19 @@ class _Choice:
         self.draft = self.accepted = self.cached = 0
         self.spec: list[dict] = []  # stream_options.include_spec: tokens not yet sent in a chunk
         self.t0 = time.monotonic()
+        self.t_first: float | None = None
         self.t_last: float | None = None
+        self.last = None  # the latest StepOutput (the final one once the stream has ended)
         self.offset = 0  # characters of the choice's text before its next token (a streamed choice's text_offset)
         self.echoed = False  # the echoed prompt's chunk was sent (streamed with logprobs: at the first output)
 
     def observe(self, out, metrics: ServerMetrics) -> None:
         t = time.monotonic()
+        self.last = out
         if out.token_id is not None:
             self.outputs.append(out)
             if self.t_last is None:
+                self.t_first = t
                 metrics.ttft.observe(t - self.t0)
             else:
                 metrics.itl.observe(t - self.t_last)
