@@ -1,8 +1,8 @@
 """/v1/responses end to end with the official openai client (``client.responses``): a text answer as the library's
 chat answers it, streamed as OpenAI's typed events (the SDK's own accumulator reads them back), instructions and
 input items, structured output, tool calls (named and required, streamed too) and a call's history, logprobs, the
-store (continued, read, listed, deleted), background responses (polled, streamed again, cancelled), truncation "auto", and
-the 400s naming what cannot be answered."""
+store (continued, read, listed, deleted), background responses (polled, streamed again, cancelled), truncation "auto",
+the input's token count (``responses.input_tokens.count``), and the 400s naming what cannot be answered."""
 
 import json
 import time
@@ -83,6 +83,11 @@ def test_instructions_and_input_items_are_the_chat_messages(srv, llm):
     ref = _ref(llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More."}])
     assert r.output_text == ref.text and r.instructions == "Be brief."
+    # OpenAI's count of the same input: the prompt's tokens, with or without the model's id (optional there)
+    count = srv.client.responses.input_tokens.count(model=NAME, instructions="Be brief.", input=items)
+    assert count.object == "response.input_tokens" and count.input_tokens == len(ref.prompt_token_ids)
+    assert srv.client.responses.input_tokens.count(instructions="Be brief.", input=items).input_tokens == \
+        len(ref.prompt_token_ids)
 
 
 def test_streamed_events_carry_the_same_answer(srv):

@@ -204,15 +204,9 @@ async def _fitted(body: ResponsesRequest, state, messages: list[P.ChatMessage], 
     return ids
 
 
-@router.post("/v1/responses", responses=ANSWERS)
-async def responses(body: ResponsesRequest, state: CurrentState, request: Request):
-    lora = _check_model(state, body.model)
-    tok = state.tokenizer
-    if not tok.has_chat_template:
-        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
-    if body.background and not body.store:
-        raise ApiError(400, "background needs store: a background response is read back from the store",
-                       param="background")
+def _conversation(body: ResponsesRequest, state) -> tuple[list, list, list[P.Tool] | None]:
+    """(the conversation: a stored response's history and this input; the chat messages: the instructions first;
+    the tools as the chat's)."""
     history = []
     if body.previous_response_id is not None:
         if (prev := state.responses.get(body.previous_response_id)) is None:
@@ -229,6 +223,36 @@ async def responses(body: ResponsesRequest, state: CurrentState, request: Reques
     chat_tools = [P.Tool(type="function", function=P.FunctionDef(name=t.name, description=t.description,
                                                                    parameters=t.parameters, strict=t.strict))
                   for t in body.tools] if body.tools else None
+    return conversation, messages, chat_tools
+
+
+class InputTokensRequest(ResponsesRequest):
+    model: str | None = None  # OpenAI's count takes none: the served model
+    input: str | list[InputItem] = []
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens(body: InputTokensRequest, state: CurrentState):
+    """OpenAI's count of a response's input tokens (``client.responses.input_tokens.count``): the prompt the same
+    request would run, with ``truncation`` "auto"'s cut."""
+    if body.model is not None:
+        _check_model(state, body.model)
+    if not state.tokenizer.has_chat_template:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /tokenize", param="input")
+    _, messages, chat_tools = _conversation(body, state)
+    return {"object": "response.input_tokens", "input_tokens": len(await _fitted(body, state, messages, chat_tools))}
+
+
+@router.post("/v1/responses", responses=ANSWERS)
+async def responses(body: ResponsesRequest, state: CurrentState, request: Request):
+    lora = _check_model(state, body.model)
+    tok = state.tokenizer
+    if not tok.has_chat_template:
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", param="input")
+    if body.background and not body.store:
+        raise ApiError(400, "background needs store: a background response is read back from the store",
+                       param="background")
+    conversation, messages, chat_tools = _conversation(body, state)
     choice = body.tool_choice
     if isinstance(choice, ToolChoiceFunction):
         choice = P.NamedToolChoice(type="function", function=P.FunctionName(name=choice.name))
