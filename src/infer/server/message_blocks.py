@@ -134,10 +134,6 @@ class Blocks:
         self.open = False
         return events + [("content_block_stop", {"index": len(self.blocks) - 1})]
 
-    @property
-    def calls(self) -> int:
-        return len(self.args)
-
     def content(self) -> list[dict]:
         """The blocks whole: a tool_use block's input its JSON object; a call cut short by max_tokens (its input no
         whole object) is given as the text the model wrote, not as a call it never finished."""
