@@ -313,30 +313,6 @@ def test_a_lone_request_drafts_before_the_warmup_ends_where_its_round_needs_no_g
 
 
 @needs_kernels
-def test_a_first_start_prices_a_lone_rows_rounds_at_once_and_batches_after_the_warmup(held_warmup, profile_dir):
-    """auto K with no stored profile: a lone row's rounds run no graph, so their prices are measured from one-row
-    forwards before the warm-up (a lone request may draft while it is held, with plain decoding's greedy tokens);
-    once the graphs exist the whole profile, batches included, replaces those prices."""
-    from infer.engine import Engine, EngineConfig
-    from infer.generate import autoregressive_generate
-
-    target, head = _native_pair()
-    eng = Engine(EngineConfig(model="target", draft_model="drafter", max_batch_size=2, compile=True,
-                              quantization="q8_0", block_size=4), model=target, draft_model=head)
-    costs = eng.decoder.spec_length.costs
-    assert eng.warmup is not None and eng.decoder.lone_ready and not eng.decoder.ready
-    assert eng.decoder.provisional_costs and costs is not None and costs.max_batch == 1
-    held_warmup.wait_entered()
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
-    want = autoregressive_generate(eng.model, prompt, params, eos_token_ids=[]).output_ids
-    assert eng.run([eng.add_request(prompt, params)])[0].output_ids == want and not eng.warmup.ready
-    eng._finish_warmup(None)  # what the warm-up's end runs (building the graphs is other tests' concern: ~100 s)
-    assert eng.decoder.ready and not eng.decoder.provisional_costs
-    assert eng.decoder.spec_length.costs is not costs and eng.decoder.spec_length.costs.max_batch == 2
-
-
-@needs_kernels
 def test_an_engine_whose_lone_steps_are_one_call_builds_no_graph_for_them(held_warmup):
     """A lone row whose steps are one C++ call each (the target's infer::llama_forward, the head's
     infer::eagle3_round) takes no graph: at max_batch_size 1 there is no warm-up at all and nothing is compiled (the

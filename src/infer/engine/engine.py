@@ -168,8 +168,6 @@ class Engine:
         background = self._compiles_in_background()
         if decoder is not None:
             decoder.ready = False  # drafts wait for compiled verify steps and a cost model (_finish_warmup)
-            if background and warmup.lone_native:
-                self._price_lone_rounds()
             decoder.lone_ready = background and self._lone_rounds_native(warmup)  # a lone request's need not
         warmup.start(background)
         if not background:
@@ -180,18 +178,8 @@ class Engine:
         """Whether a lone request's speculative rounds run none of the graphs the warm-up builds, so they may draft
         from the first request (SpeculativeDecoder.lone_ready): every verify width through the target's one-call
         forward (LlamaForCausalLM.runs_natively), the drafter's round one C++ call (Proposer.lone_round_native) or
-        no compiled drafter, and a cost model at hand for auto K (a first start's: _price_lone_rounds)."""
+        no compiled drafter, and a cost model at hand for auto K (a first start profiles after the warm-up)."""
         return getattr(self.decoder.spec_length, "costs", True) is not None and warmup.lone_native
-
-    def _price_lone_rounds(self) -> None:
-        """A first start with these settings (auto K, no stored profile): a lone row's rounds run no graph, so their
-        prices are measured now from one-row forwards (13 s on the AVX2 Zen 3, once), as an engine without a warm-up
-        measures its own, and a lone request drafts while the warm-up builds the batched steps (on the AVX2 Zen 3 a
-        first `infer serve` decoded plainly for the whole 877 s of it). ``_finish_warmup`` measures the whole profile,
-        batches included, once their graphs exist, and only that one is saved."""
-        decoder = self.decoder
-        if decoder.profile_now is not None and getattr(decoder.spec_length, "costs", True) is None:
-            decoder.profile_now("a lone request's rounds, until the batched steps are built", lone=True)
 
     def _compiles_in_background(self) -> bool:
         """Whether a compiled target's steps are built in a background thread: where a step run eagerly meanwhile
@@ -207,7 +195,7 @@ class Engine:
         if decoder.check_costs is not None:  # a stored profile: checked once, against this process's forwards
             check, decoder.check_costs = decoder.check_costs, None
             check()
-        if decoder.profile_now is not None and (decoder.spec_length.costs is None or decoder.provisional_costs):
+        if decoder.profile_now is not None and decoder.spec_length.costs is None:
             decoder.profile_now()
         decoder.ready = True
 

@@ -15,13 +15,11 @@ Meanwhile the engine's own calls take the run-only steps (model.compile.Compiled
 else the same code eagerly. Both give the same bits, so the tokens never depend on how far the warm-up got (tests:
 test_warmup.py). The speculative decoder drafts only once ``ready`` (an eager verify costs several decode steps, and
 the cost model prices compiled ones), except a lone request whose round runs none of the graphs being built: the
-target's one-call steps and the drafter's one-call round, with a cost model (stored, or on a first start priced
-for a lone row from one-row forwards before the warm-up: Engine._price_lone_rounds; SpeculativeDecoder.lone_ready,
-Engine._lone_rounds_native): `infer chat` speculates from its first reply, and `infer serve`'s lone requests too.
-When the thread is done, the engine may compile on a miss again, as before. Where a lone row's every step is one
-C++ call (``Warmup._lone_steps_native``), its stages are not built at all: only the batched ones are, and an engine
-of one KV slot (`infer chat`, the demo) starts no warm-up, never imports the compiler and runs at full speed from
-its first reply.
+target's one-call steps and the drafter's one-call round, with a stored cost model (SpeculativeDecoder.lone_ready,
+Engine._lone_rounds_native): `infer chat` speculates from its first reply. When the thread is done, the engine may
+compile on a miss again, as before. Where a lone row's every step is one C++ call (``Warmup._lone_steps_native``),
+its stages are not built at all: only the batched ones are, and an engine of one KV slot (`infer chat`, the demo)
+starts no warm-up, never imports the compiler and runs at full speed from its first reply.
 
 An engine whose eager and compiled steps may round differently (no infer kernels: CUDA, or a failed kernel build)
 runs the same warm-up in the foreground instead.

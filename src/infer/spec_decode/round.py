@@ -89,7 +89,6 @@ class SpeculativeDecoder:
         # built (the target's one-call steps, the drafter's one-call round: Engine._start_warmup decides; _early)
         self.lone_ready = False
         self.profile_now = None  # auto K: measures the cost model (spec_decode.setup.build_decoder)
-        self.provisional_costs = False  # the cost model prices a lone row's rounds only (a first start: engine)
         self.check_costs = None  # auto K with a stored cost model: checks it once, measures it anew if it is off
 
     def tree_shape(self, reqs: list[Request], k: int) -> TreeShape | None:

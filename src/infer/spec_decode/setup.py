@@ -120,15 +120,10 @@ def build_decoder(cfg, runner, kv, drafter: LlamaForCausalLM | None, draft_vocab
         if proposer.drafts_either_way:
             decoder.spec_length.decline = proposer.decline
 
-        def profile_now(why: str = "first start with these settings", lone: bool = False) -> None:
-            # lone: a lone row's rounds alone, from one-row forwards (Engine._price_lone_rounds), neither kept nor
-            # saved: the whole profile replaces it once the batched steps exist
+        def profile_now(why: str = "first start with these settings") -> None:
             with progress.stage(f"profiling what a speculative round costs ({why})"):
-                costs = measure_costs(decoder, 1 if lone else max_batch, widest)
-            decoder.spec_length.costs, decoder.provisional_costs = costs, lone
-            if not lone:
-                cache[key] = costs
-                store.save(costs)
+                cache[key] = decoder.spec_length.costs = measure_costs(decoder, max_batch, widest)
+            store.save(decoder.spec_length.costs)
 
         decoder.profile_now, decoder.cost_store = profile_now, store
         if costs is not None:
