@@ -113,19 +113,65 @@ def test_greedy_parity(target, kind, backend):
     assert accepted > 0  # runs of 2+ accepted drafts happened: rollback after partial acceptance was exercised
 
 
+@pytest.mark.parametrize("prefix", [False, True], ids=["", "prefix-cache"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_greedy_parity_with_preemption(kind):
+def test_batched_greedy_parity_with_preemption(kind, prefix):
+    """With the prefix cache, prompts share leading tokens (some a whole number of blocks, where a head's hit ends a
+    block short of the target's: kv_manager), and preempted rows are admitted again over cached blocks of both
+    pools."""
     target = random_llama(64, seed=0)
     head = random_heads(target, kind, seed=3)
     eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, max_batch_size=6,
-                              num_kv_blocks=14, block_size=4), model=target, draft_model=head)
+                              num_kv_blocks=20 if prefix else 14, block_size=4, enable_prefix_caching=prefix),
+                 model=target, draft_model=head)
     rnd = random.Random(1)
+    common = [rnd.randrange(0, 64) for _ in range(9)]
     prompts = [[rnd.randrange(0, 64) for _ in range(rnd.randrange(3, 20))] for _ in range(8)]
+    if prefix:
+        prompts = [common[:8 + i % 2] + p for i, p in enumerate(prompts)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     reqs = eng.run([eng.add_request(p, params, eos_token_ids=[]) for p in prompts])
     assert [r.output_ids for r in reqs] == [autoregressive_generate(target, p, params, eos_token_ids=[]).output_ids
                                             for p in prompts]
     assert eng.stats.num_preemptions > 0  # preempted rows were prefilled again: their features handed over anew
+    assert (eng.stats.prefix_cache_hit_tokens > 0) == prefix
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
+
+
+@pytest.mark.parametrize("common", [13, 12], ids=["inside a block", "at a block's end"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_prefix_hit_serves_the_heads_entries_as_computed(kind, common):
+    """A prompt that starts as an earlier one did takes the head's cached entries over that prefix with the target's
+    blocks (kv_manager): its drafts are the ones an engine without the prefix cache drafts for it, where a head fed
+    zeros for the states the target's cache served drafts otherwise. Where the common prefix ends at a block's end,
+    the head's last block reads a token past it and is not served: the target computes that block again."""
+    target = random_llama(64, seed=0)
+    head = random_heads(target, kind, seed=3)
+    rnd = random.Random(2)
+    first = [rnd.randrange(0, 64) for _ in range(17)]
+    second = first[:common] + [rnd.randrange(0, 64) for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def drafts(cache: bool) -> tuple[list, Engine]:
+        eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, block_size=4,
+                                  enable_prefix_caching=cache), model=target, draft_model=head)
+        eng.run([eng.add_request(first, params, eos_token_ids=[])])
+        proposer, seen = eng.decoder.proposer, []
+        orig = proposer.propose
+
+        def propose(batch):
+            out = orig(batch)
+            seen.append(out.drafts[0, :out.num_draft[0]].tolist())
+            return out
+        proposer.propose = propose
+        req = eng.run([eng.add_request(second, params, eos_token_ids=[])])[0]
+        return seen, req, eng
+
+    want, plain, _ = drafts(False)
+    got, req, eng = drafts(True)
+    assert req.num_cached_tokens == (12 if common == 13 else 8)  # a block short where the head's hit is
+    assert req.output_ids == plain.output_ids and len(want) > 2
+    assert got == want
     assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
 
 
@@ -134,26 +180,33 @@ PARAMS = [SamplingParams(temperature=1.0, max_tokens=4), SamplingParams(temperat
 PROMPT = [1, 2]
 
 
-def _pvalue(kind, params, **cfg):
+def _pvalue(kind, params, prompt=PROMPT, **cfg):
     """N concurrent requests: token 1 comes from the prefill (whose state the heads draft from), tokens 2 and 3 from
-    one round (K = 2) -> the chi-square p-value of (x2, x3). Prefix caching serves all but the first prompt: the
-    EAGLE head then drafts over a gap of zeros, which must not matter to the law."""
+    one round (K = 2) -> the chi-square p-value of (x2, x3). With ``prompt`` longer than a block and the prefix cache
+    on, later requests take both pools' blocks over it (the head's entries with the target's K/V)."""
     target = random_llama(V, seed=0)
     head = random_heads(target, kind, seed=3)
     eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=2, max_batch_size=32, block_size=4,
                               seed=1234, **cfg), model=target, draft_model=head)
-    reqs = eng.run([eng.add_request(PROMPT, params) for _ in range(N)])
+    reqs = eng.run([eng.add_request(prompt, params) for _ in range(N)])
     counts = torch.zeros(V, V)
     for r in reqs:
         counts[r.output_ids[1], r.output_ids[2]] += 1
     assert 0.1 < eng.stats.acceptance_rate < 0.9  # drafts are judged, and rejected often
-    return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=PROMPT))
+    if cfg.get("enable_prefix_caching"):
+        assert eng.stats.prefix_cache_hit_tokens > 0 and eng.kv.draft_pool.prefix_hits > 0
+    return chi2_pvalue(counts, exact_joint(target, params, first=2, prompt=prompt))
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["T=1", "T=0.7+top-k+top-p"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_joint_distribution_equals_target(kind, params):
     assert _pvalue(kind, params) > 0.001
+
+
+def test_joint_distribution_equals_target_over_prefix_hits():
+    """Requests after the first wave of 32 take a cached block of their 6-token prompt in both pools."""
+    assert _pvalue("eagle3", PARAMS[1], prompt=[1, 2, 3, 4, 5, 6], enable_prefix_caching=True) > 0.001
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, max_tokens=4), PARAMS[1]],

@@ -62,6 +62,30 @@ def test_batched_greedy_equals_one_at_a_time(models, gqa_dir, reference, name, s
         assert sum(eng.stats.accepted_per_position) == eng.stats.num_accepted_tokens
     if "prefix" in name:
         assert eng.stats.prefix_cache_hit_tokens > 0
+        if spec:  # the draft model's cache took its blocks over the same prefixes (kv_manager)
+            assert eng.kv.draft_pool.prefix_hits > 0
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_a_next_turn_finds_the_last_answers_blocks(models, gqa_dir, spec):
+    """A finished request's computed blocks, its output's included, stay in the prefix cache (vLLM's): a next turn
+    that repeats prompt and answer computes only what is new, in both pools, and its tokens are the target's. The
+    prefix cache is on by default (paged backend) and off where asked, or with the contiguous backend."""
+    target = models[0]
+    assert EngineConfig(model="m").enable_prefix_caching
+    assert not EngineConfig(model="m", kv_cache_backend="contiguous").enable_prefix_caching
+    assert not EngineConfig(model="m", enable_prefix_caching=False).enable_prefix_caching
+    eng = _engine(models, gqa_dir, spec, block_size=4, spec_length=3)
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    first = eng.run([eng.add_request(list(range(5, 18)), params)])[0]
+    turn = first.prompt_ids + first.output_ids + [40, 41, 42]
+    nxt = eng.run([eng.add_request(turn, params)])[0]
+    computed = len(first.prompt_ids) + len(first.output_ids) - 1  # its last token was never fed
+    assert nxt.num_cached_tokens == computed // 4 * 4 > len(first.prompt_ids)
+    assert nxt.output_ids == autoregressive_generate(target, turn, params).output_ids
+    if spec:
+        assert eng.kv.draft_pool.prefix_hits >= computed // 4 * 4
+    assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
 
 
 def test_self_drafting_accepts_everything_and_emits_several_tokens_per_step(models, gqa_dir):
@@ -93,6 +117,20 @@ def test_seeded_request_is_the_same_alone_or_in_any_batch(models, gqa_dir, spec)
         mine = eng.add_request([10, 11, 12], params)
         eng.run(reqs + [mine])
         assert mine.output_ids == alone
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_a_seeded_request_is_the_same_whatever_the_prefix_cache_held(models, gqa_dir, spec):
+    """A prompt of 5 tokens whose first 4 are cached decodes at once (nothing left to prefill): its first token is
+    still drawn by a plain step, as the prefill draws it where nothing was cached (Request.plain_next), so the
+    seeded request's tokens do not depend on the cache; a drafted first step drew others (speculation stays exact in
+    law either way, but a seed must reproduce)."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True)
+    eng = _engine(models, gqa_dir, spec, block_size=4, spec_length=3)
+    first = eng.run([eng.add_request([7, 8, 9, 10, 11], params)])[0]
+    again = eng.run([eng.add_request([7, 8, 9, 10, 11], params)])[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 4)
+    assert again.output_ids == first.output_ids
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])

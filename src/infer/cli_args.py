@@ -75,7 +75,8 @@ HELP = {
     "max_lora_rank": "with --enable-lora: the highest rank a loaded adapter may have",
     "kv_cache_backend": "paged | contiguous",
     "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
-    "enable_prefix_caching": "share the K/V of common prompt prefixes (paged backend)",
+    "enable_prefix_caching": "share the K/V of common prompt prefixes (default: on with the paged backend; "
+                             "--no-enable-prefix-caching: off)",
     "max_batch_size": "concurrent running requests",
     "max_num_batched_tokens": "tokens per step",
     "max_waiting_requests": "queue bound; more gets 503 from the server",

@@ -95,6 +95,10 @@ class Request:
         self.accepted_per_position: list[int] = []  # [k]: rounds whose draft k was accepted
         self.drafted_per_position: list[int] = []  # [k]: rounds that drafted position k
         self.speculate = True  # False: this request never drafts (plain decoding beside speculating requests)
+        # True: the next token is drawn by a plain step, as a prefill draws it (a request admitted with all but its
+        # last token in the prefix cache decodes at once: drafted, its seeded draws would differ from the same
+        # request's where nothing was cached; a one-token prompt, never cached, drafts from its first step)
+        self.plain_next = False
         self.priority = 0  # scheduling_policy "priority": lower is admitted first, preempted last
         # the LoRA adapter the target applies to this request's rows (its slot: engine.adapters; 0: none), its name
         # and directory, and the prefix cache's salt for its K/V (unique to the adapter's load)
@@ -139,6 +143,7 @@ class Request:
         assert not self.finished, "append() after the request finished"
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        self.plain_next = False
         self.output_ids.append(token)
         if self.grammar is not None and not self.grammar.accept(token):
             # every token is drawn under its mask, so this is a bug, not bad input: end the request, keep its text

@@ -136,11 +136,13 @@ class KVCachePool(ABC):
         """The keyword arguments of ``for_model(model, **layout)`` that build a pool addressed exactly like this one
         (for another shard of the model: its own KV heads)."""
 
-    def twin(self, model) -> KVCachePool:
+    def twin(self, model, spare_slots: int = 0) -> KVCachePool:
         """A pool addressed exactly like this one (``layout``) over storage of its own, allocated lazily (pages are
         committed only where written) and never zeroed: for running steps whose results are thrown away, such as
-        compiling graphs off the engine's thread (engine.warmup), without touching this pool."""
-        return type(self).for_model(model, **self.layout(), lazy=True)
+        compiling graphs off the engine's thread (engine.warmup), without touching this pool. ``spare_slots``: that
+        many slots more (storage is addressed by position, not by slot: the same graphs serve both)."""
+        layout = self.layout()
+        return type(self).for_model(model, **{**layout, "max_slots": layout["max_slots"] + spare_slots}, lazy=True)
 
     def _replay(self, op: str, *args) -> None:
         """Run the storage copy ``self.<op>(*args)`` (plain ints and lists: storage coordinates), announcing it to
@@ -187,9 +189,10 @@ class KVCachePool(ABC):
     def free_token_capacity(self) -> int:
         """Positions that can still be written across the pool (a fresh pool returns its total capacity)."""
 
-    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0) -> None:
+    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0, num_valid: int | None = None) -> None:
         """Offer the computed K/V of ``token_ids`` (the prompt in ``slot``) to the prefix cache, found again only by
-        an ``allocate`` with the same ``salt``. Default: none."""
+        an ``allocate`` with the same ``salt``; ``num_valid``: only the slot's first positions hold what the prompt
+        says (a feature head's later entries were predicted). Default: none."""
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix: later prompts compute theirs again (slots in use keep what they hold).

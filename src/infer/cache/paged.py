@@ -5,13 +5,14 @@ lives at row ``table[p // block_size] * block_size + p % block_size``. The last 
 query rows. A forward gathers each row's keys through ``read_pos [B, kv_len]`` (entries past a row's length point
 at any valid row; the mask hides them) and scatters the new K/V through ``write_pos [B, T]``.
 
-Prefix cache (``enable_prefix_caching``): when a prompt's prefill completes, each *full* prompt block is
-registered under a hash chaining all tokens up to its end, so equal hashes mean equal prefixes. A later prompt
+Prefix cache (``enable_prefix_caching``): as a prompt's prefill advances, and when a request is freed (its output's
+blocks too), each *full* block of computed tokens is registered under a hash chaining all tokens up to its end, so
+equal hashes mean equal prefixes. A later prompt
 with the same leading blocks takes them (refcount + 1) instead of recomputing. A block whose refcount drops to 0
 stays cached but *evictable* (LRU); the free list is used first, then the oldest evictable block is recycled.
 
 Invariants: a block is in exactly one of {free list, evictable set, referenced by >= 1 slot}; cached blocks are
-only ever read (slots write strictly after their hit length, and only full prompt blocks are cached);
+only ever read (slots write strictly after their hit length, and only full blocks of computed tokens are cached);
 ``truncate_to`` drops references to whole trailing blocks and copies nothing.
 """
 
@@ -139,10 +140,11 @@ class PagedKVCachePool(KVCachePool):
         self.prefix_hits += self._lens[slot]
         return slot
 
-    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0) -> None:
+    def cache_prefix(self, slot: int, token_ids: list[int], salt: int = 0, num_valid: int | None = None) -> None:
         if not self.enable_prefix_caching:
             return
-        table, n_full = self._tables[slot], min(len(token_ids), self._lens[slot]) // self.block_size
+        n = min(len(token_ids), self._lens[slot] if num_valid is None else min(self._lens[slot], num_valid))
+        table, n_full = self._tables[slot], n // self.block_size
         for i, h in enumerate(self._prefix_hashes(token_ids, n_full, salt)):
             b = table[i]
             if h not in self._block_of and b not in self._hash_of:

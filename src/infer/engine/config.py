@@ -86,7 +86,9 @@ class EngineConfig:
     # vLLM's: "fcfs" admits requests in arrival order; "priority" by each request's priority (lower first, then
     # arrival), and where KV runs short it preempts the running request of the lowest priority (engine.scheduler)
     scheduling_policy: str = "fcfs"
-    enable_prefix_caching: bool = False
+    # Keep full prompt blocks for later prompts that start the same way (a drafter's blocks too: kv_manager), as vLLM
+    # and llama-server do by default. None (auto): on with the paged backend, which it needs.
+    enable_prefix_caching: bool | None = None
     dtype: str = "auto"  # "auto": the checkpoint's own (config.json torch_dtype; float32 for GGUF), or a dtype name
     device: str = "cpu"
     # Quantization of the target: "int8" (weight-only) | "q8_0" | "q4_0" | "q4_1" (llama.cpp's blocks, int8
@@ -219,6 +221,8 @@ class EngineConfig:
             bad(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory_mb is not None:
             bad("give num_kv_blocks or kv_cache_memory_mb, not both")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.kv_cache_backend == "paged"
         if self.kv_cache_backend == "contiguous":
             if self.enable_prefix_caching:
                 bad("enable_prefix_caching needs kv_cache_backend='paged' (prefix blocks are shared pages)")

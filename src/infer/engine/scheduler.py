@@ -146,6 +146,7 @@ class Scheduler:
                 out.prefill.append((r, chunk))
                 budget -= chunk
             elif self.kv.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
+                r.plain_next = r.num_computed > 0  # a cache hit: its next token drawn as a prefill's (Request)
                 out.decode.append(r)
                 budget -= self.kv.decode_tokens(1)
         return out

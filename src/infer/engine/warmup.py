@@ -39,6 +39,7 @@ import torch
 
 from .. import kernels, progress
 from ..cache.base import TreeAttn
+from ..cache.paged import PagedKVCachePool
 from ..model.compile import drop_damaged_entries
 from ..model.hugepages import place_on_hugepages
 from ..spec_decode.cost_model import profile_widths
@@ -106,7 +107,7 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
     contexts (in two places of the pool: the second slots sit after the first), so every graph those steps need
     exists afterwards with its sizes dynamic. ``tree``: star-shaped tree verifies of each width too (their plan
     differs: positions apart from the columns written). Stops early where the pool cannot hold the slots."""
-    model, widest, held = runner.model, max(widths), []
+    model, widest, held, spacer = runner.model, max(widths), [], None
     # rows of LoRA adapter 1 (Request.lora), where the target carries per-request adapters: their steps read the rows'
     # adapters (AttnMeta.adapters), a graph of their own
     adapted = [_AdapterRow(1)] * rows if getattr(model, "lora_adapters", 0) else None
@@ -121,6 +122,12 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
                 for s in held:  # where the first was (its length still differs, which is what makes it dynamic)
                     pool.free(s)
                 held = []
+                if isinstance(pool, PagedKVCachePool) and pool.can_fit([(None, 1)] + [(None, size)] * rows):
+                    # a block further on (a spare slot holds the first): a lone row's storage row of position 0
+                    # (AttnMeta.row0) is 0 only in a pool's first blocks, and a graph traced at 0 holds for 0 alone;
+                    # with the prefix cache a lone request lands past the cached blocks its predecessors left
+                    spacer = pool.allocate(1)
+                    pool.prepare([spacer], [1])
             if size > max_seq_len or not pool.can_fit([(None, size)] * rows):
                 return
             slots = [pool.allocate(size) for _ in range(rows)]
@@ -149,7 +156,7 @@ def run_steps(runner, pool, max_seq_len: int, widths: list[int], rows: int = 1, 
                         runner.forward(model, pool, slots[:1], [[1] * t], **({"reqs": reqs} if reqs else {}))
                         pool.truncate_to(slots[0], lens[0])
     finally:
-        for s in held:
+        for s in held + ([spacer] if spacer is not None else []):
             pool.free(s)
 
 
@@ -282,17 +289,19 @@ class Warmup:
         (Engine._finish_warmup). The twin is made outside inference mode, as the engine's pools are: the graphs are
         guarded on the cache tensors' kind."""
         self.drafter.compiled.ensure_built()
-        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter), self.max_seq_len, widths, rows)
+        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter, spare_slots=1), self.max_seq_len,
+                        widths, rows)
 
     @property
     def ready(self) -> bool:
         return self.done.is_set()
 
     def start(self, background: bool) -> None:
+        # a slot more than the engine's: a lone row's steps are built a block into the pool too (run_steps)
+        twin = self.kv.pool.twin(self.model, spare_slots=1)  # allocated before any thread: a failure is raised here
         if not background:
-            self._run(self.kv.pool)  # the real pool: nothing else uses it yet
+            self._run(twin)
             return
-        twin = self.kv.pool.twin(self.model)  # allocated before the thread starts: a failure is raised here
         self._thread = threading.Thread(target=self._run, args=(twin,), name="infer-warmup", daemon=True)
         self.model.compiled.compiling = -1  # from now on only the warm-up compiles (its ident is set in the thread)
         self._thread.start()

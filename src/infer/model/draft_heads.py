@@ -189,6 +189,9 @@ class DraftHead(nn.Module):
 class EagleHead(DraftHead):
     kind = "eagle"
     has_kv = True  # one layer's KV in the draft pool
+    # its entry at position i reads token x_{i+1} (fc([embed(x_{i+1}); f_i])): a block of its cache depends on one
+    # token past the block, which the KV manager's prefix-cache keys for the draft pool take in (kv_manager)
+    entry_shift = 1
 
     def __init__(self, target_config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -239,6 +242,9 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(DraftHead):
     kind = "eagle3"
     has_kv = True  # one layer's KV in the draft pool
+    # its entry at position i reads token x_{i+1} (fc([embed(x_{i+1}); f_i])): a block of its cache depends on one
+    # token past the block, which the KV manager's prefix-cache keys for the draft pool take in (kv_manager)
+    entry_shift = 1
     hidden_input = True  # the proposer feeds each draft entry the previous step's output (EagleProposer)
     # ``native_round``'s screen of the vocabulary head (kernels/eagle_round.cpp): its rows in Q4_0, the best
     # ``screen_top`` rescored by the head's own; 0: the head's own rows alone. Set before native_round_ready first runs.

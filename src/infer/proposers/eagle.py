@@ -28,15 +28,15 @@ draft vocabulary, HeadVocab), which the next draft entry reads as its hidden.
 
 Entries built from predicted features (positions >= L-1) are dropped at the next round, which rebuilds them from
 the target's true features of the accepted tokens: the head's cache is truncated to what it ``fed`` from true
-features (a length; no copy). The draft pool is rolled back with the target's as for any drafter; this truncation
-only shortens it further.
+features (a length, the KV manager's ``draft_fed``; no copy). The draft pool is rolled back with the target's as for
+any drafter; this truncation only shortens it further. With the prefix cache, a prompt's entries over a cached
+prefix come with its draft blocks (kv_manager): ``draft_fed`` starts at the hit, and the catch-up feeds from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 
 import torch
 
@@ -72,7 +72,6 @@ class EagleProposer(Proposer):
         self._width = head.feature_width if isinstance(head, Eagle3Head) else H
         self.features = FeatureStore(self._cols)
         self._vocab = PromptVocabs(draft_vocab)
-        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> entries from true features
 
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
         self.features.add(req, start, hidden)  # the head's columns are cut where a round reads them
@@ -87,7 +86,7 @@ class EagleProposer(Proposer):
         return self._native(self.kv.draft_pool, self._vocab.widened(self.draft_vocab))
 
     def _fed_len(self, req) -> int:
-        return min(self._fed.get(req, 0), self.kv.draft_pool.seq_len(self.kv.draft_slot(req)))
+        return self.kv.draft_fed(req)  # entries from true features (a prefix hit's included)
 
     def pending(self, req) -> int:
         return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
@@ -131,7 +130,7 @@ class EagleProposer(Proposer):
             pool.truncate_to(slot, fed)  # entries past fed came from predicted features
             t = r.token_slice(fed + 1, end + 1)
             f = self.features.get(r, fed, end, self._width, head.dtype, head.device)
-            self._fed[r] = end
+            self.kv.set_draft_fed(r, end)
             self.features.drop_before(r, end)
             if len(t) > CATCH_UP_BATCHED:
                 if native:
