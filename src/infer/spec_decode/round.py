@@ -119,8 +119,9 @@ class SpeculativeDecoder:
     def caps(self, reqs: list[Request]) -> list[int]:
         """The most drafts each request can take: one fewer than the tokens it may still emit, and no position past
         max_seq_len (the overflow guard); none when the batch is too large to speculate, the request asked not
-        to (``Request.speculate``) or draws its next token as a prefill would (``Request.plain_next``), or before the decoder is ``ready`` (its compiled steps and cost model are still
-        being built: engine.warmup), except a lone request whose round needs none of them (``_early``)."""
+        to (``Request.speculate``) or draws its next token as a prefill would (``Request.plain_next``), or before
+        the decoder is ``ready`` (its compiled steps and cost model are still being built: engine.warmup), except a
+        lone request whose round needs none of them (``_early``)."""
         if not (self.ready or self._early(reqs)) or not self.kv.speculating(len(reqs)):
             return [0] * len(reqs)
         return [max(0, min(self.kv.lookahead, r.params.max_tokens - len(r.output_ids) - 1,
