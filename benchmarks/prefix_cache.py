@@ -76,7 +76,7 @@ def run(conversations: int, repeats: int) -> dict:
 
 def summarize(turns: list[dict]) -> dict:
     out = {}
-    for label, sel in (("first turns (nothing cached)", lambda r: r["turn"] == 0),
+    for label, sel in (("first turns (at most the template's system prompt cached)", lambda r: r["turn"] == 0),
                        ("next turns", lambda r: r["turn"] > 0)):
         rows = [r for r in turns if sel(r)]
         if not rows:
