@@ -289,16 +289,23 @@ class Warmup:
         (Engine._finish_warmup). The twin is made outside inference mode, as the engine's pools are: the graphs are
         guarded on the cache tensors' kind."""
         self.drafter.compiled.ensure_built()
-        run_draft_steps(self.proposer, self.kv.draft_pool.twin(self.drafter, spare_slots=1), self.max_seq_len,
-                        widths, rows)
+        dpool = self.kv.draft_pool
+        twin = dpool.twin(self.drafter, spare_slots=int(isinstance(dpool, PagedKVCachePool)))  # a slot more: start()
+        run_draft_steps(self.proposer, twin, self.max_seq_len, widths, rows)
 
     @property
     def ready(self) -> bool:
         return self.done.is_set()
 
     def start(self, background: bool) -> None:
-        # a slot more than the engine's: a lone row's steps are built a block into the pool too (run_steps)
-        twin = self.kv.pool.twin(self.model, spare_slots=1)  # allocated before any thread: a failure is raised here
+        pool = self.kv.pool
+        if not background and self.model.device.type != "cpu":
+            self._run(pool)  # the real pool, which nothing uses yet: a twin would hold a second cache on the GPU
+            return
+        # a twin, allocated before any thread (a failure is raised here), its pages committed only where written; a
+        # paged one with a slot more (its storage the same shape), so a lone row's steps are built a block into the
+        # pool too (run_steps)
+        twin = pool.twin(self.model, spare_slots=int(isinstance(pool, PagedKVCachePool)))
         if not background:
             self._run(twin)
             return
