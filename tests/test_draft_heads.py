@@ -138,13 +138,15 @@ def test_batched_greedy_parity_with_preemption(kind, prefix):
     assert eng.free_kv_tokens() == eng.initial_free_kv_tokens
 
 
+@pytest.mark.parametrize("first_drafts", [True, False], ids=["", "first undrafted"])
 @pytest.mark.parametrize("common", [13, 12], ids=["inside a block", "at a block's end"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_prefix_hit_serves_the_heads_entries_as_computed(kind, common):
+def test_a_prefix_hit_serves_the_heads_entries_as_computed(kind, common, first_drafts):
     """A prompt that starts as an earlier one did takes the head's cached entries over that prefix with the target's
     blocks (kv_manager): its drafts are the ones an engine without the prefix cache drafts for it, where a head fed
     zeros for the states the target's cache served drafts otherwise. Where the common prefix ends at a block's end,
-    the head's last block reads a token past it and is not served: the target computes that block again."""
+    the head's last block reads a token past it and is not served: the target computes that block again. A first
+    request that never drafted (``speculate=False``) has its head fed when it is freed (EagleProposer.release)."""
     target = random_llama(64, seed=0)
     head = random_heads(target, kind, seed=3)
     rnd = random.Random(2)
@@ -155,7 +157,7 @@ def test_a_prefix_hit_serves_the_heads_entries_as_computed(kind, common):
     def drafts(cache: bool) -> tuple[list, Engine]:
         eng = Engine(EngineConfig(model="target", draft_model="drafter", spec_length=3, block_size=4,
                                   enable_prefix_caching=cache), model=target, draft_model=head)
-        eng.run([eng.add_request(first, params, eos_token_ids=[])])
+        eng.run([eng.add_request(first, params, eos_token_ids=[], speculate=first_drafts)])
         proposer, seen = eng.decoder.proposer, []
         orig = proposer.propose
 

@@ -65,6 +65,8 @@ class KVManager:
         self._draft_fed: dict[str, int] = {}  # a head's entries built from true states (EagleProposer)
         self._draft_offers: set[str] = set()  # requests whose draft blocks may be offered (the module docstring)
         self._draft_prompts: set[str] = set()  # ... and whose prompt's blocks have not all been offered yet
+        # a feature head's proposer: feeds the entries no round fed before a freed slot's blocks are offered
+        self.draft_release = None
 
     def speculating(self, num_decode: int) -> bool:
         limit = self.cfg.spec_max_batch_size
@@ -154,6 +156,10 @@ class KVManager:
         self._draft_fed[req.request_id] = n
 
     def free(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self._draft_offers and self.draft_release is not None and req.slot is not None \
+                and req.num_computed >= req.num_tokens - 1:  # decoding: the target's states reach the last token
+            self.draft_release(req)
         if req.slot is not None:
             # its computed blocks, output included (vLLM's): a chat's next turn starts with this one's answer, and a
             # preempted request admitted again finds its own past

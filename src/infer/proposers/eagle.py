@@ -88,6 +88,19 @@ class EagleProposer(Proposer):
     def _fed_len(self, req) -> int:
         return self.kv.draft_fed(req)  # entries from true features (a prefix hit's included)
 
+    @torch.inference_mode()
+    def release(self, req) -> None:
+        """Before ``req``'s draft slot is freed and its blocks offered to the prefix cache (KVManager.free): feed the
+        entries its true states allow that no round fed (the plain steps since its last round; all of them for a row
+        that never drafted), so its blocks cover what the target's do and a later prompt over them is not fed zeros.
+        Module forwards (a few ms for hundreds of entries); skipped where the draft pool lacks the room."""
+        end, slot = req.num_tokens - 1, self.kv.draft_slot(req)
+        fed = self._fed_len(req)
+        if end <= fed or not self.kv.draft_pool.can_fit([(slot, end)]):
+            return
+        toks, feats, _ = self._catch_up([req], [slot])
+        self._forward([slot], toks, feats)
+
     def pending(self, req) -> int:
         return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
 

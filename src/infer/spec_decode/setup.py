@@ -67,7 +67,9 @@ def model_proposer(drafter, kv, runner, draft_vocab: DraftVocab | None, cross=No
         bridge, pool = cross
         return CrossTokenizerProposer(drafter, bridge, pool, runner.forward, runner.vocab_size, method)
     if isinstance(drafter, (EagleHead, Eagle3Head)):  # EAGLE-3 brings its own draft vocabulary
-        return EagleProposer(drafter, kv, draft_vocab)
+        proposer = EagleProposer(drafter, kv, draft_vocab)
+        kv.draft_release = proposer.release  # before a slot's blocks are offered to the prefix cache
+        return proposer
     if isinstance(drafter, MedusaHeads):
         return MedusaProposer(drafter, draft_vocab)
     return DraftModelProposer(drafter, kv, runner.forward, draft_vocab)
