@@ -205,11 +205,15 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
 
     t_start = time.perf_counter()
     target_dir, drafter_dir = demo_model_paths()
+    # each prompt is timed twice a side: without the prefix cache, as a user's new prompt runs (the second run would
+    # find the first's prompt cached)
+    settings = {"enable_prefix_caching": False, **settings}
     llm = LLM(target_dir, draft_model=drafter_dir, **settings)
     # its warm-up (compiled steps, then the round's cost profile on a first start) alone on the machine: a profile
     # timed while the plain engine compiled beside it priced a draft step at 365 ms, and auto K never drafted
     llm.engine.wait_until_ready()
-    plain = LLM(target_dir, dtype=llm.dtype, **{k: v for k, v in settings.items() if k in ("device", "compile")})
+    plain = LLM(target_dir, dtype=llm.dtype, **{k: v for k, v in settings.items()
+                                                 if k in ("device", "compile", "enable_prefix_caching")})
     cfg = llm.config
     vocab = f"drafter scores {llm.draft_vocab.size} tokens + the prompt's" if llm.draft_vocab else "full vocabulary"
     print(f"infer demo: speculative decoding on the shipped pair ({DEMO_DIR}): proposer {cfg.proposer}, "

@@ -132,6 +132,8 @@ class ModelRunner:
             if r.prompt_logprobs is not None:
                 self._prompt_logprobs(r, r.num_computed, hidden[i][:n])
             r.num_computed += n
+            if r.num_computed == r.num_tokens - 1:  # a chunk that ends a token short (where a chunk ends depends on
+                r.plain_next = True  # the cache's hit): the next token drawn as a prefill's (Request.plain_next)
             self.stats.prompt_tokens += n
             self.kv.cache_prefix(r)
             if r.num_computed == r.num_tokens:

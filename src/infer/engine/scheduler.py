@@ -138,6 +138,8 @@ class Scheduler:
                 if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                     self.kv.free(r)  # the hit blocks cost capacity too: undo, retry next step
                     break
+            else:  # a one-token prompt, or a cache hit of all but the last token: a hit's next token drawn as a
+                r.plain_next = r.num_computed > 0  # prefill's (Request.plain_next), whichever step decodes it
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             self.running.append(r)
@@ -146,7 +148,6 @@ class Scheduler:
                 out.prefill.append((r, chunk))
                 budget -= chunk
             elif self.kv.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
-                r.plain_next = r.num_computed > 0  # a cache hit: its next token drawn as a prefill's (Request)
                 out.decode.append(r)
                 budget -= self.kv.decode_tokens(1)
         return out

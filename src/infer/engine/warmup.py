@@ -174,7 +174,7 @@ def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int], rows: i
             if size > min(max_seq_len, pool.max_seq_len) or not pool.can_fit([(None, size)] * rows):
                 return
             proposer.warm_steps(pool, ctx, widths, rows)
-            if spacer is None and pool.can_fit([(None, 1), (None, size)] * rows):
+            if spacer is None and pool.can_fit([(None, 1)] + [(None, size)] * rows):
                 spacer = pool.allocate(1)
                 pool.prepare([spacer], [1])
     finally:
