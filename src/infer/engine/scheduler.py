@@ -138,8 +138,9 @@ class Scheduler:
                 if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                     self.kv.free(r)  # the hit blocks cost capacity too: undo, retry next step
                     break
-            else:  # a one-token prompt, or a cache hit of all but the last token: a hit's next token drawn as a
-                r.plain_next = r.num_computed > 0  # prefill's (Request.plain_next), whichever step decodes it
+            else:  # a one-token prompt, or a cache hit of all but the last token, whose next token is drawn as a
+                # prefill's (Request.plain_next) by whichever step decodes it
+                r.plain_next = r.num_computed > 0
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             self.running.append(r)

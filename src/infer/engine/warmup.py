@@ -182,6 +182,13 @@ def run_draft_steps(proposer, pool, max_seq_len: int, widths: list[int], rows: i
             pool.free(spacer)
 
 
+def _twin(pool, model):
+    """A twin of ``pool`` to build graphs on (KVCachePool.twin: its pages committed only where written); a paged one
+    with a slot more (its storage the same shape), so a lone row's steps are built a block into the pool too
+    (run_steps, run_draft_steps). A contiguous pool's storage is sized by its slots: none more there."""
+    return pool.twin(model, spare_slots=int(isinstance(pool, PagedKVCachePool)))
+
+
 def warmup_stages(k_max: int, tree: bool, max_batch: int, draft: bool = False,
                   chunk: int | None = None) -> list[tuple[str, dict]]:
     """(what, run_steps keywords) in order of need: a lone request's decode step, its verify widths (a round's
@@ -289,9 +296,7 @@ class Warmup:
         (Engine._finish_warmup). The twin is made outside inference mode, as the engine's pools are: the graphs are
         guarded on the cache tensors' kind."""
         self.drafter.compiled.ensure_built()
-        dpool = self.kv.draft_pool
-        twin = dpool.twin(self.drafter, spare_slots=int(isinstance(dpool, PagedKVCachePool)))  # a slot more: start()
-        run_draft_steps(self.proposer, twin, self.max_seq_len, widths, rows)
+        run_draft_steps(self.proposer, _twin(self.kv.draft_pool, self.drafter), self.max_seq_len, widths, rows)
 
     @property
     def ready(self) -> bool:
@@ -302,10 +307,7 @@ class Warmup:
         if not background and self.model.device.type != "cpu":
             self._run(pool)  # the real pool, which nothing uses yet: a twin would hold a second cache on the GPU
             return
-        # a twin, allocated before any thread (a failure is raised here), its pages committed only where written; a
-        # paged one with a slot more (its storage the same shape), so a lone row's steps are built a block into the
-        # pool too (run_steps)
-        twin = pool.twin(self.model, spare_slots=int(isinstance(pool, PagedKVCachePool)))
+        twin = _twin(pool, self.model)  # allocated before any thread: a failure is raised here
         if not background:
             self._run(twin)
             return
