@@ -268,6 +268,16 @@ def main() -> None:
                 results.setdefault("model_costs", {}).setdefault(str(temp), {})[name] = {
                     **terms, "cost_model_of": source}
                 pinned["leviathan_predicted_speedup"] = leviathan(pinned["alpha"], PINNED_K, terms["c"], terms["v"])
+        # the defaults' own terms (issue 33: where a target is missed, c and v as measured and the prediction from
+        # them name the short term): their engine's cost model at K = PINNED_K and their alpha, copies included
+        # (auto K varies K round by round and a copy's drafts cost nothing: a reference point, not their law)
+        dflt, eng = rows.get("ours defaults"), ours.get("ours defaults")
+        costs = getattr(eng.engine.decoder.spec_length, "costs", None) if dflt and eng else None
+        if costs is not None and dflt.get("alpha") is not None:
+            terms = cost_terms(costs, PINNED_K)
+            results.setdefault("model_costs", {}).setdefault(str(temp), {})["ours defaults"] = {
+                **terms, "cost_model_of": "ours defaults"}
+            dflt["leviathan_predicted_speedup"] = leviathan(dflt["alpha"], PINNED_K, terms["c"], terms["v"])
         results[str(temp)] = rows
     if a.llama_dir is not None:  # llama.cpp's fastest plain configuration: llama-bench tg of each GGUF
         import llama_cpp as lc
@@ -302,7 +312,9 @@ def render(res: dict, tag: str = "drafters") -> str:
           "\"decoded\" time; what llama-bench's tg measures). \"ours defaults\" is what `infer chat` runs: "
           f"{res.get('defaults')}. alpha = accepted / judged drafts; per position conditional on the positions "
           "before it; c = draft step / target decode step; prediction = Leviathan's (1 - a^(K+1)) / ((1 - a)(Kc + "
-          "v)), v = verify of K+1 tokens / decode step. transformers "
+          f"v)), v = verify of K+1 tokens / decode step, at K = {res['pinned_k']} (\"ours defaults\": their engine's "
+          "cost model and their alpha, though auto K varies K and the suffix tree's copies cost no draft step). "
+          "transformers "
           f"{_hf_version()}: {res.get('transformers_dtype')}. llama.cpp: "
           f"{llama.get('build') or 'not run'}{'; drafter: ' + llama['drafter_gguf'] if llama.get('drafter_gguf') else ''}"
           " (llama.cpp's acceptance column is its own n_accept / n_drafted). A proposer that learns across requests "

@@ -88,6 +88,22 @@ def build_name() -> str:
     return f"infer_kernels_{key.hexdigest()[:12]}"
 
 
+def toolchain_key() -> str:
+    """Where this interpreter's torch and Python headers and libraries lie, hashed. A build's compile and link lines
+    name them, so two environments (two virtualenvs of the same torch) sharing one cache directory would each find the
+    other's build.ninja changed and rebuild every kernel (~45 s on 2 cores) at each switch: a build lives in a
+    directory of its own per environment."""
+    import sysconfig
+
+    where = f"{Path(torch.__file__).resolve().parent}\0{sysconfig.get_paths()['include']}"
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
+
+
+def build_dir() -> Path:
+    """This environment's build of the kernels: one per build (``build_name``) and environment (``toolchain_key``)."""
+    return CACHE_DIR / f"{build_name()}-{toolchain_key()}"
+
+
 def _ensure_ninja_on_path() -> None:
     """The `ninja` wheel (a dependency) puts its binary beside the interpreter, which may not be on PATH."""
     try:
@@ -106,11 +122,10 @@ def _build() -> None:
 
     _ensure_ninja_on_path()
     flags = _flags()
-    name = build_name()
-    build_dir = CACHE_DIR / name
-    with build_lock(build_dir):
+    name, where = build_name(), build_dir()
+    with build_lock(where):
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+             build_directory=str(where), is_python_module=False, verbose=False)
 
     @torch.library.register_fake("infer::linear")
     def _(x, weight, scale=None, lens=None):  # what torch.compile traces: [M, K] x [N, K] -> [M, N] in x's dtype
@@ -173,7 +188,7 @@ def available() -> bool:
             try:
                 from .. import progress
 
-                built = _intact_build(CACHE_DIR / build_name() / f"{build_name()}.so")
+                built = _intact_build(build_dir() / f"{build_name()}.so")
                 with progress.stage("building infer's CPU kernels (first start only, ~45 s on 2 cores)") if not built \
                         else nullcontext():
                     _build()

@@ -85,12 +85,16 @@ SOURCE = Path(__file__).with_name("suffix_tree.cpp")
 
 
 def build_dir() -> Path:
-    """Where the suffix tree's build is cached: beside infer's kernels, named by its source's hash."""
+    """Where the suffix tree's build is cached: beside infer's kernels, named by its source's hash and the
+    environment's headers (kernels.toolchain_key: two virtualenvs sharing the cache would rebuild it at each switch;
+    the name is the module's, so the key goes into the hash)."""
     import hashlib
 
     from ..cachedir import cache_dir
+    from ..kernels import toolchain_key
 
-    return cache_dir("kernels") / ("infer_suffix_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12])
+    key = hashlib.sha256(SOURCE.read_bytes() + toolchain_key().encode()).hexdigest()[:12]
+    return cache_dir("kernels") / ("infer_suffix_" + key)
 
 
 def suffix_tree_module():
