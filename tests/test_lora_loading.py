@@ -97,7 +97,7 @@ def test_slots_are_reused_and_the_prefix_cache_never_serves_a_former_adapters_kv
     back = llm.generate([prompt], GREEDY, lora_request=_req(adapters, "sql"))[0]
     assert back.num_cached_tokens == 0 and back.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0  # the base model's own
-    with pytest.raises(ValueError, match=r"all max_loras=1 adapter slots are taken \(sql\)"):
+    with pytest.raises(ValueError, match=r"all max_cpu_loras=1 adapters are loaded \(sql\): .*raise max_cpu_loras"):
         llm.generate(PROMPTS[:2], GREEDY, lora_request=[_req(adapters, "chat"), _req(adapters, "sql")])
     assert not llm.engine.has_unfinished
 
@@ -123,7 +123,7 @@ def test_load_and_unload_refuse_by_name_and_keep_what_was_accepted(gqa_dir, adap
     want = req.output_ids
     eng.load_lora("sql", adapters["chat"], replace=True)  # now idle: chat's weights under sql's name
     eng.load_lora("chat", adapters["chat"])
-    with pytest.raises(ValueError, match=r"all max_loras=2 adapter slots are taken \(sql, chat\)"):
+    with pytest.raises(ValueError, match=r"all max_cpu_loras=2 adapters are loaded \(sql, chat\)"):
         eng.load_lora("third", adapters["sql"])
     as_chat = [eng.add_request(eng.tokenizer.encode(PROMPTS[0]), GREEDY, lora=x) for x in ("sql", "chat")]
     eng.run(as_chat)
@@ -144,9 +144,50 @@ def test_load_and_unload_refuse_by_name_and_keep_what_was_accepted(gqa_dir, adap
     for bad, why in ((dict(max_loras=0), "max_loras must be an integer >= 1"),
                      (dict(max_lora_rank=True), "max_lora_rank must be an integer >= 1"),
                      (dict(lora=str(adapters["sql"])), "exclude each other"),
-                     (dict(lora_modules={k: str(v) for k, v in adapters.items()}), "names 3 adapters, max_loras is 1")):
+                     (dict(lora_modules={k: str(v) for k, v in adapters.items()}), "names 3 adapters, max_cpu_loras is 1"),
+                     (dict(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be at least max_loras \(2\)"),
+                     (dict(max_cpu_loras=0), "max_cpu_loras must be an integer >= 1")):
         with pytest.raises(ValueError, match=why):
             EngineConfig(model=str(gqa_dir), enable_lora=True, **bad)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "speculating"])
+def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, adapters, spec):
+    """vLLM's max_cpu_loras: three adapters loaded, one slot. A request whose adapter is in no slot waits while another
+    adapter's request runs, and the requests behind it go on (the base model's row decodes beside sql's); no step
+    mixes two adapters; every row gets the tokens of an engine that holds all of them in slots. An adapter moved out
+    of the slot and back finds its own cached K/V again (the same load: the same salt, the same weights)."""
+    kw = dict(dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4, max_batch_size=4)
+    if spec:
+        kw.update(draft_model=str(gqa_dir), spec_length=3)
+    llm = LLM(gqa_dir, max_loras=1, max_cpu_loras=3, **kw)
+    assert "loras: none of 1 slots, 3 loaded at most" in llm.describe()
+    picks = ["sql", "chat", None, "sql"]
+    prompts = PROMPTS + ["def fib(n): return"]
+    slotted = LLM(gqa_dir, max_loras=2, lora_modules={k: str(adapters[k]) for k in ("sql", "chat")}, **kw)
+    want = [_tokens(slotted.generate([p], GREEDY, lora_request=x))[0] for p, x in zip(prompts, picks)]
+    steps = []
+    forward = llm.engine.runner.forward
+
+    def spy(model, pool, slots, rows, tree=None, reqs=None):
+        if reqs is not None and model is llm.engine.model:
+            steps.append({r.lora_name for r in reqs})
+        return forward(model, pool, slots, rows, tree, reqs)
+    llm.engine.runner.forward = spy
+    outs = llm.generate(prompts, GREEDY, lora_request=[_req(adapters, x) for x in picks])
+    assert _tokens(outs) == want
+    assert all(len(s - {None}) <= 1 for s in steps)  # one adapter a step: the one slot
+    assert {"sql", None} in steps and {"chat"} in steps  # the base row went on beside sql; chat ran after
+    assert llm.engine.lora_names == ["sql", "chat"]
+    llm.engine.load_lora("third", adapters["chat"])  # loaded beside the two, in no slot
+    with pytest.raises(ValueError, match=r"all max_cpu_loras=3 adapters are loaded \(sql, chat, third\): unload one"):
+        llm.engine.load_lora("fourth", adapters["sql"])
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    first = llm.generate([prompt], GREEDY, lora_request="sql")[0]
+    assert llm.generate([prompt], GREEDY, lora_request="chat")[0].outputs[0].token_ids != first.outputs[0].token_ids
+    back = llm.generate([prompt], GREEDY, lora_request="sql")[0]  # into the slot chat held
+    assert back.num_cached_tokens > 0 and back.outputs[0].token_ids == first.outputs[0].token_ids
+    assert not llm.engine.has_unfinished
 
 
 def test_a_compiled_engine_reads_an_adapter_loaded_after_its_warm_up(gqa_dir, adapters):
@@ -195,7 +236,9 @@ def test_the_server_loads_and_unloads_adapters_while_it_runs(gqa_dir, adapters):
     cfg = engine_config(p.parse_args(["--model", str(gqa_dir), "--dtype", "float32", "--enable-lora",
                                       "--max-loras", "2", "--max-lora-rank", "8"]))
     assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank) == (True, 2, 8)
-    assert "2 LoRA slot(s) of rank 8" in describe(cfg)
+    assert "2 LoRA slot(s) of rank 8 (/v1/load_lora_adapter)" in describe(cfg) and cfg.max_cpu_loras == 2
+    more = engine_config(p.parse_args(["--model", str(gqa_dir), "--enable-lora", "--max-cpu-loras", "5"]))
+    assert more.max_cpu_loras == 5 and "1 LoRA slot(s) of rank 16, 5 adapters loaded at most" in describe(more)
     llm = LLM(gqa_dir, dtype="float32", lora_modules={k: str(adapters[k]) for k in ("sql", "chat")})
     engine = AsyncEngine(cfg)
     try:

@@ -73,6 +73,8 @@ HELP = {
                    "directory on this machine",
     "max_loras": "with --enable-lora: adapters loaded at once (--lora-modules fill the first slots)",
     "max_lora_rank": "with --enable-lora: the highest rank a loaded adapter may have",
+    "max_cpu_loras": "with --enable-lora: adapters kept loaded (default: --max-loras); a request whose adapter is in "
+                     "no slot waits for one",
     "kv_cache_backend": "paged | contiguous",
     "num_kv_blocks": "KV blocks per pool (default: enough for every slot)",
     "enable_prefix_caching": "share the K/V of common prompt prefixes (default: on with the paged backend; "

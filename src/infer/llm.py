@@ -50,7 +50,8 @@ class LLM:
         c = self.config
         lora = c.lora and f"lora: {os.path.basename(str(c.lora).rstrip('/'))}" or \
             (self.engine.lora_names or c.enable_lora) and f"loras: {' | '.join(self.engine.lora_names) or 'none'}" + (
-                f" of {c.max_loras} slots" if c.enable_lora else "")
+                f" of {c.max_loras} slots" + (f", {c.max_cpu_loras} loaded at most" if c.max_cpu_loras > c.max_loras
+                                              else "") if c.enable_lora else "")
         parts = [dtype] + ([quant] if quant else []) + ([lora] if lora else []) + (
             [f"speculating: {spec}"] if spec else [])
         return f"{name} ({', '.join(parts)})"
@@ -306,9 +307,10 @@ class LLM:
 
 def _lora_names(lora_request, n: int, engine: Engine, auto: dict | None = None) -> list[str | None]:
     """``generate``'s lora_request -> one adapter name (or None) for each of ``n`` prompts, each one ``engine`` loads
-    (else the ValueError of Engine.lora_index, before any request is added). A LoRARequest with a ``lora_path`` whose
-    name is not loaded is loaded (vLLM's: EngineConfig.enable_lora), into a free slot or the slot of the adapter
-    ``auto`` (those loaded this way, least recently used first) names first that no unfinished request picks."""
+    (else the ValueError of Engine.check_lora, before any request is added). A LoRARequest with a ``lora_path`` whose
+    name is not loaded is loaded (vLLM's: EngineConfig.enable_lora); where max_cpu_loras are loaded already, the
+    adapter ``auto`` (those loaded this way, least recently used first) names first that no unfinished request names
+    is unloaded to make room."""
     def name(x):
         if x is None or isinstance(x, str):
             return x
@@ -335,7 +337,7 @@ def _lora_names(lora_request, n: int, engine: Engine, auto: dict | None = None) 
         raise ValueError(f"LoRA adapter {new[0]!r} is not loaded and this engine loads adapters at start only: "
                          "LLM(..., enable_lora=True) loads a LoRARequest's lora_path on first use")
     for x in new:
-        if None not in engine.loras.names and auto is not None:  # a slot: the least recently used auto-load idle
+        if len(engine.loras.loaded) >= engine.loras.capacity and auto is not None:  # the least recently used idle
             for old in [o for o in auto if o not in names and o in engine.loras.loaded]:
                 try:
                     engine.unload_lora(old)
@@ -347,7 +349,7 @@ def _lora_names(lora_request, n: int, engine: Engine, auto: dict | None = None) 
         if auto is not None:
             auto[x] = paths[x]
     for x in dict.fromkeys(names):  # the first unknown name, in the order given
-        engine.lora_index(x)
+        engine.check_lora(x)
     if auto is not None:
         for x in names:  # most recently used last
             if x in auto:

@@ -123,9 +123,12 @@ class EngineConfig:
     # Adapters loaded while the engine runs (vLLM's enable_lora, max_loras, max_lora_rank): Engine.load_lora /
     # unload_lora, a LoRARequest with a path (LLM.generate), the server's /v1/load_lora_adapter. Every product gets
     # max_loras slots of max_lora_rank columns at start, so loading recompiles nothing; lora_modules fill the first.
+    # max_cpu_loras (None: max_loras) adapters may be loaded at once: a request whose adapter sits in no slot waits
+    # until a slot no running request reads takes it (engine.adapters), the requests behind it going on meanwhile.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -276,17 +279,22 @@ class EngineConfig:
                     "other: name the adapter in lora_modules instead")
             if tp > 1:
                 bad("lora_modules run in one process: tensor_parallel_size > 1 shards the target without them")
-        for name in ("max_loras", "max_lora_rank"):
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras if isinstance(self.max_loras, int) else 1
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 bad(f"{name} must be an integer >= 1, got {n!r}")
+        if self.max_cpu_loras < self.max_loras:
+            bad(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): the adapters "
+                "loaded at once include those in a batch")
         if self.enable_lora:
             if self.lora is not None:
                 bad("lora (one adapter on every request) and enable_lora (adapters each request picks, loaded at run "
                     "time) exclude each other")
-            if self.lora_modules and len(self.lora_modules) > self.max_loras:
-                bad(f"lora_modules names {len(self.lora_modules)} adapters, max_loras is {self.max_loras}: raise "
-                    "max_loras")
+            if self.lora_modules and len(self.lora_modules) > self.max_cpu_loras:
+                bad(f"lora_modules names {len(self.lora_modules)} adapters, max_cpu_loras is {self.max_cpu_loras}: "
+                    "raise max_cpu_loras (max_loras of them run in one batch)")
             if tp > 1:
                 bad("enable_lora runs in one process: tensor_parallel_size > 1 shards the target without adapters")
         scale = self.lora_scale

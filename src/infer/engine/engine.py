@@ -76,7 +76,7 @@ class Engine:
             apply_lora(self.model, load_lora(cfg.lora), cfg.lora_scale)
         # per-request adapters, numbered 1, 2, ... in the order given (Request.lora), and slots for more (enable_lora)
         self.loras = LoRASlots(self.model, cfg.lora_modules, cfg.lora_scale, cfg.enable_lora, cfg.max_loras,
-                               cfg.max_lora_rank)
+                               cfg.max_lora_rank, cfg.max_cpu_loras)
         if self.device.type == "cpu":
             kernels.available()  # build or load infer's CPU kernels now, not inside the first (compiled) step
         self.compiled = self._maybe_compile(self.model)
@@ -139,7 +139,7 @@ class Engine:
         self.decoder = build_decoder(cfg, self.runner, self.kv, self.draft_model, draft_vocab, cross=cross,
                                      defer_profile=self.compiled) if cfg.use_speculative_decoding else None
         self.warmup = self._start_warmup() if self.compiled else None
-        self.scheduler = Scheduler(cfg, self.kv)
+        self.scheduler = Scheduler(cfg, self.kv, self.loras)
         self.requests: dict[str, Request] = {}
         self._seed_rng = make_generator(cfg.seed, "cpu")
         self._initial_free_kv = self.kv.free_kv_tokens()
@@ -376,7 +376,7 @@ class Engine:
         the adapter (EngineConfig.lora_modules, load_lora) the target applies to this request; None: the base model."""
         params = params or SamplingParams()
         self.check_priority(priority)
-        adapter = self.lora_index(lora)
+        self.loras.check(lora)
         prompt_ids = params.truncated(prompt_ids, self.max_seq_len)  # vLLM's truncate_prompt_tokens
         self.check_request(prompt_ids, params, prediction)
         if request_id is not None and request_id in self.requests:
@@ -391,40 +391,36 @@ class Engine:
         req = Request(prompt_ids, params, eos, self.tokenizer, generator, request_id=request_id, prompt=prompt,
                       grammar=grammar, prediction=prediction)
         req.speculate, req.priority = speculate, priority
-        req.lora, req.lora_name, req.lora_salt = adapter, lora, self.loras.salt(adapter)
-        req.lora_path = self.loras.paths[adapter - 1] if adapter else None
+        # its slot (Request.lora) is given at admission (Scheduler: LoRASlots.acquire)
+        req.lora_name, req.lora_salt, req.lora_path = lora, self.loras.salt(lora), self.loras.path(lora)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
 
     @property
     def lora_names(self) -> list[str]:
-        """The names of the adapters loaded now (EngineConfig.lora_modules, load_lora), in slot order."""
+        """The names of the adapters loaded now (EngineConfig.lora_modules, load_lora), in load order."""
         return list(self.loras.loaded)
 
-    def lora_index(self, name: str | None) -> int:
-        """The number of the adapter called ``name`` (1, 2, ...; None: 0, the base model); ValueError naming the
-        adapters there are."""
-        return self.loras.index(name)
+    def check_lora(self, name: str | None) -> None:
+        """ValueError naming the adapters there are, unless ``name`` is one of them (None: the base model)."""
+        self.loras.check(name)
 
     def load_lora(self, name: str, path: str | os.PathLike, replace: bool = False) -> None:
-        """vLLM's ``/v1/load_lora_adapter``: the PEFT directory ``path`` into a free slot (EngineConfig.enable_lora),
-        for requests that name it from the next step on; ``replace`` (vLLM's ``load_inplace``): over the adapter
-        loaded as ``name``, which no unfinished request may pick. ValueError naming the problem, nothing changed.
-        Call it between steps (AsyncEngine.load_lora does)."""
+        """vLLM's ``/v1/load_lora_adapter``: the PEFT directory ``path`` read as ``name`` (EngineConfig.enable_lora;
+        up to max_cpu_loras at once, max_loras of them in one batch), for requests that name it from the next step
+        on; ``replace`` (vLLM's ``load_inplace``): over the adapter loaded as ``name``, which no unfinished request may
+        name. ValueError naming the problem, nothing changed. Call it between steps (AsyncEngine.load_lora does)."""
         self.loras.load(name, path, replace, self._lora_users(name))
 
     def unload_lora(self, name: str) -> None:
-        """vLLM's ``/v1/unload_lora_adapter``: empty the slot of ``name``; ValueError if no adapter has that name or
-        an unfinished request picks it (nothing already accepted loses its adapter)."""
+        """vLLM's ``/v1/unload_lora_adapter``: forget ``name`` and empty its slot; ValueError if no adapter has that
+        name or an unfinished request names it (nothing already accepted loses its adapter)."""
         self.loras.unload(name, self._lora_users(name))
 
     def _lora_users(self, name: str) -> int:
-        """How many unfinished requests pick the adapter loaded as ``name`` (0 if none is)."""
-        if name not in self.loras.names:
-            return 0
-        slot = self.loras.index(name)
-        return sum(r.lora == slot for r in self.requests.values() if r.status != RequestStatus.FINISHED)
+        """How many unfinished requests name the adapter ``name`` (waiting ones too: they keep it)."""
+        return sum(r.lora_name == name for r in self.requests.values() if r.status != RequestStatus.FINISHED)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

@@ -13,6 +13,10 @@ With ``scheduling_policy="priority"`` (vLLM's) "oldest" reads "first by (priorit
 first: the waiting queue is kept in that order, and the running request preempted is the last in it. The first
 running request still fits alone and is never preempted, so the engine still makes progress; a low priority may wait
 as long as higher ones keep arriving (as in vLLM). Under "fcfs" every priority is 0 and the order is arrival's.
+
+A request of a LoRA adapter is admitted with its adapter's slot (engine.adapters: ``LoRASlots.acquire``); where every
+slot holds another adapter that a running request reads, it keeps its place and the requests behind it are admitted
+(vLLM's, for more loaded adapters than max_loras). The running requests finish, so a slot frees and it goes on.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def is_prefilling(req: Request) -> bool:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv):
+    def __init__(self, cfg: EngineConfig, kv, loras=None):
         self.cfg, self.kv = cfg, kv  # the KV manager
+        self.loras = loras  # the LoRA slots (engine.adapters): a request gets its adapter's slot when admitted
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
@@ -127,8 +132,16 @@ class Scheduler:
                     break
                 out.prefill.append((r, chunk))
                 budget -= chunk
+        busy = {r.lora for r in self.running if r.lora}  # slots running requests read: not written this step
+        passed = []  # requests whose adapter finds no slot this step: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
             r = self.waiting[0]
+            if r.lora_name is not None and self.loras is not None:
+                slot = self.loras.acquire(r.lora_name, busy)
+                if slot is None:  # every slot holds another adapter a running request reads: the next may go
+                    passed.append(self.waiting.popleft())
+                    continue
+                r.lora = slot
             chunk = min(r.num_tokens, budget)
             if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                 break
@@ -144,6 +157,7 @@ class Scheduler:
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             self.running.append(r)
+            busy.add(r.lora)
             out.admitted.append(r)
             if is_prefilling(r):
                 out.prefill.append((r, chunk))
@@ -151,4 +165,5 @@ class Scheduler:
             elif self.kv.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
                 out.decode.append(r)
                 budget -= self.kv.decode_tokens(1)
+        self.waiting.extendleft(reversed(passed))
         return out

@@ -273,12 +273,9 @@ def _slots(model) -> dict[tuple[int, str], LoRALinear]:
     return found
 
 
-def fill_lora(model, slot: int, adapter: LoRAAdapter, scale: float = 1.0) -> None:
-    """Write ``adapter`` into ``slot`` (1 ..), in place: the modules and their buffers stay the ones a compiled graph
-    holds. ValueError, before anything is written, where it does not fit this model or a slot's rank."""
-    from .hugepages import placement_lock
-
-    mods = _slots(model)
+def check_lora(model, adapter: LoRAAdapter) -> None:
+    """ValueError where ``adapter`` does not fit this model's slots (reserve_loras): its shapes, or a rank above them."""
+    _slots(model)
     sizes, ins = _shapes(model)
     _check_fits(model, adapter, sizes, ins)
     rank = model.lora_rank
@@ -286,6 +283,16 @@ def fill_lora(model, slot: int, adapter: LoRAAdapter, scale: float = 1.0) -> Non
     if big:
         raise ValueError(f"LoRA adapter {adapter.path}: rank {big[0][1]} ({big[0][0]}) is above this engine's "
                          f"max_lora_rank {rank}")
+
+
+def fill_lora(model, slot: int, adapter: LoRAAdapter, scale: float = 1.0) -> None:
+    """Write ``adapter`` into ``slot`` (1 ..), in place: the modules and their buffers stay the ones a compiled graph
+    holds. ValueError, before anything is written, where it does not fit this model or a slot's rank."""
+    from .hugepages import placement_lock
+
+    check_lora(model, adapter)
+    mods = _slots(model)
+    sizes, _ = _shapes(model)
     fused = _fused(adapter, scale, sizes)
     with placement_lock(), torch.no_grad():  # not while huge pages swap the buffers (engine.warmup's thread)
         for key, mod in mods.items():

@@ -14,7 +14,8 @@ from ..engine.config import EngineConfig
 
 ENGINE_FIELDS = ("kv_cache_backend", "block_size", "num_kv_blocks", "enable_prefix_caching", "max_batch_size",
                  "max_seq_len", "max_num_batched_tokens", "max_waiting_requests", "scheduling_policy",
-                 "spec_max_batch_size", "seed", "enable_lora", "max_loras", "max_lora_rank")
+                 "spec_max_batch_size", "seed", "enable_lora", "max_loras", "max_lora_rank",
+                 "max_cpu_loras")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +106,9 @@ def describe(cfg: EngineConfig) -> str:
     if cfg.lora_modules:
         text += f", LoRA adapters {', '.join(cfg.lora_modules)}"
     if cfg.enable_lora:
-        text += f", {cfg.max_loras} LoRA slot(s) of rank {cfg.max_lora_rank} (/v1/load_lora_adapter)"
+        text += f", {cfg.max_loras} LoRA slot(s) of rank {cfg.max_lora_rank}" + (
+            f", {cfg.max_cpu_loras} adapters loaded at most" if cfg.max_cpu_loras > cfg.max_loras else "") + \
+            " (/v1/load_lora_adapter)"
     return text
 
 
