@@ -179,6 +179,17 @@ def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, ad
     assert all(len(s - {None}) <= 1 for s in steps)  # one adapter a step: the one slot
     assert {"sql", None} in steps and {"chat"} in steps  # the base row went on beside sql; chat ran after
     assert llm.engine.lora_names == ["sql", "chat"]
+    from types import SimpleNamespace
+
+    from infer.server.metrics import ServerMetrics
+
+    scrape = ServerMetrics(SimpleNamespace(engine=llm.engine))  # what /metrics reads: who waits for a slot
+    queued = [llm.engine.add_request([5, 6, 7], GREEDY, lora=x) for x in ("chat", None, "sql")]
+    assert 'infer_lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters="chat,sql"} 1.0' \
+        in scrape.render().decode()
+    llm.engine.step()
+    assert 'running_lora_adapters="chat",waiting_lora_adapters="sql"' in scrape.render().decode()
+    llm.engine.run(queued)
     llm.engine.load_lora("third", adapters["chat"])  # loaded beside the two, in no slot
     with pytest.raises(ValueError, match=r"all max_cpu_loras=3 adapters are loaded \(sql, chat, third\): unload one"):
         llm.engine.load_lora("fourth", adapters["sql"])

@@ -41,6 +41,23 @@ class _EngineCollector:
         for i, n in enumerate(st.accepted_per_position):
             per_pos.add_metric([str(i)], n)
         yield per_pos
+        if eng.loras.dynamic:  # vLLM's lora_requests_info: which adapters run, which wait for a slot
+            info = GaugeMetricFamily("infer_lora_requests_info", "LoRA adapters of running and waiting requests",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(eng.config.max_loras), _adapters(eng.scheduler.running),
+                             _adapters(eng.scheduler.waiting)], 1.0)
+            yield info
+
+
+def _adapters(queue) -> str:
+    """The adapters the requests of ``queue`` name, sorted, comma-separated. The model thread changes the queue while a
+    scrape reads it (a deque says so by raising): read again."""
+    for _ in range(10):
+        try:
+            return ",".join(sorted({r.lora_name for r in list(queue) if r.lora_name is not None}))
+        except RuntimeError:
+            continue
+    return ""
 
 
 class ServerMetrics:
