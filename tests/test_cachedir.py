@@ -176,9 +176,10 @@ def test_the_suffix_tree_loads_past_a_stale_baton():
 
 
 def test_each_environment_keeps_its_own_build(monkeypatch):
-    """Two virtualenvs of the same torch name other header paths in their compile lines: sharing one build directory,
-    each rebuilt every kernel after the other had run (~45 s on 2 cores, twice that beside a test run). Each keeps a
-    directory of its own; the build's name (what cost profiles and compiled graphs are keyed by) stays one."""
+    """Two virtualenvs of the same torch name other header paths in their compile lines (two checkouts other source
+    paths, another $CXX another compiler): sharing one build directory, each rebuilt every kernel after the other had
+    run (~45 s on 2 cores, twice that beside a test run). Each keeps a directory of its own; the build's name (what
+    cost profiles and compiled graphs are keyed by) stays one."""
     import sysconfig
 
     from infer.proposers import suffix
@@ -186,8 +187,12 @@ def test_each_environment_keeps_its_own_build(monkeypatch):
     here = (kernels.build_dir(), suffix.build_dir(), kernels.build_name())
     assert (kernels.build_dir(), suffix.build_dir()) == here[:2]  # the same environment: the same directories
     assert kernels.build_dir().name.startswith(kernels.build_name())
-    real = sysconfig.get_paths
-    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "include": "/elsewhere/include"})
+    real = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: "/elsewhere" if name == "include" else
+                        real(name, *a, **k))
     assert kernels.build_dir() != here[0] and suffix.build_dir() != here[1]
     assert kernels.build_name() == here[2]
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")  # another compiler: other compile lines too
+    assert kernels.build_dir() != here[0] and suffix.build_dir() != here[1]
     assert suffix.build_dir().name.isidentifier()  # the suffix tree's directory names its Python module

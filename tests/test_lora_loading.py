@@ -201,6 +201,34 @@ def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, ad
     assert not llm.engine.has_unfinished
 
 
+def test_a_request_behind_a_stream_of_another_adapters_requests_gets_a_slot(gqa_dir, adapters, monkeypatch):
+    """One slot, two requests running at most: sql's requests keep arriving, chat's one waits behind the first. Passed
+    over, it lets the sql requests behind it take the slot, which then never empties; after LORA_PATIENCE admissions
+    they stop taking it, the running ones finish, and chat runs. With unbounded patience it never does."""
+    from infer.engine import scheduler
+
+    def steps_until_chat_finishes(patience: int) -> int | None:
+        monkeypatch.setattr(scheduler, "LORA_PATIENCE", patience)
+        eng = LLM(gqa_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
+                  max_batch_size=2, lora_modules={k: str(adapters[k]) for k in ("sql", "chat")}).engine
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        eng.add_request([5, 6, 7], params, lora="sql")
+        eng.step()
+        chat = eng.add_request([5, 6, 7], params, lora="chat")
+        for n in range(200):
+            if sum(r.lora_name == "sql" and not r.finished for r in eng.requests.values()) < 3:
+                eng.add_request([5, 6, 8], params, lora="sql")  # one more always waiting behind chat
+            eng.step()
+            if chat.finished:
+                return n
+        return None
+
+    patience = scheduler.LORA_PATIENCE
+    assert steps_until_chat_finishes(1 << 30) is None
+    n = steps_until_chat_finishes(patience)
+    assert n is not None and n < 3 * patience
+
+
 def test_a_compiled_engine_reads_an_adapter_loaded_after_its_warm_up(gqa_dir, adapters):
     """The slots' buffers are the graphs' own (install_free_tensors): an adapter written into them after the graphs
     were built is what the next compiled step computes with, no recompile, the eager engine's tokens; unloaded, the

@@ -103,6 +103,7 @@ class Request:
         # the LoRA adapter the target applies to this request's rows (its slot: engine.adapters; 0: none), its name
         # and directory, and the prefix cache's salt for its K/V (unique to the adapter's load)
         self.lora, self.lora_name, self.lora_path, self.lora_salt = 0, None, None, 0
+        self.lora_waits = 0  # admissions in a row its adapter found no slot for (Scheduler: LORA_PATIENCE)
         # engine state
         self.status = RequestStatus.WAITING
         self.slot: int | None = None  # target KV slot while running
@@ -282,7 +283,7 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
-    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's): its name, slot and directory
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's): its name, load number and directory
 
     @classmethod
     def from_requests(cls, reqs: list[Request], speculative: bool = False) -> RequestOutput:
@@ -308,7 +309,7 @@ class RequestOutput:
                   logprobs=None if req.logprobs is None else list(req.logprobs),
                   prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
                   outputs=[CompletionOutput.from_request(req)],
-                  lora_request=LoRARequest(req.lora_name, req.lora, req.lora_path) if req.lora_name else None)
+                  lora_request=LoRARequest(req.lora_name, req.lora_salt, req.lora_path) if req.lora_name else None)
         if speculative:
             out.num_draft_tokens, out.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             out.acceptance_rate = req.num_accepted_tokens / req.num_draft_tokens if req.num_draft_tokens else 0.0

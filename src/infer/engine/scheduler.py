@@ -16,7 +16,8 @@ as long as higher ones keep arriving (as in vLLM). Under "fcfs" every priority i
 
 A request of a LoRA adapter is admitted with its adapter's slot (engine.adapters: ``LoRASlots.acquire``); where every
 slot holds another adapter that a running request reads, it keeps its place and the requests behind it are admitted
-(vLLM's, for more loaded adapters than max_loras). The running requests finish, so a slot frees and it goes on.
+(vLLM's, for more loaded adapters than max_loras). Passed over LORA_PATIENCE times in a row, the requests behind it
+take no slot: the running requests finish, a slot frees and it goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from dataclasses import dataclass, field
 
 from ..request import Request, RequestStatus
 from .config import EngineConfig
+
+# admissions in a row a request may find no slot for its LoRA adapter (every slot serving running requests of other
+# adapters) before the requests behind it stop taking slots: those drain as their requests finish, and it gets one
+# (a steady stream of another adapter's requests would otherwise keep every slot busy for good)
+LORA_PATIENCE = 16
 
 
 @dataclass
@@ -134,14 +140,26 @@ class Scheduler:
                 budget -= chunk
         busy = {r.lora for r in self.running if r.lora}  # slots running requests read: not written this step
         passed = []  # requests whose adapter finds no slot this step: they keep their place in the queue
+        try:
+            self._admit(out, decode, budget, busy, passed)
+        finally:  # whatever happened, nothing leaves the queue unadmitted
+            self.waiting.extendleft(reversed(passed))
+        return out
+
+    def _admit(self, out: SchedulerOutput, decode: list[Request], budget: int, busy: set[int],
+               passed: list[Request]) -> None:
+        """New admissions from the waiting queue into ``out``, while slots, KV capacity and ``budget`` allow."""
+        starved = False  # a request behind which no other takes a slot (LORA_PATIENCE)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size:
             r = self.waiting[0]
             if r.lora_name is not None and self.loras is not None:
-                slot = self.loras.acquire(r.lora_name, busy)
+                slot = None if starved else self.loras.acquire(r.lora_name, busy)
                 if slot is None:  # every slot holds another adapter a running request reads: the next may go
+                    r.lora_waits += 1
+                    starved = starved or r.lora_waits > LORA_PATIENCE
                     passed.append(self.waiting.popleft())
                     continue
-                r.lora = slot
+                r.lora, r.lora_waits = slot, 0
             chunk = min(r.num_tokens, budget)
             if not self.kv.can_fit(decode, out.prefill + [(r, chunk)]):
                 break
@@ -165,5 +183,3 @@ class Scheduler:
             elif self.kv.can_fit(out.decode + [r], out.prefill):  # a one-token prompt, or a full cache hit
                 out.decode.append(r)
                 budget -= self.kv.decode_tokens(1)
-        self.waiting.extendleft(reversed(passed))
-        return out

@@ -88,15 +88,17 @@ def build_name() -> str:
     return f"infer_kernels_{key.hexdigest()[:12]}"
 
 
-def toolchain_key() -> str:
-    """Where this interpreter's torch and Python headers and libraries lie, hashed. A build's compile and link lines
-    name them, so two environments (two virtualenvs of the same torch) sharing one cache directory would each find the
-    other's build.ninja changed and rebuild every kernel (~45 s on 2 cores) at each switch: a build lives in a
-    directory of its own per environment."""
+def toolchain_key(sources: Path = HERE) -> str:
+    """What torch writes into a build's build.ninja besides the sources' text and the flags, hashed: where this
+    interpreter's torch and Python headers and libraries lie, the sources' directory (absolute paths there) and the
+    compiler ($CXX). Two environments (two virtualenvs of one torch, or two checkouts) sharing one cache directory
+    would each find the other's build.ninja changed and rebuild every kernel (~45 s on 2 cores) at each switch: a
+    build lives in a directory of its own per environment."""
     import sysconfig
 
-    where = f"{Path(torch.__file__).resolve().parent}\0{sysconfig.get_paths()['include']}"
-    return hashlib.sha256(where.encode()).hexdigest()[:8]
+    where = [Path(torch.__file__).resolve().parent, sysconfig.get_path("include"), sources.resolve(),
+             os.environ.get("CXX", "")]  # sysconfig's call is torch.utils.cpp_extension's own
+    return hashlib.sha256("\0".join(map(str, where)).encode()).hexdigest()[:8]
 
 
 def build_dir() -> Path:

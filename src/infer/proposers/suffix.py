@@ -93,7 +93,7 @@ def build_dir() -> Path:
     from ..cachedir import cache_dir
     from ..kernels import toolchain_key
 
-    key = hashlib.sha256(SOURCE.read_bytes() + toolchain_key().encode()).hexdigest()[:12]
+    key = hashlib.sha256(SOURCE.read_bytes() + toolchain_key(SOURCE.parent).encode()).hexdigest()[:12]
     return cache_dir("kernels") / ("infer_suffix_" + key)
 
 
