@@ -74,7 +74,7 @@ class Engine:
             quantize_model(self.model, cfg.quantization)  # the target only: a drafter is small already
         if cfg.lora is not None:  # over the weights as loaded (quantized or not): model.lora
             apply_lora(self.model, load_lora(cfg.lora), cfg.lora_scale)
-        # per-request adapters, numbered 1, 2, ... in the order given (Request.lora), and slots for more (enable_lora)
+        # per-request adapters, each in a slot (Request.lora, given at admission), and slots for more (enable_lora)
         self.loras = LoRASlots(self.model, cfg.lora_modules, cfg.lora_scale, cfg.enable_lora, cfg.max_loras,
                                cfg.max_lora_rank, cfg.max_cpu_loras)
         if self.device.type == "cpu":
