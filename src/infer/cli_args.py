@@ -71,7 +71,7 @@ HELP = {
     "enable_lora": "make room for LoRA adapters loaded while the server runs (POST /v1/load_lora_adapter, "
                    "/v1/unload_lora_adapter; vLLM's flag): any client with the API key can have it read an adapter "
                    "directory on this machine",
-    "max_loras": "with --enable-lora: adapters loaded at once (--lora-modules fill the first slots)",
+    "max_loras": "with --enable-lora: adapter slots, the adapters one batch mixes (--lora-modules fill the first)",
     "max_lora_rank": "with --enable-lora: the highest rank a loaded adapter may have",
     "max_cpu_loras": "with --enable-lora: adapters kept loaded (default: --max-loras); a request whose adapter is in "
                      "no slot waits for one",
