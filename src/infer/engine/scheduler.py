@@ -138,12 +138,13 @@ class Scheduler:
                     break
                 out.prefill.append((r, chunk))
                 budget -= chunk
-        busy = {r.lora for r in self.running if r.lora}  # slots running requests read: not written this step
-        passed = []  # requests whose adapter finds no slot this step: they keep their place in the queue
-        try:
-            self._admit(out, decode, budget, busy, passed)
-        finally:  # whatever happened, nothing leaves the queue unadmitted
-            self.waiting.extendleft(reversed(passed))
+        if self.waiting:  # a decode step with nothing queued reads nothing more
+            busy = {r.lora for r in self.running if r.lora}  # slots running requests read: not written this step
+            passed = []  # requests whose adapter finds no slot this step: they keep their place in the queue
+            try:
+                self._admit(out, decode, budget, busy, passed)
+            finally:  # whatever happened, nothing leaves the queue unadmitted
+                self.waiting.extendleft(reversed(passed))
         return out
 
     def _admit(self, out: SchedulerOutput, decode: list[Request], budget: int, busy: set[int],
