@@ -152,7 +152,7 @@ def test_load_and_unload_refuse_by_name_and_keep_what_was_accepted(gqa_dir, adap
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "speculating"])
-def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, adapters, spec):
+def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, adapters, spec, monkeypatch):
     """vLLM's max_cpu_loras: three adapters loaded, one slot. A request whose adapter is in no slot waits while another
     adapter's request runs, and the requests behind it go on (the base model's row decodes beside sql's); no step
     mixes two adapters; every row gets the tokens of an engine that holds all of them in slots. An adapter moved out
@@ -196,7 +196,13 @@ def test_more_adapters_than_slots_wait_for_one_and_keep_their_tokens(gqa_dir, ad
     prompt = "one two three four five six seven eight nine ten eleven twelve"
     first = llm.generate([prompt], GREEDY, lora_request="sql")[0]
     assert llm.generate([prompt], GREEDY, lora_request="chat")[0].outputs[0].token_ids != first.outputs[0].token_ids
+    import infer.model.lora as lora_module
+
+    fusions = []
+    fuse = lora_module._fused
+    monkeypatch.setattr(lora_module, "_fused", lambda *a: fusions.append(a) or fuse(*a))
     back = llm.generate([prompt], GREEDY, lora_request="sql")[0]  # into the slot chat held
+    assert fusions == []  # fused once, at its load: a swap copies only
     assert back.num_cached_tokens > 0 and back.outputs[0].token_ids == first.outputs[0].token_ids
     assert not llm.engine.has_unfinished
 
