@@ -1,7 +1,7 @@
 """llama.cpp's own server routes on a speculating engine: /completion's greedy answer is the library's (text, token-id
 and mixed prompts, several prompts, a stop word, a JSON schema, n_probs), streamed as llama-server streams it, with
 llama.cpp's account (stop_type, tokens_cached, timings with the drafts); what means something else here is a 400
-naming it; /props, /apply-template, and /tokenize and /detokenize in llama.cpp's shape."""
+naming it; /props, /slots, /apply-template, and /tokenize and /detokenize in llama.cpp's shape."""
 
 import json
 import urllib.error
@@ -172,6 +172,9 @@ def test_props_apply_template_tokenize_detokenize(http, llm):
     assert props["default_generation_settings"]["n_ctx"] == llm.engine.max_seq_len
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8 and props["total_slots"] == 2
     assert props["chat_template"] and props["model_alias"] == NAME
+    n_ctx = llm.engine.max_seq_len
+    assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in http.get("/slots").json()] == [(0, n_ctx, False),
+                                                                                               (1, n_ctx, False)]
     msgs = [{"role": "user", "content": "Hi there"}]
     want = llm.chat(msgs, SamplingParams(max_tokens=1)).prompt_token_ids
     tok = llm.get_tokenizer()

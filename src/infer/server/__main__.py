@@ -44,6 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", default="last", choices=("last", "mean"),
                    help="how /v1/embeddings pools an input's final states into one vector (llama.cpp's flag): the "
                         "last token's (default, as vLLM embeds with a generative model) or their mean")
+    p.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="do not serve GET /slots (llama-server's flag): each slot's request state and sampling "
+                        "parameters, no text; served by default")
     p.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas behind Ray Serve's HTTP proxy (optional: pip install -e '.[ray]'); "
                         "default: one engine in this process, no Ray")
@@ -133,7 +136,8 @@ def serve(a) -> int:
     try:
         app = build_app(engine, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes,
                         tool_parser=a.tool_call_parser, chat_template=chat_template(a),
-                        trust_request_chat_template=a.trust_request_chat_template, pooling=a.pooling)
+                        trust_request_chat_template=a.trust_request_chat_template, pooling=a.pooling,
+                        slots=a.slots)
         print(f"infer: serving {a.model}{describe(cfg)} on http://{a.host}:{a.port}", file=sys.stderr)
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                                 timeout_graceful_shutdown=a.shutdown_timeout + 1.0)  # the aborted streams' last events

@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from ..engine.async_engine import AsyncEngine
 from ..pooling import PoolingParams
 from . import adapters, completions, embeddings, llamacpp, messages, meta, responses, scores, tokens
+from . import slots as slots_route  # build_app's ``slots`` is the flag
 from .errors import ApiKeyAuth, BodySizeLimit, install_error_handlers
 from .state import ServerState
 
@@ -90,13 +91,14 @@ async def _lifespan(app: FastAPI):
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, replica: str | None = None, tool_parser: str | None = None,
               chat_template: str | None = None, trust_request_chat_template: bool = False,
-              pooling: str = "last") -> FastAPI:
+              pooling: str = "last", slots: bool = True) -> FastAPI:
     """``tool_parser`` (tools.PARSERS): the model's call format, which tool_choice "auto" needs; ValueError if the
     chat template does not show the model its tools (it could not call them). ``chat_template``: a Jinja template
     the server renders chats with instead of the checkpoint's (vLLM's ``--chat-template``); ValueError if it cannot
     render a conversation. ``trust_request_chat_template``: a request's own ``chat_template`` is rendered, not
     refused (vLLM's ``--trust-request-chat-template``). ``pooling``: how ``/v1/embeddings`` pools an input's states
-    (infer.pooling: "last" or "mean", llama.cpp's ``--pooling``); ValueError for another."""
+    (infer.pooling: "last" or "mean", llama.cpp's ``--pooling``); ValueError for another. ``slots``: ``GET /slots``
+    answers (llama-server's; ``--no-slots``: 501)."""
     PoolingParams(pooling)  # a pooling it does not know, named before anything is served
     if chat_template is not None:
         engine.engine.tokenizer.use_chat_template(chat_template)
@@ -112,7 +114,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app = FastAPI(title="infer", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.openapi = lambda: openapi_schema(app)
     app.state.server = ServerState.from_engine(engine, served_model_name, tool_parser, trust_request_chat_template,
-                                                pooling)
+                                                pooling, slots)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
@@ -128,6 +130,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.include_router(adapters.router)
     app.include_router(messages.router)
     app.include_router(llamacpp.router)
+    app.include_router(slots_route.router)
     # the playground: plain HTML, CSS and a JS module, no build step (static/)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)

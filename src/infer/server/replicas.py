@@ -35,7 +35,7 @@ def deployment(cfg, served_model_name: str, api_key: str | None, max_body_bytes:
                max_replicas: int | None = None, replica_cpus: float = 1.0, grace: float = 10.0,
                **app_options):
     """The Ray Serve application: an ``InferReplica`` deployment bound to the engine's config; ``app_options``:
-    build_app's (tool_parser, chat_template, trust_request_chat_template, pooling)."""
+    build_app's (tool_parser, chat_template, trust_request_chat_template, pooling, slots)."""
     _, serve = _require_ray()
 
     @serve.ingress()
@@ -87,7 +87,7 @@ def serve_replicas(a, cfg) -> int:
     app = deployment(cfg, a.served_model_name or str(a.model), a.api_key, a.max_body_bytes, a.replicas,
                      a.max_replicas, a.replica_cpus, a.shutdown_timeout, tool_parser=a.tool_call_parser,
                      chat_template=chat_template(a), trust_request_chat_template=a.trust_request_chat_template,
-                     pooling=a.pooling)
+                     pooling=a.pooling, slots=a.slots)
     ray.init(include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,17 +27,19 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored answers
     trust_request_chat_template: bool = False  # a request's chat_template is rendered (else refused: chat_render)
     pooling: str = "last"  # how /v1/embeddings pools an input's states (infer.pooling.POOLINGS)
+    slots: bool = True  # GET /slots answers (llama-server's --slots; off: --no-slots)
 
     @classmethod
     def from_engine(cls, engine: AsyncEngine, served_model_name: str, tool_parser: str | None = None,
-                    trust_request_chat_template: bool = False, pooling: str = "last") -> ServerState:
+                    trust_request_chat_template: bool = False, pooling: str = "last",
+                    slots: bool = True) -> ServerState:
         eng = engine.engine
         if served_model_name in eng.lora_names:
             raise ValueError(f"the served model name {served_model_name!r} is also a LoRA adapter's: rename one "
                              "(--served-model-name, --lora-modules)")
         return cls(engine, served_model_name, ServerMetrics(engine), eng.tokenizer, eng.draft_model is not None,
                    eng.max_seq_len, eng.model.config.vocab_size, tool_parser,
-                   trust_request_chat_template=trust_request_chat_template, pooling=pooling)
+                   trust_request_chat_template=trust_request_chat_template, pooling=pooling, slots=slots)
 
     @property
     def lora_modules(self) -> dict[str, str]:
