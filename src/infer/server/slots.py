@@ -52,7 +52,7 @@ def slots_report(state) -> list[dict]:
     out = []
     for slot in range(cfg.max_batch_size):
         r = by_slot.get(slot)
-        params = dict(DEFAULTS, lora=[]) if r is None else _params(r, eng.loras.scale)
+        params = dict(DEFAULTS, seed=UNSET_SEED, lora=[]) if r is None else _params(r, eng.loras.scale)
         out.append({"id": slot, "id_task": -1 if r is None else r.seq, "n_ctx": state.max_seq_len,
                     "speculative": state.speculative and (r is None or r.speculate), "is_processing": r is not None,
                     "params": {**params, **spec}, "next_token": _next_token(r),
