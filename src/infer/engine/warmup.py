@@ -312,7 +312,8 @@ class Warmup:
             self._run(twin)
             return
         self._thread = threading.Thread(target=self._run, args=(twin,), name="infer-warmup", daemon=True)
-        self.model.compiled.compiling = -1  # from now on only the warm-up compiles (its ident is set in the thread)
+        for compiled in self._compileds():
+            compiled.compiling = -1  # from now on only the warm-up compiles (its ident is set in the thread)
         self._thread.start()
         _RUNNING.add(self)
 
@@ -387,9 +388,15 @@ class Warmup:
         """Block until every stage has run (True), or ``timeout`` seconds pass (False)."""
         return self.done.wait(timeout)
 
+    def _compileds(self) -> list:
+        """The compiled steps this warm-up builds: the target's, and the drafter's where it has its own. The
+        drafter's too must be left to the warm-up thread: an EAGLE head's step asked for by the engine compiled in
+        the request's own step beside the warm-up (SmolLM2's lone replies at 2-4 tok/s for minutes on 2 cores)."""
+        return [self.model.compiled] + ([self.drafter.compiled] if self.drafter is not None else [])
+
     def _run(self, pool) -> None:
-        compiled = self.model.compiled
-        compiled.compiling = threading.get_ident()
+        for compiled in self._compileds():
+            compiled.compiling = threading.get_ident()
         if self._thread is not None:
             # One OpenMP thread here: while a second thread that ran a parallel region lives, libgomp counts more
             # threads than cores and its workers sleep between regions, making each of the engine's regions wait
@@ -406,7 +413,7 @@ class Warmup:
                 # the engine left this to us (Engine.__init__): the same values on 2 MiB pages, swapped in tensor by
                 # tensor; a step reading some old and some new tensors computes the same bits
                 place_on_hugepages(self.model)
-            compiled.ensure_built()  # imports Dynamo and inductor (CompiledSteps): here, off the first token's path
+            self.model.compiled.ensure_built()  # imports Dynamo and inductor (CompiledSteps): not on a token's path
             drop_damaged_entries()  # before anything loads them
             for what, kw in self.stages:
                 t0 = time.perf_counter()
@@ -431,5 +438,6 @@ class Warmup:
             sys.settrace(None)
             # From now on a miss compiles where it happens, as without a warm-up; after a failure nothing compiles
             # again (-1: no thread's ident), so a request never meets the failing compiler in its own step.
-            compiled.compiling = None if self.error is None and not self._stop else -1
+            for compiled in self._compileds():
+                compiled.compiling = None if self.error is None and not self._stop else -1
             self.done.set()
