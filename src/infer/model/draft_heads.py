@@ -89,14 +89,15 @@ class DraftHead(nn.Module):
 
     compiled = None  # an EAGLE head's compiled draft steps (model.compile.compile_model), as a target's
 
-    def _dispatch(self, tokens, features, positions, kv, meta, embed):
+    def _dispatch(self, tokens, features, positions, kv, meta, embed, eager=False):
         """An EAGLE head's forward: appending up to ``compiled.max_tokens`` entries to a cache (not a first, causal
         fill: a prompt's, eager as the target's prefill), through the compiled step where one is built (the same
-        bits: every reduction an infer kernel, model.compile), else ``_forward``."""
+        bits: every reduction an infer kernel, model.compile), else ``_forward``. ``eager``: ``_forward`` always (a
+        call of a width no graph may cover, made once: it would compile in the request's step)."""
         self.rotary.reserve(int(positions.max()) if meta is None else meta.kv_len - 1, features.device,
                             features.dtype)
         c = self.compiled
-        if c is not None and kv is not None and embed is None and tokens.shape[1] <= c.max_tokens \
+        if c is not None and not eager and kv is not None and embed is None and tokens.shape[1] <= c.max_tokens \
                 and not meta.is_causal:
             step = c.steps()[0]
             if step is not None:
@@ -205,11 +206,11 @@ class EagleHead(DraftHead):
         self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, kv=None, meta=None,
-                embed: nn.Embedding | None = None) -> torch.Tensor:
+                embed: nn.Embedding | None = None, eager: bool = False) -> torch.Tensor:
         """tokens [B, T] (x_{i+1}), features [B, T, H] (f_i), positions [B, T] (i) -> f^_{i+1} [B, T, H].
 
-        ``kv=None``: plain causal attention over the T entries (training)."""
-        return self._dispatch(tokens, features, positions, kv, meta, embed)
+        ``kv=None``: plain causal attention over the T entries (training). ``eager``: never a compiled step."""
+        return self._dispatch(tokens, features, positions, kv, meta, embed, eager)
 
     def _forward(self, tokens, features, positions, kv, meta, embed=None) -> torch.Tensor:
         embed = embed if embed is not None else self._target.target.embed_tokens
@@ -281,11 +282,11 @@ class Eagle3Head(DraftHead):
         return len(self.aux_layers) * self.config.hidden_size
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, kv=None, meta=None,
-                embed: nn.Embedding | None = None) -> torch.Tensor:
+                embed: nn.Embedding | None = None, eager: bool = False) -> torch.Tensor:
         """tokens [B, T] (x_{i+1}); hidden [B, T, n H]: the target's captured layers at i (fused by fc), or [B, T, H]:
         the head's own output of the step before; positions [B, T] (i) -> the output [B, T, H] (``draft_logits``
         scores it; the next draft step reads it as its hidden). ``kv=None``: causal attention over the T entries."""
-        return self._dispatch(tokens, hidden, positions, kv, meta, embed)
+        return self._dispatch(tokens, hidden, positions, kv, meta, embed, eager)
 
     def _forward(self, tokens, hidden, positions, kv, meta, embed=None) -> torch.Tensor:
         embed = embed if embed is not None else self._target.target.embed_tokens

@@ -93,25 +93,27 @@ class EagleProposer(Proposer):
         """Before ``req``'s draft slot is freed and its blocks offered to the prefix cache (KVManager.free): feed the
         entries its true states allow that no round fed (the plain steps since its last round; all of them for a row
         that never drafted), so its blocks cover what the target's do and a later prompt over them is not fed zeros.
-        Module forwards (a few ms for hundreds of entries); skipped where the draft pool lacks the room."""
+        Module forwards (a few ms for hundreds of entries), eager: a compiled step would compile for a width no graph
+        covers in the finishing request's step (~2.5 s on SmolLM2, 2 cores); skipped where the draft pool lacks the
+        room."""
         end, slot = req.num_tokens - 1, self.kv.draft_slot(req)
         fed = self._fed_len(req)
         if end <= fed or not self.kv.draft_pool.can_fit([(slot, end)]):
             return
         toks, feats, _ = self._catch_up([req], [slot])
-        self._forward([slot], toks, feats)
+        self._forward([slot], toks, feats, eager=True)
 
     def pending(self, req) -> int:
         return max(0, req.num_tokens - 1 - self._fed_len(req) - 2)
 
     def _forward(self, slots: list[int], tokens: list[list[int]], feats: list[torch.Tensor],
-                 tree: TreeAttn | None = None, pool=None) -> torch.Tensor:
+                 tree: TreeAttn | None = None, pool=None, eager: bool = False) -> torch.Tensor:
         """Append entries (tokens x_{i+1}, features f_i) to the head's slots in one padded forward -> [n, T, H]
-        (``pool``: another than the draft pool, for warm_steps)."""
+        (``pool``: another than the draft pool, for warm_steps; ``eager``: never a compiled step)."""
         pool, dev = pool or self.kv.draft_pool, self.head.device
         x, f = self._padded(tokens, feats)
         meta = pool.prepare(slots, [len(t) for t in tokens], dev, tree)
-        return self.head(x, f, meta.positions, pool, meta)
+        return self.head(x, f, meta.positions, pool, meta, eager=eager)
 
     def _padded(self, tokens: list[list[int]], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of entries -> tokens [n, T] and features [n, T, W], zero-padded to the longest row."""
