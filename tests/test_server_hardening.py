@@ -42,9 +42,9 @@ def server(long_ckpt):
     engine.shutdown()
 
 
-def _post(server, path, body, timeout=30):
+def _post(server, path, body, timeout=30, kind="application/json"):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json",
+    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": kind,
                                                                          "authorization": f"Bearer {KEY}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -230,6 +230,11 @@ def test_a_body_that_is_not_json_says_so(server):
     assert status == 400 and "not valid JSON" in r["error"]["message"] and r["error"]["param"] is None
     status, r = _post(server, "/v1/completions", b"[1, 2]")
     assert status == 400 and "JSON object" in r["error"]["message"]
+    # curl -d's default type: the body is not read as JSON, and the answer names the header it needs
+    form = "application/x-www-form-urlencoded"
+    status, r = _post(server, "/v1/completions", {"model": NAME, "prompt": "hi"}, kind=form)
+    assert status == 400 and "Content-Type: application/json" in r["error"]["message"] \
+        and "x-www-form-urlencoded" in r["error"]["message"], r
 
 
 def test_tiny_temperatures_are_greedy(server, long_ckpt):

@@ -28,7 +28,7 @@ async def _api_error(_, e: ApiError):
     return error_response(e.status, e.message, e.type, e.param, e.headers)
 
 
-async def _validation(_, e: RequestValidationError):
+async def _validation(request, e: RequestValidationError):
     err = e.errors()[0] if e.errors() else {}
     if err.get("type") == "json_invalid":  # loc ("body", offset): the offset is no parameter
         why = (err.get("ctx") or {}).get("error", "")
@@ -37,6 +37,10 @@ async def _validation(_, e: RequestValidationError):
     loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
     param = ".".join(loc) or None
     if param is None:
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind.lower():  # e.g. `curl -d '{...}'` without a header: the body was not read as JSON
+            return error_response(400, "the request body must be a JSON object sent with Content-Type: "
+                                  f"application/json (this request's: {kind or 'none'!r})", "invalid_request_error")
         return error_response(400, f"invalid request body: {err.get('msg', 'invalid')} (a JSON object is expected)",
                               "invalid_request_error")
     return error_response(400, f"invalid parameter {param}: {err.get('msg', 'invalid')}", "invalid_request_error",
