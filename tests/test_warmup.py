@@ -105,6 +105,16 @@ def test_another_setting_gets_a_profile_of_its_own(gqa_dir, profile_dir):
     assert len(list(profile_dir.glob("costs-*.json"))) == 2
 
 
+def test_a_quantized_drafter_gets_a_profile_of_its_own(gqa_dir, profile_dir):
+    """The drafter's own quantization changes what a round costs (an int8 drafter's lone round is one C++ call, ~10x
+    cheaper than its bfloat16 steps): a profile stored for one is never read as the other's (the demo pair's eager
+    rounds, read as its Q8_0 drafter's, priced rounds of 4 drafts at 2.5 ms against 0.25 and kept K <= 3)."""
+    _speculating(gqa_dir)
+    second = _speculating(gqa_dir, draft_quantization="q8_0")
+    assert not second.engine.decoder.cost_store.loaded
+    assert len(list(profile_dir.glob("costs-*.json"))) == 2
+
+
 def test_the_draft_prices_rounds_measured_survive_a_restart(gqa_dir, profile_dir):
     """What the engine saves (at exit; here called) carries each k's measured round of drafts, and the next start
     prices its rounds from them, not from the profile's lone draft step."""

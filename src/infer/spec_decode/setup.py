@@ -165,7 +165,8 @@ class CostStore:
         self.store = ProfileStore()
         self.key = profile_key(model=identity(cfg.model), dtype=str(model.dtype), quantization=model.quantization,
                                compiled=model.compiled is not None, device=str(model.device),
-                               drafter=identity(cfg.draft_model), proposer=cfg.proposer, spec_tree=cfg.spec_tree,
+                               drafter=identity(cfg.draft_model), draft_quantization=cfg.draft_quantization,
+                               proposer=cfg.proposer, spec_tree=cfg.spec_tree,
                                draft_vocab_size=cfg.draft_vocab_size, pool=type(kv.pool).__name__,
                                block_size=cfg.block_size, max_batch=max_batch, widest=widest,
                                **({"cross_tokenizer": cfg.cross_tokenizer} if cross else {}),
