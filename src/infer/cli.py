@@ -66,7 +66,8 @@ def cmd_demo(a) -> int:
     from .demo import run_demo
 
     run_demo(max_tokens=a.max_tokens, num_prompts=a.prompts, real=not a.no_real,
-             **config_kwargs(a, EngineConfig, ("spec_length", "dtype", "draft_vocab_size", "proposer")))
+             **config_kwargs(a, EngineConfig, ("spec_length", "dtype", "quantization", "draft_vocab_size",
+                                                        "proposer")))
     return 0
 
 
@@ -83,6 +84,8 @@ def cmd_bench_serve(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import PAIR_SETTINGS
+
     parser = argparse.ArgumentParser(prog="infer", description="LLM inference with lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete one prompt")
@@ -104,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-real", action="store_true", help="skip the SmolLM2 chat; only the shipped pair")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--prompts", type=int, default=3)
-    add_dataclass_args(d, EngineConfig, ("dtype", "proposer", "spec_length", "draft_vocab_size"))
+    add_dataclass_args(d, EngineConfig, ("dtype", "quantization", "proposer", "spec_length", "draft_vocab_size"),
+                       quantization=PAIR_SETTINGS["quantization"])  # the pair's (none: its bfloat16 weights)
     d.set_defaults(func=cmd_demo)
     from .bench_serve import add_bench_args
     from .server.__main__ import add_serve_args

@@ -35,6 +35,12 @@ SERVE_SPEC_MAX_BATCH = 2
 # A person chatting sends one request at a time: one KV slot, so no batched graphs to build or batch sizes to profile
 # at start-up (`infer chat`, the demo's chat).
 CHAT_ENGINE = {"max_batch_size": 1}
+# The demo pair runs on int8 blocks (Q8_0, both sides of the comparison): its bfloat16 steps run eagerly (a tiny model
+# is not compiled) and a 2-layer drafter's step cost ~0.6 ms of Python and dispatch against a 2.6 ms target step, so
+# auto K drafted almost never (the demo printed 0.92-0.95x on the AMD EPYC Zen 4 host, 2026-12-08). On Q8_0 blocks
+# every step is one C++ call (a target step ~0.75 ms, a round of 4 drafts ~0.25 ms): plain decoding ~3.5x faster and
+# speculation 1.1-1.5x over it (docs/benchmarks.md, "The demo pair on int8 blocks").
+PAIR_SETTINGS = {"quantization": "q8_0"}
 CHAT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -207,17 +213,18 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
     target_dir, drafter_dir = demo_model_paths()
     # each prompt is timed twice a side: without the prefix cache, as a user's new prompt runs (the second run would
     # find the first's prompt cached)
-    settings = {"enable_prefix_caching": False, **settings}
+    settings = {"enable_prefix_caching": False, **PAIR_SETTINGS, **settings}
     llm = LLM(target_dir, draft_model=drafter_dir, **settings)
     # its warm-up (compiled steps, then the round's cost profile on a first start) alone on the machine: a profile
     # timed while the plain engine compiled beside it priced a draft step at 365 ms, and auto K never drafted
     llm.engine.wait_until_ready()
-    plain = LLM(target_dir, dtype=llm.dtype, **{k: v for k, v in settings.items()
-                                                 if k in ("device", "compile", "enable_prefix_caching")})
+    same = ("device", "compile", "enable_prefix_caching", "quantization")  # plain decoding on the same weights
+    plain = LLM(target_dir, dtype=llm.dtype, **{k: v for k, v in settings.items() if k in same})
     cfg = llm.config
+    quant = f" on {cfg.quantization.upper()} blocks" if cfg.quantization else ""
     vocab = f"drafter scores {llm.draft_vocab.size} tokens + the prompt's" if llm.draft_vocab else "full vocabulary"
     print(f"infer demo: speculative decoding on the shipped pair ({DEMO_DIR}): proposer {cfg.proposer}, "
-          f"K={cfg.spec_length}, {str(llm.dtype).removeprefix('torch.')}, {vocab}, greedy, CPU threads "
+          f"K={cfg.spec_length}, {str(llm.dtype).removeprefix('torch.')}{quant}, {vocab}, greedy, CPU threads "
           f"{torch.get_num_threads()}", file=out)
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (llm.model, llm.draft_model)]
     print(f"target {sizes[0]:.1f}M parameters, drafter {sizes[1]:.1f}M (a demo trained on the Python stdlib, "
@@ -247,7 +254,8 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
                 times[side].append(time.perf_counter() - t0)
         ar, sp = outs["ar"], outs["spec"]
         rows.append({"module": p["module"], "tokens": len(sp.token_ids),
-                     "ar_tok_s": len(ar.token_ids) / min(times["ar"]), "spec_tok_s": len(sp.token_ids) / min(times["spec"]),
+                     "ar_tok_s": len(ar.token_ids) / min(times["ar"]),
+                     "spec_tok_s": len(sp.token_ids) / min(times["spec"]),
                      "acceptance": sp.acceptance_rate or 0.0, "identical": ar.token_ids == sp.token_ids})
     print(f"{'held-out module':34s} {'tokens':>6s} {'AR tok/s':>9s} {'spec tok/s':>10s} {'speedup':>8s} "
           f"{'accept':>7s}  same output", file=out)
@@ -255,7 +263,8 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
         print(f"{r['module'][:34]:34s} {r['tokens']:6d} {r['ar_tok_s']:9.1f} {r['spec_tok_s']:10.1f} "
               f"{r['spec_tok_s'] / r['ar_tok_s']:7.2f}x {r['acceptance']:7.2f}  {r['identical']}", file=out)
     speedups = sorted(r["spec_tok_s"] / r["ar_tok_s"] for r in rows)
-    print(f"\nmedian speedup {speedups[len(speedups) // 2]:.2f}x over plain decoding at the same dtype; greedy outputs "
-          f"identical with and without speculation: {all(r['identical'] for r in rows)}. Full comparison with "
-          "Hugging Face: benchmarks/single_request.py", file=out)
+    print(f"\nmedian speedup {speedups[len(speedups) // 2]:.2f}x over plain decoding at the same dtype and "
+          f"quantization; greedy outputs identical with and without speculation: "
+          f"{all(r['identical'] for r in rows)}. Full comparison with Hugging Face: benchmarks/single_request.py",
+          file=out)
     return {"rows": rows}
