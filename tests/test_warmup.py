@@ -621,6 +621,34 @@ def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them
     assert eng.free_kv_tokens() == eng.initial_free_kv_tokens  # the scratch slots are freed
 
 
+@needs_kernels
+def test_the_switch_interval_is_short_while_a_warmup_thread_runs(gqa_dir, held_warmup):
+    """The engine gets the GIL back from the warm-up within WARMUP_SWITCH_S, not the interpreter's 5 ms, while the
+    thread runs; the interval before it is back once the thread has ended (here stopped)."""
+    before = sys.getswitchinterval()
+    llm = LLM(gqa_dir, compile=True, max_batch_size=2)
+    held_warmup.wait_entered()
+    assert sys.getswitchinterval() == min(before, warmup.WARMUP_SWITCH_S)
+    stopper = threading.Thread(target=llm.engine.warmup.stop)
+    stopper.start()
+    while not llm.engine.warmup._stop:
+        time.sleep(0.001)
+    held_warmup.release()  # the thread goes on to its stage's first call into infer's code, and stops there
+    stopper.join(60)
+    assert llm.engine.warmup.done.is_set() and sys.getswitchinterval() == before
+
+
+def test_two_warmup_threads_share_the_short_interval():
+    """The interval is the interpreter's: the last of several warm-up threads to end restores it, not the first."""
+    before = sys.getswitchinterval()
+    warmup._fast_switch(True)
+    warmup._fast_switch(True)
+    warmup._fast_switch(False)
+    assert sys.getswitchinterval() == min(before, warmup.WARMUP_SWITCH_S)
+    warmup._fast_switch(False)
+    assert sys.getswitchinterval() == before
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness per thread is Linux's")
 def test_the_warmup_thread_lowers_its_own_priority_only():
     """The warm-up thread runs at WARMUP_NICE (its C++ work would otherwise take the cores from the engine's steps);
