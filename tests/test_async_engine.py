@@ -2,6 +2,9 @@
 refused requests raise before streaming."""
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +110,44 @@ def test_full_queue_is_refused(gqa_dir):
         assert asyncio.run(main()) == 3
     finally:
         eng.shutdown()
+
+
+RELEASE_SCRIPT = """
+import os, threading, torch
+from infer import kernels
+torch.set_num_threads(2)
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+before = tasks()
+x = torch.ones(1 << 22)
+for _ in range(20):
+    x.mul_(1.0)  # parallel regions in this thread: libgomp starts this thread's worker
+with_pool = tasks()
+released = kernels.release_thread_pool()
+print(before, with_pool, released, tasks())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_release_thread_pool_lets_the_callers_openmp_workers_exit():
+    """The builder's OpenMP workers must go (kernels.release_thread_pool): beside the loop thread's own, libgomp manages
+    more threads than cores and each of a step's parallel regions waits for a sleeping worker (a server's lone
+    requests ran at half speed)."""
+    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    before, with_pool, released, after = out.stdout.split()[-4:]
+    assert released == "True", out.stderr[-2000:]
+    assert int(with_pool) > int(before) and int(after) < int(with_pool)
+
+
+def test_the_async_engine_releases_the_builders_openmp_workers(gqa_dir, monkeypatch):
+    """AsyncEngine, built in one thread and stepped in its loop thread, releases the building thread's pool."""
+    import threading
+
+    from infer import kernels
+
+    callers = []
+    monkeypatch.setattr(kernels, "release_thread_pool", lambda: callers.append(threading.current_thread()) or True)
+    eng = AsyncEngine(EngineConfig(model=gqa_dir, max_batch_size=1))
+    eng.shutdown()
+    assert callers == [threading.current_thread()]

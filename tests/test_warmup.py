@@ -622,6 +622,32 @@ def test_run_steps_covers_tree_verifies_ragged_batches_and_a_lone_row_after_them
 
 
 @needs_kernels
+def test_an_idle_server_engine_finishes_the_warmup_before_its_next_request(gqa_dir, monkeypatch):
+    """AsyncEngine (the server's loop) meets the warm-up's end while idle and finishes it there (Engine._finish_warmup:
+    a missing cost profile measured, a stored one checked), so the next request does not (a first start's profile
+    took 3.5 s of SmolLM2's first request). The stages are stubbed and so is the finish (with no graph built, its
+    profile would compile them): what is tested is who finishes the warm-up, and when."""
+    from infer.engine import Engine, EngineConfig
+    from infer.engine.async_engine import AsyncEngine
+
+    monkeypatch.setattr(warmup, "run_steps", lambda *a, **k: None)
+    monkeypatch.setattr(warmup, "run_draft_steps", lambda *a, **k: None)
+    finished = threading.Event()
+
+    def finish(self, w):
+        if w is not None and w.ready and threading.current_thread().name == "infer-engine":
+            finished.set()
+
+    monkeypatch.setattr(Engine, "_finish_warmup", finish)
+    eng = AsyncEngine(EngineConfig(model=gqa_dir, draft_model=gqa_dir, compile=True, max_batch_size=2))
+    try:
+        assert eng.engine.warmup is not None and eng.engine.warmup.wait(300)
+        assert finished.wait(30)  # within a poll of the warm-up's end, no request sent
+    finally:
+        eng.shutdown()
+
+
+@needs_kernels
 def test_the_switch_interval_is_short_while_a_warmup_thread_runs(gqa_dir, held_warmup):
     """The engine gets the GIL back from the warm-up within WARMUP_SWITCH_S, not the interpreter's 5 ms, while the
     thread runs; the interval before it is back once the thread has ended (here stopped)."""

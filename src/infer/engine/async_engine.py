@@ -20,12 +20,19 @@ import threading
 import traceback
 from collections.abc import AsyncIterator
 
+from .. import kernels
 from ..beam import BeamHypothesis, BeamSearchParams, engine_search, sparse_logprobs, step_params
 from ..pooling import PoolingParams
 from ..request import StepOutput
 from ..sampling import SamplingParams
 from .config import EngineConfig
 from .engine import Engine
+
+
+# While the engine's background warm-up runs, an idle loop looks this often whether it has ended, and if so finishes
+# it there (Engine.wait_until_ready: a missing cost profile measured, a stored one checked) rather than in the next
+# request's first step (a first start's profile of SmolLM2 took 3.5 s of its first request: 28 tok/s).
+WARMUP_POLL_S = 0.5
 
 
 class EngineStoppedError(RuntimeError):
@@ -61,6 +68,11 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | Engine):
         self.engine = config if isinstance(config, Engine) else Engine(config)
+        if self.engine.device.type == "cpu":
+            # The engine is built here and stepped by the loop thread: this thread's OpenMP workers would stay
+            # beside the loop thread's, more threads than cores, and every parallel region of a step would wait for
+            # a sleeping worker (a lone request at half speed: kernels.release_thread_pool)
+            kernels.release_thread_pool()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -219,6 +231,7 @@ class AsyncEngine:
                 self._streams.pop(cmd[1], None)
 
     def _loop(self) -> None:
+        warming = self.engine.warmup is not None  # until the warm-up is finished (here while idle, else in a step)
         try:
             while not self._stopped:
                 while True:
@@ -227,7 +240,8 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if not self.engine.has_unfinished:
-                    self._wake.wait()
+                    warming = warming and not self.engine.wait_until_ready(timeout=0)
+                    self._wake.wait(WARMUP_POLL_S if warming else None)
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
