@@ -5,7 +5,7 @@
 SmolLM2 as `infer chat` runs it (its defaults, one KV slot: no warm-up), one request at a time, greedy, each held-out
 prompt (chat and code alternating) once per variant, the variants' order rotating by prompt:
   library         ``LLM.generate`` in the thread that built the engine
-  async, pool kept     the same engine stepped by ``AsyncEngine``'s loop thread while the building thread's OpenMP
+  async, pool kept     a second such engine stepped by ``AsyncEngine``'s loop thread while the building thread's OpenMP
                   workers live (they do after any parallel region there: the library's run just before)
   async, released the same, the building thread's pool released first (``kernels.release_thread_pool``: what
                   AsyncEngine's constructor does since 2026-12-08)
@@ -63,7 +63,10 @@ def run(n_prompts: int, max_tokens: int) -> dict:
                                "--max-batch-size", "1"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         llm = LLM("smollm2", **CHAT_ENGINE)
-        engine = AsyncEngine(llm.engine)
+        # a second engine for the loop thread: an Engine is stepped by one thread only (the loop thread, idle after
+        # a request, may step one again while another thread's request is in it)
+        looped = LLM("smollm2", **CHAT_ENGINE)
+        engine = AsyncEngine(looped.engine)
         tok, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=max_tokens)
         for _ in range(600):
             try:
@@ -100,6 +103,7 @@ def run(n_prompts: int, max_tokens: int) -> dict:
             order = VARIANTS[i % 4:] + VARIANTS[:i % 4]
             for v in order:
                 llm.engine.decoder.proposer.clear()
+                looped.engine.decoder.proposer.clear()
                 if v == "library":
                     n, s = library(ids)
                 elif v == "HTTP server":
