@@ -224,8 +224,8 @@ def release_thread_pool() -> bool:
     AsyncEngine ran at 82-156 tok/s against 181-365 stepped where it was built, and at 238-408 once the builder's
     pool was released (AMD EPYC Zen 4, 2 cores)."""
     omp = _libgomp()
-    if omp is None or not hasattr(omp, "omp_pause_resource"):
-        return False
+    if omp is None or not all(hasattr(omp, f) for f in ("omp_pause_resource", "omp_get_initial_device")):
+        return False  # an OpenMP runtime before 5.0
     return omp.omp_pause_resource(1, omp.omp_get_initial_device()) == 0  # 1: omp_pause_soft
 
 
