@@ -44,6 +44,7 @@ def test_run_demo_smoke():
     text = out.getvalue()
     # what the defaults resolve to: both sides of the comparison on the pair's int8 blocks (demo.PAIR_SETTINGS)
     assert "proposer draft, K=auto, bfloat16 on Q8_0 blocks, drafter scores 2048 tokens" in text
+    assert "target 23.1M parameters, drafter 1.4M" in text  # the checkpoints', not the packed blocks' buffers
     # the round-by-round view is asserted at a pinned K (the next test): auto K may price every one of these 16 tokens
     # at k = 0 where the demo pair's speculation is near break-even (0.98-1.1x), as it did once in a full suite run
     assert "median speedup" in text

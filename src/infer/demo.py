@@ -208,6 +208,7 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
     from .llm import LLM
     from .sampling import SamplingParams
     from .spec_decode.debug import RoundPrinter
+    from .testing import param_count
 
     t_start = time.perf_counter()
     target_dir, drafter_dir = demo_model_paths()
@@ -226,7 +227,9 @@ def run_pair_demo(max_tokens: int = 128, num_prompts: int = 3, out=None, **setti
     print(f"infer demo: speculative decoding on the shipped pair ({DEMO_DIR}): proposer {cfg.proposer}, "
           f"K={cfg.spec_length}, {str(llm.dtype).removeprefix('torch.')}{quant}, {vocab}, greedy, CPU threads "
           f"{torch.get_num_threads()}", file=out)
-    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (llm.model, llm.draft_model)]
+    # the checkpoints' counts: a model on quantized blocks keeps its weights as packed buffers, not parameters (its
+    # parameters() counted 4.2M and 1.0M on Q8_0)
+    sizes = [param_count(d) / 1e6 for d in (target_dir, drafter_dir)]
     print(f"target {sizes[0]:.1f}M parameters, drafter {sizes[1]:.1f}M (a demo trained on the Python stdlib, "
           "not a language model)", file=out)
     prompts = demo_prompts()[:num_prompts]
