@@ -4,7 +4,7 @@
 
 SmolLM2 as `infer chat` runs it (its defaults, one KV slot: no warm-up), one request at a time, greedy, each held-out
 prompt (chat and code alternating) once per variant, the variants' order rotating by prompt:
-  library         ``LLM.generate`` in the thread that built the engine
+  library         ``LLM.stream`` in the thread that built the engine
   async, pool kept     a second such engine stepped by ``AsyncEngine``'s loop thread while the building thread's OpenMP
                   workers live (they do after any parallel region there: the library's run just before)
   async, released the same, the building thread's pool released first (``kernels.release_thread_pool``: what
@@ -13,7 +13,8 @@ prompt (chat and code alternating) once per variant, the variants' order rotatin
                   chat completions
 The suffix tree is emptied before each in-process generation; the server's is not (each prompt is new to it). After
 each loop-thread run the loop thread's pool is released too, so the library's runs have no second pool beside them.
-Decode tok/s from the first token to the last; per variant the median over prompts of its speed over the library's
+Decode tok/s from the first output to the last (the server's: from its first chunk with a "content" key, the
+role chunk's empty one included, one chunk more over a slightly longer span); per variant the median over prompts of its speed over the library's
 on the same prompt. Writes benchmarks/results/serve_thread.json and the "serve-thread" section of docs/benchmarks.md.
 """
 
